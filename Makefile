@@ -1,0 +1,29 @@
+# Two entry points, both self-contained on a fresh clone:
+#   make demo   set up .venv, then start a 3-node mesh on loopback
+#   make test   set up .venv with the test extra, then lint and run the tests
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+$(STAMP): pyproject.toml $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python scripts/demo_mesh.py --nodes 3
+
+lint: $(STAMP)
+	$(BIN)/ruff check meshd tests scripts
+
+test: $(STAMP) lint
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

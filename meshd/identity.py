@@ -1,0 +1,99 @@
+"""Node identity: an ed25519 key per node. The NodeId is the public key.
+
+Logs name peers by the 8-hex prefix of their id; the boot line ties each
+prefix to a stage.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+PREFIX_HEX = 8
+
+
+class IdentityError(Exception):
+    """The key file cannot be used; the message says why and where."""
+
+
+def prefix(node_id: bytes) -> str:
+    return node_id.hex()[:PREFIX_HEX]
+
+
+@dataclass(frozen=True)
+class Identity:
+    private_key: Ed25519PrivateKey
+
+    @property
+    def node_id(self) -> bytes:
+        return self.private_key.public_key().public_bytes(
+            serialization.Encoding.Raw, serialization.PublicFormat.Raw
+        )
+
+    @property
+    def prefix(self) -> str:
+        return prefix(self.node_id)
+
+    def sign(self, data: bytes) -> bytes:
+        return self.private_key.sign(data)
+
+    @classmethod
+    def generate(cls) -> Identity:
+        return cls(Ed25519PrivateKey.generate())
+
+    def to_pem(self) -> bytes:
+        return self.private_key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+
+
+def verify(node_id: bytes, signature: bytes, data: bytes) -> bool:
+    """True if ``signature`` over ``data`` was made by the key behind ``node_id``."""
+    try:
+        Ed25519PublicKey.from_public_bytes(node_id).verify(signature, data)
+    except (InvalidSignature, ValueError):
+        return False
+    return True
+
+
+def load_or_create(path: str | os.PathLike) -> Identity:
+    """Load the node key at ``path``, creating it (mode 0600) if it is missing."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return _create(path)
+    except OSError as exc:
+        raise IdentityError(f"cannot read key file {path}: {exc.strerror}") from exc
+    try:
+        key = serialization.load_pem_private_key(data, password=None)
+    except (ValueError, TypeError) as exc:
+        raise IdentityError(
+            f"key file {path} is not an unencrypted PEM ed25519 private key; "
+            "move it away to create a new identity"
+        ) from exc
+    if not isinstance(key, Ed25519PrivateKey):
+        raise IdentityError(f"key file {path} holds a {type(key).__name__}, not an ed25519 key")
+    return Identity(key)
+
+
+def _create(path: Path) -> Identity:
+    identity = Identity.generate()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # O_EXCL: never clobber a key another process wrote in the meantime.
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return load_or_create(path)
+    except OSError as exc:
+        raise IdentityError(f"cannot create key file {path}: {exc.strerror}") from exc
+    with os.fdopen(fd, "wb") as f:
+        f.write(identity.to_pem())
+    return identity

@@ -1,0 +1,55 @@
+"""The piggyback queue: facts to gossip, fewest-transmitted first.
+
+Like memberlist's TransmitLimitedQueue: a newer fact about a node (or a name)
+replaces the older one still queued, and each fact is dropped after
+``retransmit_limit`` transmissions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..wire import Message, encoded_size
+
+
+@dataclass(order=True)
+class _Item:
+    transmits: int
+    neg_order: int  # newer first among equals
+    key: object = field(compare=False)
+    msg: Message = field(compare=False)
+    size: int = field(compare=False)
+
+
+class BroadcastQueue:
+    def __init__(self) -> None:
+        self._items: dict[object, _Item] = {}
+        self._order = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def queue(self, key: object, msg: Message) -> None:
+        """Queue ``msg``; it replaces any queued fact with the same key."""
+        self._order += 1
+        self._items[key] = _Item(0, -self._order, key, msg, encoded_size(msg))
+
+    def take(self, budget: int, limit: int) -> list[Message]:
+        """Messages that fit in ``budget`` bytes, fewest-transmitted first."""
+        if not self._items or budget <= 0:
+            return []
+        out = []
+        for item in sorted(self._items.values()):
+            if item.size > budget:
+                continue
+            budget -= item.size
+            out.append(item.msg)
+            item.transmits += 1
+            if item.transmits >= limit:
+                del self._items[item.key]
+            if budget < 16:
+                break
+        return out
+
+    def drop(self, key: object) -> None:
+        self._items.pop(key, None)

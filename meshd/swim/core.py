@@ -1,0 +1,624 @@
+"""SWIM + Lifeguard membership as a sans-IO state machine.
+
+No sockets, no clock, no global randomness: the driver passes ``now`` and a
+seeded ``random.Random`` in, feeds received datagrams to
+:meth:`Swim.receive_datagram`, sleeps until :meth:`Swim.next_deadline`, calls
+:meth:`Swim.tick`, and sends what :meth:`Swim.outbox` returns.  The same
+object runs in the trio node, in the in-memory test network and in the
+thousand-node simulator.
+
+The protocol follows memberlist: randomized round-robin probing, ping-req
+through ``indirect_checks`` helpers with Lifeguard nacks, a local health
+multiplier, suspicion that shrinks with independent confirmations, the buddy
+system, incarnation refutation, piggybacked dissemination, push-pull sync and
+graceful leave.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import dataclass, replace
+
+from ..identity import prefix
+from ..wire import (
+    MAX_PACKET_BYTES,
+    MAX_STREAM_BYTES,
+    PACKET_OVERHEAD,
+    Ack,
+    Alive,
+    Dead,
+    MemberState,
+    Message,
+    Meta,
+    Nack,
+    NameClaim,
+    Packet,
+    Ping,
+    PingReq,
+    PushPull,
+    Suspect,
+    UnsupportedVersion,
+    WireError,
+    decode,
+    encoded_size,
+)
+from .awareness import Awareness
+from .broadcast import BroadcastQueue
+from .config import Config
+from .registry import Registry
+from .state import Event, EventKind, Member, Outgoing, State
+from .suspicion import Suspicion
+
+INF = float("inf")
+
+
+@dataclass(slots=True)
+class _Probe:
+    """Our probe of one member in the current protocol period."""
+
+    target: bytes
+    seq: int
+    sent_at: float
+    timeout_at: float  # direct ping deadline; then ping-req
+    end_at: float  # end of the period; no ack by then means suspect
+    indirect_sent: bool = False
+    expected_nacks: int = 0
+    nacks: int = 0
+
+
+@dataclass(slots=True)
+class _Relay:
+    """A ping we send on behalf of a ping-req; its ack goes back to the requester."""
+
+    requester: bytes
+    requester_addr: str
+    their_seq: int
+    nack_at: float  # INF when no nack was asked for
+    expire_at: float
+
+
+class Swim:
+    def __init__(
+        self,
+        node_id: bytes,
+        addr: str,
+        meta: Meta,
+        config: Config,
+        rng: random.Random,
+        now: float,
+    ) -> None:
+        self.id = node_id
+        self.config = config
+        self.rng = rng
+        self.incarnation = 0
+        me = Member(node_id, addr, meta, 0, State.ALIVE, now, last_seen=now)
+        self.members: dict[bytes, Member] = {node_id: me}
+        self.registry = Registry()
+        self.awareness = Awareness(config.awareness_max_multiplier)
+        self.broadcasts = BroadcastQueue()
+        self.counters: Counter[str] = Counter()
+        self.leaving = False
+
+        self._live: list[bytes] = []  # other members alive or suspect, for random picks
+        self._live_index: dict[bytes, int] = {}
+        self._recent_dead: dict[bytes, float] = {}  # node -> when it died or left
+        self._probe_list: list[bytes] = []
+        self._probe_pos = 0
+        self._probe: _Probe | None = None
+        self._relays: dict[int, _Relay] = {}
+        self._suspicions: dict[bytes, Suspicion] = {}
+        self._my_names: set[str] = set()
+        self._seq = rng.randrange(1 << 31)
+        self._out: list[Outgoing] = []
+        self._events: list[Event] = []
+        self._seeds: tuple[str, ...] = ()
+
+        # Stagger the first timers so nodes started together do not tick in step.
+        self._next_probe = now + rng.uniform(0, config.probe_interval)
+        self._next_gossip = now + rng.uniform(0, config.gossip_interval)
+        self._next_push_pull = now + rng.uniform(0, config.push_pull_interval)
+        self._next_join = INF
+        self.broadcasts.queue(node_id, self._alive_self())
+
+    # ------------------------------------------------------------------ views
+
+    @property
+    def me(self) -> Member:
+        return self.members[self.id]
+
+    def live_count(self) -> int:
+        """Members alive or suspect, ourselves included."""
+        return len(self._live) + 1
+
+    def member_by_name(self, name: str) -> Member | None:
+        for m in self.members.values():
+            if m.meta.name == name and m.state.live:
+                return m
+        return None
+
+    def resolve(self, name: str) -> bytes | None:
+        """The live owner of a registered name, or None."""
+        owner = self.registry.owner(name)
+        if owner is None:
+            return None
+        member = self.members.get(owner)
+        return owner if member is not None and member.state.live else None
+
+    def suspicion_deadline(self, node: bytes) -> float | None:
+        s = self._suspicions.get(node)
+        return s.deadline if s else None
+
+    # -------------------------------------------------------------- commands
+
+    def join(self, seeds: list[str] | tuple[str, ...], now: float) -> None:
+        """Push-pull with each seed; retried until one of them answers."""
+        self._seeds = tuple(s for s in seeds if s != self.me.addr)
+        if self._seeds:
+            self._send_join(now)
+
+    def set_meta(self, meta: Meta, now: float) -> None:
+        """Change our metadata; a new incarnation carries it to everyone."""
+        me = self.me
+        me.meta = replace(meta, generation=me.meta.generation + 1)
+        self.incarnation += 1
+        me.incarnation = self.incarnation
+        self.broadcasts.queue(self.id, self._alive_self())
+        self._emit(EventKind.UPDATE, self.id, now)
+
+    def register_name(self, name: str, now: float) -> None:
+        claim = self.registry.claim(name, self.id)
+        self._my_names.add(name)
+        self.broadcasts.queue(("name", name), claim)
+        self._emit(EventKind.NAME, self.id, now, name=name)
+
+    def leave(self, now: float) -> None:
+        """Announce a graceful leave to every live member (and by gossip)."""
+        if self.leaving:
+            return
+        self.leaving = True
+        self._probe = None
+        me = self.me
+        me.state = State.LEFT
+        me.state_change = now
+        msg = Dead(self.incarnation, self.id, self.id)
+        self.broadcasts.queue(self.id, msg)
+        for node in list(self._live)[:64]:
+            m = self.members[node]
+            self._send(m.addr, node, [msg])
+
+    # ------------------------------------------------------------- receiving
+
+    def receive_datagram(self, data: bytes, addr: str, now: float, stream: bool = False) -> None:
+        """The receive boundary: bad bytes become a counter, never an exception.
+
+        ``stream`` marks bytes that came over a reliable stream, where a full
+        push-pull state may exceed a datagram.
+        """
+        try:
+            packet = decode(data, MAX_STREAM_BYTES if stream else MAX_PACKET_BYTES)
+        except UnsupportedVersion:
+            self.counters["rx_refused_newer_version"] += 1
+            return
+        except WireError:
+            self.counters["rx_bad_packet"] += 1
+            return
+        self.counters["rx_bytes"] += len(data)
+        self.receive(packet, addr, now)
+
+    def receive(self, packet: Packet, addr: str, now: float) -> None:
+        sender = packet.sender
+        if sender == self.id:
+            return
+        self.counters["rx_packets"] += 1
+        m = self.members.get(sender)
+        if m is not None:
+            m.last_seen = now
+        for msg in packet.messages:
+            handler = self._handlers.get(type(msg))
+            if handler is not None:
+                handler(self, msg, sender, addr, now)
+
+    def _handle_ping(self, msg: Ping, sender: bytes, addr: str, now: float) -> None:
+        if msg.target != self.id:
+            # A stale address now used by someone else; acking would lie.
+            self.counters["rx_ping_for_other"] += 1
+            return
+        self._send(addr, sender, [Ack(msg.seq)])
+
+    def _handle_ping_req(self, msg: PingReq, sender: bytes, addr: str, now: float) -> None:
+        if msg.target == self.id:
+            self._send(addr, sender, [Ack(msg.seq)])
+            return
+        seq = self._next_seq()
+        cfg = self.config
+        nack_at = now + cfg.probe_timeout * 0.8 if msg.nack else INF
+        self._relays[seq] = _Relay(sender, addr, msg.seq, nack_at, now + cfg.probe_interval)
+        self.counters["tx_relayed_pings"] += 1
+        self._send(msg.target_addr, msg.target, [Ping(seq, msg.target)])
+
+    def _handle_ack(self, msg: Ack, sender: bytes, addr: str, now: float) -> None:
+        probe = self._probe
+        if probe is not None and msg.seq == probe.seq:
+            self.counters["acks"] += 1
+            target = self.members.get(probe.target)
+            if target is not None and sender == probe.target:
+                target.rtt = now - probe.sent_at
+            if not probe.indirect_sent:
+                self.awareness.apply_delta(-1)
+            self._probe = None
+            return
+        relay = self._relays.pop(msg.seq, None)
+        if relay is not None:
+            self._send(relay.requester_addr, relay.requester, [Ack(relay.their_seq)])
+
+    def _handle_nack(self, msg: Nack, sender: bytes, addr: str, now: float) -> None:
+        probe = self._probe
+        if probe is not None and msg.seq == probe.seq:
+            probe.nacks += 1
+
+    def _handle_alive(self, msg: Alive, sender: bytes, addr: str, now: float) -> None:
+        self._on_alive(msg, now)
+
+    def _handle_suspect(self, msg: Suspect, sender: bytes, addr: str, now: float) -> None:
+        self._on_suspect(msg, now)
+
+    def _handle_dead(self, msg: Dead, sender: bytes, addr: str, now: float) -> None:
+        self._on_dead(msg, now)
+
+    def _handle_name(self, msg: NameClaim, sender: bytes, addr: str, now: float) -> None:
+        self._on_name(msg, now)
+
+    def _handle_push_pull(self, msg: PushPull, sender: bytes, addr: str, now: float) -> None:
+        self.counters["rx_push_pull"] += 1
+        if msg.reply:
+            self._out.append(Outgoing(addr, sender, self._packet([self._push_pull(False, False)]), True))
+        for ms in msg.members:
+            if ms.state == State.ALIVE:
+                self._on_alive(Alive(ms.incarnation, ms.node, ms.addr, ms.meta), now)
+            elif ms.state == State.LEFT:
+                self._on_dead(Dead(ms.incarnation, ms.node, ms.node), now)
+            else:
+                # Dead is only a suspicion until we see it ourselves: it may refute.
+                self._on_alive(Alive(ms.incarnation, ms.node, ms.addr, ms.meta), now, learn_only=True)
+                self._on_suspect(Suspect(ms.incarnation, ms.node, sender), now)
+        for claim in msg.names:
+            self._on_name(claim, now)
+        if self.live_count() > 1:
+            self._next_join = INF
+
+    _handlers = {
+        Ping: _handle_ping,
+        PingReq: _handle_ping_req,
+        Ack: _handle_ack,
+        Nack: _handle_nack,
+        Alive: _handle_alive,
+        Suspect: _handle_suspect,
+        Dead: _handle_dead,
+        NameClaim: _handle_name,
+        PushPull: _handle_push_pull,
+    }
+
+    # -------------------------------------------------------- state changes
+
+    def _on_alive(self, msg: Alive, now: float, learn_only: bool = False) -> None:
+        if msg.node == self.id:
+            if msg.incarnation >= self.incarnation and not self.leaving and (
+                msg.incarnation > self.incarnation or msg.meta != self.me.meta or msg.addr != self.me.addr
+            ):
+                self._refute(msg.incarnation, now)
+            return
+        m = self.members.get(msg.node)
+        if m is None:
+            state = State.ALIVE
+            m = Member(msg.node, msg.addr, msg.meta, msg.incarnation, state, now)
+            self.members[msg.node] = m
+            self._set_live(m, True)
+            # A newcomer goes to a random place in the probe order (memberlist).
+            self._probe_list.insert(self.rng.randint(0, len(self._probe_list)), msg.node)
+            self.broadcasts.queue(msg.node, msg)
+            self._emit(EventKind.JOIN, msg.node, now)
+            return
+        if learn_only or msg.incarnation <= m.incarnation:
+            return
+        self._suspicions.pop(msg.node, None)
+        old = m.state
+        meta_changed = m.meta != msg.meta or m.addr != msg.addr
+        m.incarnation, m.addr, m.meta = msg.incarnation, msg.addr, msg.meta
+        if old is not State.ALIVE:
+            m.state, m.state_change = State.ALIVE, now
+        self._set_live(m, True)
+        self.broadcasts.queue(msg.node, msg)
+        if old in (State.DEAD, State.LEFT):
+            if msg.node not in self._probe_list:
+                self._probe_list.insert(self.rng.randint(0, len(self._probe_list)), msg.node)
+            self._emit(EventKind.JOIN, msg.node, now)
+        elif old is State.SUSPECT:
+            self._emit(EventKind.ALIVE, msg.node, now)
+        elif meta_changed:
+            self._emit(EventKind.UPDATE, msg.node, now)
+
+    def _on_suspect(self, msg: Suspect, now: float) -> None:
+        m = self.members.get(msg.node)
+        if m is None or msg.incarnation < m.incarnation:
+            return  # unknown or stale
+        if msg.node == self.id:
+            if not self.leaving:
+                self._refute(msg.incarnation, now)
+            return
+        if m.state is State.SUSPECT:
+            s = self._suspicions.get(msg.node)
+            if s is not None and s.confirm(msg.sender):
+                self.broadcasts.queue(msg.node, msg)  # spread the confirmation
+            return
+        if m.state is not State.ALIVE:
+            return
+        m.incarnation, m.state, m.state_change = msg.incarnation, State.SUSPECT, now
+        self.broadcasts.queue(msg.node, msg)
+        self.counters["suspicions"] += 1
+        cfg = self.config
+        n = self.live_count()
+        k = cfg.suspicion_mult - 2
+        if n - 2 < k:
+            k = 0  # too few members to expect confirmations
+        low, high = cfg.suspicion_bounds(n)
+        self._suspicions[msg.node] = Suspicion(msg.sender, k, low, high, now)
+        self._emit(EventKind.SUSPECT, msg.node, now, by=prefix(msg.sender))
+
+    def _on_dead(self, msg: Dead, now: float) -> None:
+        m = self.members.get(msg.node)
+        if m is None or msg.incarnation < m.incarnation or m.state in (State.DEAD, State.LEFT):
+            return
+        if msg.node == self.id:
+            if not self.leaving:
+                self._refute(msg.incarnation, now)
+            return
+        self._suspicions.pop(msg.node, None)
+        left = msg.sender == msg.node
+        m.incarnation, m.state_change = msg.incarnation, now
+        m.state = State.LEFT if left else State.DEAD
+        self._set_live(m, False)
+        self.broadcasts.queue(msg.node, msg)
+        for tomb in self.registry.tombstone_owner(msg.node):
+            self._emit(EventKind.NAME, msg.node, now, name=tomb.name, tombstone=True)
+        self._emit(EventKind.LEFT if left else EventKind.DEAD, msg.node, now, by=prefix(msg.sender))
+
+    def _on_name(self, claim: NameClaim, now: float) -> None:
+        if not self.registry.merge(claim):
+            return
+        self.broadcasts.queue(("name", claim.name), claim)
+        self._emit(EventKind.NAME, claim.owner, now, name=claim.name, tombstone=claim.tombstone)
+        if claim.name in self._my_names:
+            if claim.owner == self.id and claim.tombstone and not self.leaving:
+                # Someone buried us while we live: reclaim, as a refute does.
+                self.register_name(claim.name, now)
+            elif claim.owner != self.id:
+                self._my_names.discard(claim.name)  # a newer owner won
+
+    def _refute(self, accused: int, now: float) -> None:
+        self.incarnation = max(self.incarnation, accused) + 1
+        self.me.incarnation = self.incarnation
+        self.awareness.apply_delta(1)
+        self.counters["refutes"] += 1
+        self.broadcasts.queue(self.id, self._alive_self())
+
+    # ----------------------------------------------------------------- time
+
+    def next_deadline(self) -> float:
+        """The earliest time :meth:`tick` has work to do."""
+        if self.leaving:
+            return self._next_gossip
+        t = min(self._next_gossip, self._next_push_pull, self._next_join)
+        probe = self._probe
+        if probe is None:
+            t = min(t, self._next_probe)
+        else:
+            t = min(t, probe.end_at if probe.indirect_sent else probe.timeout_at)
+        for s in self._suspicions.values():
+            if s.deadline < t:
+                t = s.deadline
+        for r in self._relays.values():
+            t = min(t, r.nack_at, r.expire_at)
+        return t
+
+    def tick(self, now: float) -> None:
+        if self.leaving:
+            if now >= self._next_gossip:
+                self._gossip(now)
+            return
+        probe = self._probe
+        if probe is not None and not probe.indirect_sent and now >= probe.timeout_at:
+            self._send_ping_reqs(probe, now)
+        if probe is not None and now >= probe.end_at:
+            self._probe_failed(probe, now)
+        if self._probe is None and now >= self._next_probe:
+            self._start_probe(now)
+        if now >= self._next_gossip:
+            self._gossip(now)
+        if now >= self._next_push_pull:
+            self._periodic_push_pull(now)
+        if now >= self._next_join:
+            self._send_join(now)
+        for node, s in list(self._suspicions.items()):
+            if now >= s.deadline:
+                del self._suspicions[node]
+                m = self.members[node]
+                if m.state is State.SUSPECT:
+                    self.counters["declared_dead"] += 1
+                    self._on_dead(Dead(m.incarnation, node, self.id), now)
+        for seq, r in list(self._relays.items()):
+            if now >= r.nack_at:
+                self._send(r.requester_addr, r.requester, [Nack(r.their_seq)])
+                del self._relays[seq]
+            elif now >= r.expire_at:
+                del self._relays[seq]
+
+    def _start_probe(self, now: float) -> None:
+        cfg = self.config
+        interval = self.awareness.scale(cfg.probe_interval)
+        self._next_probe = now + interval
+        target = self._next_probe_target()
+        if target is None:
+            return
+        m = self.members[target]
+        seq = self._next_seq()
+        timeout = self.awareness.scale(cfg.probe_timeout)
+        self._probe = _Probe(target, seq, now, now + timeout, now + interval)
+        msgs: list[Message] = [Ping(seq, target)]
+        if m.state is State.SUSPECT:
+            # Buddy system: tell the suspect directly, so it can refute at once.
+            msgs.append(Suspect(m.incarnation, target, self.id))
+        self.counters["probes"] += 1
+        self._send(m.addr, target, msgs)
+
+    def _next_probe_target(self) -> bytes | None:
+        for _ in range(2):
+            while self._probe_pos < len(self._probe_list):
+                node = self._probe_list[self._probe_pos]
+                self._probe_pos += 1
+                m = self.members.get(node)
+                if m is not None and m.state.live:
+                    return node
+            # A full round: drop the dead, reshuffle (randomized round-robin).
+            self._probe_list = [n for n in self._probe_list if self.members[n].state.live]
+            self.rng.shuffle(self._probe_list)
+            self._probe_pos = 0
+            if not self._probe_list:
+                return None
+        return None
+
+    def _send_ping_reqs(self, probe: _Probe, now: float) -> None:
+        probe.indirect_sent = True
+        target = self.members[probe.target]
+        helpers = self._random_members(self.config.indirect_checks, exclude=probe.target)
+        for node in helpers:
+            helper = self.members[node]
+            self._send(helper.addr, node, [PingReq(probe.seq, probe.target, target.addr, True)])
+        probe.expected_nacks = len(helpers)
+        self.counters["ping_reqs"] += len(helpers)
+
+    def _probe_failed(self, probe: _Probe, now: float) -> None:
+        self._probe = None
+        if not probe.indirect_sent:
+            self._send_ping_reqs(probe, now)
+        # Lifeguard: missing nacks mean our own links are the likely problem.
+        if probe.expected_nacks > 0:
+            self.awareness.apply_delta(probe.expected_nacks - probe.nacks)
+        else:
+            self.awareness.apply_delta(1)
+        self.counters["probe_failures"] += 1
+        m = self.members.get(probe.target)
+        if m is not None and m.state is State.ALIVE:
+            self._on_suspect(Suspect(m.incarnation, probe.target, self.id), now)
+
+    def _gossip(self, now: float) -> None:
+        cfg = self.config
+        self._next_gossip = max(self._next_gossip + cfg.gossip_interval, now)
+        if not len(self.broadcasts):
+            return
+        for node in self._random_members(cfg.gossip_nodes, gossip_at=now):
+            msgs = self._take_broadcasts(cfg.gossip_budget)
+            if not msgs:
+                break
+            m = self.members[node]
+            self._out.append(Outgoing(m.addr, node, self._packet(msgs)))
+            self.counters["tx_packets"] += 1
+
+    def _periodic_push_pull(self, now: float) -> None:
+        cfg = self.config
+        self._next_push_pull = now + cfg.push_pull_interval_for(self.live_count())
+        picks = self._random_members(1)
+        if picks:
+            m = self.members[picks[0]]
+            self._out.append(Outgoing(m.addr, m.id, self._packet([self._push_pull(False, True)]), True))
+            self.counters["tx_push_pull"] += 1
+
+    def _send_join(self, now: float) -> None:
+        self._next_join = now + self.config.join_retry_interval
+        packet = self._packet([self._push_pull(True, True)])
+        for addr in self._seeds:
+            self._out.append(Outgoing(addr, None, packet, True))
+            self.counters["tx_join"] += 1
+
+    # -------------------------------------------------------------- sending
+
+    def outbox(self) -> list[Outgoing]:
+        out, self._out = self._out, []
+        return out
+
+    def events(self) -> list[Event]:
+        out, self._events = self._events, []
+        return out
+
+    def _send(self, addr: str, node: bytes | None, msgs: list[Message]) -> None:
+        budget = self.config.gossip_budget - PACKET_OVERHEAD - sum(encoded_size(m) for m in msgs)
+        msgs = msgs + self._take_broadcasts(budget)
+        self._out.append(Outgoing(addr, node, self._packet(msgs)))
+        self.counters["tx_packets"] += 1
+
+    def _take_broadcasts(self, budget: int) -> list[Message]:
+        return self.broadcasts.take(budget, self.config.retransmit_limit(self.live_count()))
+
+    def _packet(self, msgs: list[Message]) -> Packet:
+        return Packet(sender=self.id, messages=tuple(msgs))
+
+    def _push_pull(self, join: bool, reply: bool) -> PushPull:
+        members = tuple(
+            MemberState(m.id, m.addr, m.incarnation, int(m.state), m.meta) for m in self.members.values()
+        )
+        return PushPull(join, reply, members, tuple(self.registry.claims.values()))
+
+    def _alive_self(self) -> Alive:
+        me = self.me
+        return Alive(self.incarnation, self.id, me.addr, me.meta)
+
+    def _next_seq(self) -> int:
+        self._seq = (self._seq + 1) & 0xFFFFFFFF
+        return self._seq
+
+    def _emit(self, kind: EventKind, node: bytes | None, now: float, **detail) -> None:
+        self._events.append(Event(kind, node, now, detail))
+
+    # --------------------------------------------------------- random picks
+
+    def _set_live(self, m: Member, live: bool) -> None:
+        if live:
+            self._recent_dead.pop(m.id, None)
+        else:
+            self._recent_dead[m.id] = m.state_change
+        idx = self._live_index.get(m.id)
+        if live and idx is None:
+            self._live_index[m.id] = len(self._live)
+            self._live.append(m.id)
+        elif not live and idx is not None:
+            last = self._live.pop()
+            if last != m.id:
+                self._live[idx] = last
+                self._live_index[last] = idx
+            del self._live_index[m.id]
+
+    def _random_members(
+        self, k: int, exclude: bytes | None = None, gossip_at: float | None = None
+    ) -> list[bytes]:
+        """Up to ``k`` distinct random live members; with ``gossip_at``, the recently dead too."""
+        pool = self._live
+        if gossip_at is not None and self._recent_dead:
+            # Keep telling the recently dead: a live node wrongly declared can refute.
+            horizon = gossip_at - self.config.gossip_to_the_dead_time
+            for node, since in list(self._recent_dead.items()):
+                if since < horizon:
+                    del self._recent_dead[node]
+            pool = pool + list(self._recent_dead)
+        n = len(pool)
+        if n == 0 or k <= 0:
+            return []
+        if n <= 3 * k:
+            picks = [p for p in pool if p != exclude]
+            self.rng.shuffle(picks)
+            return picks[:k]
+        chosen: list[bytes] = []
+        while len(chosen) < k:
+            p = pool[self.rng.randrange(n)]
+            if p != exclude and p not in chosen:
+                chosen.append(p)
+        return chosen

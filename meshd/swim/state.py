@@ -1,0 +1,72 @@
+"""What the core knows about one member, and what it hands back to its driver."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from ..identity import prefix
+from ..wire import STATE_ALIVE, STATE_DEAD, STATE_LEFT, STATE_SUSPECT, Meta, Packet
+
+
+class State(enum.IntEnum):
+    ALIVE = STATE_ALIVE
+    SUSPECT = STATE_SUSPECT
+    DEAD = STATE_DEAD
+    LEFT = STATE_LEFT
+
+    @property
+    def live(self) -> bool:
+        return self in (State.ALIVE, State.SUSPECT)
+
+
+@dataclass(slots=True)
+class Member:
+    id: bytes
+    addr: str
+    meta: Meta
+    incarnation: int
+    state: State
+    state_change: float
+    last_seen: float | None = None  # any packet from it
+    rtt: float | None = None  # last direct probe round trip
+
+    @property
+    def prefix(self) -> str:
+        return prefix(self.id)
+
+    @property
+    def name(self) -> str:
+        return self.meta.name
+
+
+@dataclass(frozen=True, slots=True)
+class Outgoing:
+    """A packet for the driver to send: to ``addr``, which is ``node`` if known."""
+
+    addr: str
+    node: bytes | None
+    packet: Packet
+    reliable: bool = False  # push-pull: a stream would suit it better than a datagram
+
+
+class EventKind(enum.Enum):
+    JOIN = "join"
+    UPDATE = "update"
+    SUSPECT = "suspect"
+    ALIVE = "alive"  # a suspicion was cleared
+    DEAD = "dead"
+    LEFT = "left"
+    NAME = "name"  # the registry changed
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    kind: EventKind
+    node: bytes | None
+    at: float
+    detail: dict = field(default_factory=dict)
+
+    @property
+    def membership(self) -> bool:
+        return self.kind is not EventKind.NAME

@@ -1,0 +1,229 @@
+"""A deterministic in-memory network for the sans-IO SWIM core.
+
+Discrete events on a virtual clock: packets are delivered after a seeded
+delay, lost with a per-direction probability, dropped one way, or
+duplicated; nodes crash and restart.  The same seed gives the same run,
+packet for packet.  Tests, the lossy-network checks and ``meshd sim`` drive
+the real :class:`meshd.swim.Swim` through it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+
+from ..identity import prefix
+from ..swim import Config, Event, EventKind, State, Swim
+from ..wire import MAX_PACKET_BYTES, MAX_STREAM_BYTES, Meta, WireError, encode
+
+
+@dataclass
+class LinkFault:
+    """What happens to packets on one direction of one link."""
+
+    loss: float = 0.0  # probability a packet is lost
+    drop: bool = False  # every packet is lost (a one-way firewall)
+    delay: float = 0.0  # extra one-way delay, seconds
+    duplicate: float = 0.0  # probability a packet arrives twice
+
+
+@dataclass
+class SimNode:
+    index: int
+    id: bytes
+    addr: str
+    meta: Meta
+    swim: Swim
+    up: bool = True
+    scheduled: float | None = None
+    tx_packets: int = 0
+    tx_bytes: int = 0
+
+    @property
+    def prefix(self) -> str:
+        return prefix(self.id)
+
+
+@dataclass(order=True)
+class _Entry:
+    at: float
+    seq: int
+    kind: int = field(compare=False)  # 0 deliver, 1 timer
+    addr: str = field(compare=False)
+    data: bytes = field(compare=False, default=b"")
+    src: str = field(compare=False, default="")
+    stream: bool = field(compare=False, default=False)
+
+
+@dataclass(frozen=True)
+class Observed:
+    """One membership event, as one node saw it."""
+
+    at: float
+    observer: bytes
+    event: Event
+
+
+class MemNet:
+    def __init__(
+        self,
+        seed: int = 0,
+        config: Config | None = None,
+        latency: float = 0.0005,
+        jitter: float = 0.0005,
+    ) -> None:
+        self.rng = random.Random(seed)
+        self.config = config or Config()
+        self.latency = latency
+        self.jitter = jitter
+        self.now = 0.0
+        self.nodes: dict[str, SimNode] = {}
+        self.by_id: dict[bytes, SimNode] = {}
+        self.default_fault = LinkFault()
+        self.faults: dict[tuple[str, str], LinkFault] = {}
+        self.log: list[Observed] = []
+        self.counters: Counter[str] = Counter()
+        self._heap: list[_Entry] = []
+        self._seq = 0
+
+    # ------------------------------------------------------------ topology
+
+    def add_node(self, meta: Meta | None = None, seeds: list[str] | None = None) -> SimNode:
+        index = len(self.nodes)
+        node_id = self.rng.randbytes(32)
+        addr = f"10.{index // 65536}.{index // 256 % 256}.{index % 256}:7946"
+        meta = meta or Meta(role="stage", stage=index)
+        swim = Swim(node_id, addr, meta, self.config, random.Random(self.rng.random()), self.now)
+        node = SimNode(index, node_id, addr, meta, swim)
+        self.nodes[addr] = node
+        self.by_id[node_id] = node
+        if seeds:
+            swim.join(seeds, self.now)
+        self._after(node)
+        return node
+
+    def crash(self, node: SimNode) -> None:
+        """Stop the node where it stands: no more packets, no more timers."""
+        node.up = False
+        node.scheduled = None
+
+    def restart(self, node: SimNode, seeds: list[str]) -> None:
+        """Bring a crashed node back with the same id and a fresh state."""
+        node.swim = Swim(node.id, node.addr, node.meta, self.config, random.Random(self.rng.random()), self.now)
+        node.up = True
+        node.swim.join(seeds, self.now)
+        self._after(node)
+
+    def fault(self, src: SimNode, dst: SimNode) -> LinkFault:
+        """The (mutable) fault on packets from ``src`` to ``dst``."""
+        key = (src.addr, dst.addr)
+        if key not in self.faults:
+            self.faults[key] = LinkFault(**vars(self.default_fault))
+        return self.faults[key]
+
+    def set_loss(self, loss: float) -> None:
+        """Loss on every link, existing and future."""
+        self.default_fault.loss = loss
+        for f in self.faults.values():
+            f.loss = loss
+
+    # --------------------------------------------------------------- clock
+
+    def run_until(self, t: float) -> None:
+        heap = self._heap
+        while heap and heap[0].at <= t:
+            entry = heapq.heappop(heap)
+            self.now = entry.at
+            node = self.nodes.get(entry.addr)
+            if node is None or not node.up:
+                continue
+            if entry.kind == 0:
+                node.swim.receive_datagram(entry.data, entry.src, self.now, stream=entry.stream)
+            else:
+                if node.scheduled != entry.at:
+                    continue  # superseded by a later schedule
+                node.scheduled = None
+                node.swim.tick(self.now)
+            self._after(node)
+        self.now = max(self.now, t)
+
+    def run_for(self, dt: float) -> None:
+        self.run_until(self.now + dt)
+
+    def run_periods(self, periods: float) -> None:
+        self.run_for(periods * self.config.probe_interval)
+
+    # ------------------------------------------------------------ plumbing
+
+    def _after(self, node: SimNode) -> None:
+        """Collect what the node wants to send and log, and re-arm its timer."""
+        swim = node.swim
+        for ev in swim.events():
+            self.log.append(Observed(self.now, node.id, ev))
+        for out in swim.outbox():
+            self._transmit(node, out.addr, out.packet, out.reliable)
+        deadline = swim.next_deadline()
+        if deadline != node.scheduled:
+            node.scheduled = deadline
+            self._push(_Entry(max(deadline, self.now), self._next(), 1, node.addr))
+
+    def _transmit(self, src: SimNode, addr: str, packet, reliable: bool) -> None:
+        try:
+            data = encode(packet, MAX_STREAM_BYTES if reliable else MAX_PACKET_BYTES)
+        except WireError:
+            self.counters["tx_too_big"] += 1
+            return
+        src.tx_packets += 1
+        src.tx_bytes += len(data)
+        fault = self.faults.get((src.addr, addr), self.default_fault)
+        if fault.drop or (fault.loss and self.rng.random() < fault.loss):
+            self.counters["lost"] += 1
+            return
+        copies = 2 if fault.duplicate and self.rng.random() < fault.duplicate else 1
+        for _ in range(copies):
+            delay = self.latency + fault.delay + self.rng.random() * self.jitter
+            self._push(_Entry(self.now + delay, self._next(), 0, addr, data, src.addr, reliable))
+
+    def _push(self, entry: _Entry) -> None:
+        heapq.heappush(self._heap, entry)
+
+    def _next(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    # ------------------------------------------------------------- queries
+
+    def up_nodes(self) -> list[SimNode]:
+        return [n for n in self.nodes.values() if n.up]
+
+    def view(self, observer: SimNode, subject: SimNode) -> State | None:
+        m = observer.swim.members.get(subject.id)
+        return m.state if m is not None else None
+
+    def converged(self) -> bool:
+        """Every up node sees every other up node alive, and each down node not alive."""
+        up = self.up_nodes()
+        for a in up:
+            for b in self.nodes.values():
+                state = self.view(a, b)
+                if b.up and state is not State.ALIVE:
+                    return False
+                if not b.up and state is State.ALIVE and a is not b:
+                    return False
+        return True
+
+    def run_until_converged(self, max_periods: float, step_periods: float = 0.5) -> float:
+        """Run until :meth:`converged`; returns the time it took, or raises TimeoutError."""
+        start = self.now
+        while not self.converged():
+            if self.now - start > max_periods * self.config.probe_interval:
+                raise TimeoutError(f"not converged after {max_periods} protocol periods")
+            self.run_periods(step_periods)
+        return self.now - start
+
+    def events(self, kind: EventKind, subject: SimNode | None = None) -> list[Observed]:
+        return [
+            o for o in self.log if o.event.kind is kind and (subject is None or o.event.node == subject.id)
+        ]

@@ -1,0 +1,340 @@
+"""Every message meshd puts on the wire, and the one codec for them.
+
+A packet is a msgpack array ``[version, sender, [[tag, body], ...]]``.  Each
+message is a frozen dataclass with an integer tag and a body that is the list
+of its fields in declaration order.  Decoding untrusted bytes raises only
+:class:`WireError` (or its subclass :class:`UnsupportedVersion`); the receive
+loop turns that into a counter, never a crash.
+
+ONLY APPEND TO THE TAG TABLE.  A tag, once shipped, keeps its meaning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+
+# A UDP datagram carries at most 65507 bytes of payload; we stay below it.
+MAX_PACKET_BYTES = 60_000
+# Push-pull may travel over a stream, where full state can be larger.
+MAX_STREAM_BYTES = 4 * 1024 * 1024
+# Gossip piggybacked on a probe should fit one Ethernet frame.
+GOSSIP_BUDGET_BYTES = 1_200
+MAX_MESSAGES_PER_PACKET = 512
+MAX_STR = 512
+MAX_ADDRS = 8
+MAX_PUSHPULL_MEMBERS = 4_096
+MAX_PUSHPULL_NAMES = 1_024
+NODE_ID_BYTES = 32
+_U64_MAX = 2**64 - 1
+
+
+class WireError(Exception):
+    """Bytes that are not a valid meshd packet."""
+
+
+class UnsupportedVersion(WireError):
+    """A packet from a node speaking a newer protocol than ours."""
+
+    def __init__(self, version: int) -> None:
+        super().__init__(f"protocol version {version} is newer than ours ({PROTOCOL_VERSION})")
+        self.version = version
+
+
+# --- field checkers: each takes a decoded value and returns it, or raises ---
+
+
+def _uint(value: Any) -> int:
+    if type(value) is not int or not 0 <= value <= _U64_MAX:
+        raise WireError(f"expected an unsigned integer, got {type(value).__name__}")
+    return value
+
+
+def _bool(value: Any) -> bool:
+    if type(value) is not bool:
+        raise WireError(f"expected a boolean, got {type(value).__name__}")
+    return value
+
+
+def _str(value: Any) -> str:
+    if type(value) is not str or len(value) > MAX_STR:
+        raise WireError(f"expected a string of at most {MAX_STR} characters")
+    return value
+
+
+def _node_id(value: Any) -> bytes:
+    if type(value) is not bytes or len(value) != NODE_ID_BYTES:
+        raise WireError("expected a 32-byte node id")
+    return value
+
+
+def _optional(check: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def checker(value: Any) -> Any:
+        return None if value is None else check(value)
+
+    return checker
+
+
+def _tuple_of(check: Callable[[Any], Any], limit: int) -> Callable[[Any], tuple]:
+    def checker(value: Any) -> tuple:
+        if type(value) is not list or len(value) > limit:
+            raise WireError(f"expected a list of at most {limit} items")
+        return tuple(check(item) for item in value)
+
+    return checker
+
+
+def _nested(cls: type) -> Callable[[Any], Any]:
+    def checker(value: Any) -> Any:
+        return cls.from_body(value)
+
+    return checker
+
+
+class _Record:
+    """Shared codec for the frozen dataclasses below.
+
+    ``_fields_`` lists one checker per dataclass field, in order.
+    """
+
+    _fields_: ClassVar[tuple[Callable[[Any], Any], ...]] = ()
+
+    def to_body(self) -> list:
+        return [_plain(getattr(self, f.name)) for f in dataclasses.fields(self)]  # type: ignore[arg-type]
+
+    @classmethod
+    def from_body(cls, body: Any):
+        if type(body) is not list or len(body) != len(cls._fields_):
+            raise WireError(f"{cls.__name__}: expected {len(cls._fields_)} fields")
+        return cls(*(check(value) for check, value in zip(cls._fields_, body, strict=True)))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, _Record):
+        return value.to_body()
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+# --- records nested inside messages ---
+
+
+@dataclass(frozen=True, slots=True)
+class Meta(_Record):
+    """What a member says about itself; carried by Alive and push-pull."""
+
+    role: str = "stage"
+    stage: int | None = None
+    stages: int | None = None
+    addrs: tuple[str, ...] = ()
+    relay_url: str | None = None
+    version: str = ""
+    generation: int = 0
+
+    _fields_ = (_str, _optional(_uint), _optional(_uint), _tuple_of(_str, MAX_ADDRS),
+                _optional(_str), _str, _uint)
+
+    @property
+    def name(self) -> str:
+        """The run name of this member: ``orchestrator`` or ``stage-K``."""
+        if self.role == "stage" and self.stage is not None:
+            return f"stage-{self.stage}"
+        return self.role
+
+
+# Member states as they travel in push-pull.
+STATE_ALIVE, STATE_SUSPECT, STATE_DEAD, STATE_LEFT = 0, 1, 2, 3
+
+
+def _state(value: Any) -> int:
+    if value not in (STATE_ALIVE, STATE_SUSPECT, STATE_DEAD, STATE_LEFT) or type(value) is not int:
+        raise WireError("unknown member state")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class MemberState(_Record):
+    node: bytes
+    addr: str
+    incarnation: int
+    state: int
+    meta: Meta
+
+    _fields_ = (_node_id, _str, _uint, _state, _nested(Meta))
+
+
+# --- messages: ONLY APPEND, never renumber ---
+
+
+class Message(_Record):
+    TAG: ClassVar[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Ping(Message):
+    TAG = 1
+    seq: int
+    target: bytes  # the node we mean to reach; a reused address must not ack for it
+    _fields_ = (_uint, _node_id)
+
+
+@dataclass(frozen=True, slots=True)
+class PingReq(Message):
+    TAG = 2
+    seq: int
+    target: bytes
+    target_addr: str
+    nack: bool  # ask the helper to say so if the target stays silent
+    _fields_ = (_uint, _node_id, _str, _bool)
+
+
+@dataclass(frozen=True, slots=True)
+class Ack(Message):
+    TAG = 3
+    seq: int
+    _fields_ = (_uint,)
+
+
+@dataclass(frozen=True, slots=True)
+class Nack(Message):
+    TAG = 4
+    seq: int
+    _fields_ = (_uint,)
+
+
+@dataclass(frozen=True, slots=True)
+class Alive(Message):
+    TAG = 5
+    incarnation: int
+    node: bytes
+    addr: str
+    meta: Meta
+    _fields_ = (_uint, _node_id, _str, _nested(Meta))
+
+
+@dataclass(frozen=True, slots=True)
+class Suspect(Message):
+    TAG = 6
+    incarnation: int
+    node: bytes
+    sender: bytes  # who suspects; independent senders shorten the timer
+    _fields_ = (_uint, _node_id, _node_id)
+
+
+@dataclass(frozen=True, slots=True)
+class Dead(Message):
+    TAG = 7
+    incarnation: int
+    node: bytes
+    sender: bytes  # sender == node means a graceful leave
+    _fields_ = (_uint, _node_id, _node_id)
+
+
+@dataclass(frozen=True, slots=True)
+class NameClaim(Message):
+    """One entry of the last-writer-wins name registry."""
+
+    TAG = 9
+    name: str
+    owner: bytes
+    clock: int
+    tombstone: bool
+    _fields_ = (_str, _node_id, _uint, _bool)
+
+    def beats(self, other: NameClaim) -> bool:
+        return (self.clock, self.tombstone, self.owner) > (other.clock, other.tombstone, other.owner)
+
+
+@dataclass(frozen=True, slots=True)
+class PushPull(Message):
+    """Full state, sent periodically and on join; ``reply`` asks for ours back."""
+
+    TAG = 8
+    join: bool
+    reply: bool
+    members: tuple[MemberState, ...]
+    names: tuple[NameClaim, ...]
+    _fields_ = (_bool, _bool, _tuple_of(_nested(MemberState), MAX_PUSHPULL_MEMBERS),
+                _tuple_of(_nested(NameClaim), MAX_PUSHPULL_NAMES))
+
+
+MESSAGE_TYPES: dict[int, type[Message]] = {
+    cls.TAG: cls for cls in (Ping, PingReq, Ack, Nack, Alive, Suspect, Dead, PushPull, NameClaim)
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Packet:
+    sender: bytes
+    messages: tuple[Message, ...]
+    version: int = PROTOCOL_VERSION
+
+
+def encode_message(msg: Message) -> list:
+    return [msg.TAG, msg.to_body()]
+
+
+def encode(packet: Packet, max_bytes: int = MAX_PACKET_BYTES) -> bytes:
+    data = msgpack.packb(
+        [packet.version, packet.sender, [encode_message(m) for m in packet.messages]],
+        use_bin_type=True,
+    )
+    if len(data) > max_bytes:
+        raise WireError(f"packet of {len(data)} bytes exceeds the {max_bytes}-byte limit")
+    return data
+
+
+def encoded_size(msg: Message) -> int:
+    """Bytes this message adds to a packet."""
+    return len(msgpack.packb(encode_message(msg), use_bin_type=True))
+
+
+# Overhead of the packet envelope around its messages (version, sender, list header).
+PACKET_OVERHEAD = len(msgpack.packb([PROTOCOL_VERSION, b"\0" * NODE_ID_BYTES, [0] * 16])) - 16
+
+
+def decode(data: bytes, max_bytes: int = MAX_PACKET_BYTES) -> Packet:
+    """Parse one packet. Raises WireError, and nothing else, on bad input."""
+    if len(data) > max_bytes:
+        raise WireError(f"packet of {len(data)} bytes exceeds the {max_bytes}-byte limit")
+    try:
+        raw = msgpack.unpackb(
+            data,
+            raw=False,
+            use_list=True,
+            strict_map_key=True,
+            max_bin_len=max_bytes,
+            max_str_len=max_bytes,
+            max_array_len=MAX_PUSHPULL_MEMBERS,
+            max_map_len=0,
+            max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises many types; all mean "garbage"
+        raise WireError(f"not msgpack: {exc.__class__.__name__}") from exc
+    if type(raw) is not list or len(raw) != 3:
+        raise WireError("packet is not [version, sender, messages]")
+    version, sender, messages = raw
+    if type(version) is not int or version < 1:
+        raise WireError("bad protocol version")
+    if version > PROTOCOL_VERSION:
+        raise UnsupportedVersion(version)
+    sender = _node_id(sender)
+    if type(messages) is not list or len(messages) > MAX_MESSAGES_PER_PACKET:
+        raise WireError("bad message list")
+    out = []
+    for item in messages:
+        if type(item) is not list or len(item) != 2:
+            raise WireError("message is not [tag, body]")
+        tag, body = item
+        cls = MESSAGE_TYPES.get(tag) if type(tag) is int else None
+        if cls is None:
+            raise WireError(f"unknown message tag {tag!r}")
+        out.append(cls.from_body(body))
+    return Packet(sender=sender, messages=tuple(out), version=version)
