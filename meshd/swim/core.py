@@ -508,7 +508,8 @@ class Swim:
             self.awareness.apply_delta(1)
         self.counters["probe_failures"] += 1
         m = self.members.get(probe.target)
-        if m is not None and m.state is State.ALIVE:
+        if m is not None and m.state.live:
+            # Already suspect: our own failed probe is an independent confirmation.
             self._on_suspect(Suspect(m.incarnation, probe.target, self.id), now)
 
     def _gossip(self, now: float) -> None:

@@ -111,7 +111,8 @@ class MemNet:
 
     def restart(self, node: SimNode, seeds: list[str]) -> None:
         """Bring a crashed node back with the same id and a fresh state."""
-        node.swim = Swim(node.id, node.addr, node.meta, self.config, random.Random(self.rng.random()), self.now)
+        rng = random.Random(self.rng.random())
+        node.swim = Swim(node.id, node.addr, node.meta, self.config, rng, self.now)
         node.up = True
         node.swim.join(seeds, self.now)
         self._after(node)

@@ -1,0 +1,120 @@
+"""The ``meshd`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from . import __version__
+from .identity import Identity, IdentityError, load_or_create
+from .net.udp import AddressError, BindError, parse_addr
+from .swim import PROFILES
+
+
+def _addr(text: str) -> str:
+    try:
+        parse_addr(text, allow_port_zero=True)
+    except AddressError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _seed_addr(text: str) -> str:
+    try:
+        parse_addr(text)
+    except AddressError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be greater than 0")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="meshd",
+        description="Pipeline-parallel inference across machines that do not all reach each other.",
+    )
+    parser.add_argument("--version", action="version", version=f"meshd {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    run = sub.add_parser("run", help="run one node (one per host)",
+                         description="Run one mesh node: SWIM membership over UDP on --bind.")
+    run.add_argument("--role", choices=["orchestrator", "stage"], default="stage")
+    run.add_argument("--stage", type=int, metavar="K", help="this node's stage (role stage)")
+    run.add_argument("--stages", type=int, metavar="N", help="how many stages the run has")
+    run.add_argument("--bind", type=_addr, default="127.0.0.1:0", metavar="HOST:PORT",
+                     help="gossip over UDP (port 0 picks one; default %(default)s)")
+    run.add_argument("--advertise", type=_seed_addr, metavar="HOST:PORT",
+                     help="the address peers should use, if not the bound one (e.g. behind 0.0.0.0)")
+    run.add_argument("--seed", type=_seed_addr, action="append", default=[], metavar="HOST:PORT",
+                     help="a node to join through; repeatable")
+    run.add_argument("--key-file", metavar="PATH",
+                     help="node identity, created 0600 if missing (default: a new identity each run)")
+    run.add_argument("--profile", choices=sorted(PROFILES), default="lan",
+                     help="protocol timings, as memberlist's profiles (default %(default)s)")
+    run.add_argument("--snapshot-dir", metavar="DIR", help="append JSON-line snapshots to DIR/<prefix>.jsonl")
+    run.add_argument("--snapshot-interval", type=_positive_float, default=5.0, metavar="SECONDS")
+    run.set_defaults(func=_cmd_run)
+    return parser
+
+
+def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import trio
+
+    from .node import NodeOptions, run_node
+
+    if args.role == "stage":
+        if args.stage is None or args.stages is None:
+            parser.error("run: --role stage needs --stage K and --stages N")
+        if not 0 <= args.stage < args.stages:
+            parser.error(f"run: --stage {args.stage} is outside 0..{args.stages - 1}")
+    elif args.stage is not None:
+        parser.error("run: --stage is only for --role stage")
+    if args.stages is not None and args.stages < 1:
+        parser.error("run: --stages must be at least 1")
+    try:
+        identity = load_or_create(args.key_file) if args.key_file else Identity.generate()
+    except IdentityError as exc:
+        print(f"meshd: error: {exc}", file=sys.stderr)
+        return 2
+    options = NodeOptions(
+        role=args.role,
+        stage=args.stage,
+        stages=args.stages,
+        bind=args.bind,
+        advertise=args.advertise,
+        seeds=args.seed,
+        profile=args.profile,
+        snapshot_dir=args.snapshot_dir,
+        snapshot_interval=args.snapshot_interval,
+    )
+    try:
+        return trio.run(run_node, identity, options)
+    except BindError as exc:
+        print(f"meshd: error: {exc.strerror}", file=sys.stderr)
+        return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    return args.func(args, parser)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

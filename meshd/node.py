@@ -1,0 +1,232 @@
+"""One meshd node: a trio nursery that drives the SWIM core over UDP.
+
+Every service is a child of the node's nursery; shutdown is a graceful SWIM
+leave followed by cancelling that nursery.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import trio
+
+from . import __version__
+from .identity import Identity
+from .net.udp import MAX_DATAGRAM, format_addr, open_udp, parse_addr
+from .snapshot import SnapshotWriter, snapshot, stage_sort_key
+from .swim import PROFILES, EventKind, State, Swim
+from .wire import Meta, WireError, encode
+
+log = logging.getLogger("meshd.node")
+
+# After a leave, how long to keep answering and re-sending before we go.
+LEAVE_LINGER_S = 0.3
+
+
+@dataclass
+class NodeOptions:
+    role: str = "stage"
+    stage: int | None = None
+    stages: int | None = None
+    bind: str = "127.0.0.1:0"
+    advertise: str | None = None
+    seeds: list[str] = field(default_factory=list)
+    profile: str = "lan"
+    snapshot_dir: str | None = None
+    snapshot_interval: float = 5.0
+
+    def names(self) -> list[str]:
+        """Registry names this node owns."""
+        if self.role == "orchestrator":
+            return ["pp-orchestrator"]
+        out = [f"pp-stage-{self.stage}"]
+        if self.stage == 0:
+            out.append("pp-entry")
+        if self.stages is not None and self.stage == self.stages - 1:
+            out.append("pp-exit")
+        return out
+
+
+class Node:
+    def __init__(
+        self,
+        identity: Identity,
+        options: NodeOptions,
+        out: Callable[[str], None] | None = None,
+    ) -> None:
+        self.identity = identity
+        self.options = options
+        self.out = out or _print_line
+        self.swim: Swim | None = None
+        self.addr: str | None = None
+        self._sock = None
+        self._wake = trio.Event()
+        self._last_map: str | None = None
+        self._snapshots: SnapshotWriter | None = None
+
+    # ---------------------------------------------------------------- serve
+
+    async def bind(self) -> None:
+        """Open the gossip socket; raises BindError naming the address."""
+        if self._sock is None:
+            self._sock = await open_udp(self.options.bind)
+
+    async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Run until cancelled; reports the bound gossip address via task_status."""
+        opts = self.options
+        await self.bind()
+        with self._sock as sock:
+            host, port = sock.getsockname()[:2]
+            self.addr = opts.advertise or format_addr(host, port)
+            meta = Meta(
+                role=opts.role,
+                stage=opts.stage,
+                stages=opts.stages,
+                addrs=(self.addr,),
+                relay_url=None,
+                version=__version__,
+            )
+            now = trio.current_time()
+            self.swim = swim = Swim(
+                self.identity.node_id, self.addr, meta, PROFILES[opts.profile], random.Random(), now
+            )
+            self.out(
+                f"meshd node id={self.identity.node_id.hex()} prefix={self.identity.prefix} "
+                f"role={opts.role} stage={'-' if opts.stage is None else opts.stage} "
+                f"addr={self.addr} relay=-"
+            )
+            for name in opts.names():
+                swim.register_name(name, now)
+            if opts.seeds:
+                swim.join(opts.seeds, now)
+            if opts.snapshot_dir:
+                self._snapshots = SnapshotWriter(opts.snapshot_dir, self.identity.prefix)
+            self._after()
+            await self._flush()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._receive_loop)
+                nursery.start_soon(self._timer_loop)
+                if self._snapshots is not None:
+                    nursery.start_soon(self._snapshot_loop)
+                task_status.started(self.addr)
+
+    async def leave(self) -> None:
+        """Tell the cluster we are going, so peers mark us left, not dead."""
+        swim = self.swim
+        if swim is None or swim.leaving:
+            return
+        swim.leave(trio.current_time())
+        await self._flush()
+        # UDP may lose the first announcement; say it again once, briefly.
+        await trio.sleep(LEAVE_LINGER_S / 2)
+        swim.tick(trio.current_time())
+        await self._flush()
+        self.write_snapshot()
+
+    def write_snapshot(self) -> None:
+        if self._snapshots is not None and self.swim is not None:
+            self._snapshots.write(self.snapshot())
+
+    def snapshot(self) -> dict:
+        assert self.swim is not None
+        return snapshot(self.swim, trio.current_time())
+
+    # ---------------------------------------------------------------- loops
+
+    async def _receive_loop(self) -> None:
+        sock, swim = self._sock, self.swim
+        while True:
+            try:
+                data, addr = await sock.recvfrom(MAX_DATAGRAM)
+            except OSError as exc:  # e.g. ICMP port unreachable surfacing on Linux
+                swim.counters["rx_socket_errors"] += 1
+                log.debug("recvfrom: %s", exc)
+                continue
+            swim.receive_datagram(data, format_addr(addr[0], addr[1]), trio.current_time())
+            self._after()
+            await self._flush()
+
+    async def _timer_loop(self) -> None:
+        swim = self.swim
+        while True:
+            with trio.move_on_at(swim.next_deadline()):
+                await self._wake.wait()
+            self._wake = trio.Event()
+            swim.tick(trio.current_time())
+            self._after()
+            await self._flush()
+
+    async def _snapshot_loop(self) -> None:
+        while True:
+            self.write_snapshot()
+            await trio.sleep(self.options.snapshot_interval)
+
+    # ------------------------------------------------------------- plumbing
+
+    def _after(self) -> None:
+        """React to what the core decided: log membership changes, wake the timer."""
+        changed = False
+        for ev in self.swim.events():
+            if not ev.membership:
+                continue
+            m = self.swim.members.get(ev.node)
+            if m is not None and ev.node != self.swim.id:
+                detail = f" by={ev.detail['by']}" if "by" in ev.detail else ""
+                self.out(f"meshd member {ev.kind.value} prefix={m.prefix} name={m.name} "
+                         f"incarnation={m.incarnation}{detail}")
+            if ev.kind in (EventKind.JOIN, EventKind.DEAD, EventKind.LEFT, EventKind.UPDATE):
+                changed = True
+        if changed:
+            self._print_stage_map()
+        self._wake.set()
+
+    def _print_stage_map(self) -> None:
+        live = [m for m in self.swim.members.values() if m.state in (State.ALIVE, State.SUSPECT)]
+        live.sort(key=lambda m: stage_sort_key(m.name))
+        line = "meshd stage-map " + " ".join(f"{m.prefix}={m.name}" for m in live)
+        if line != self._last_map:
+            self._last_map = line
+            self.out(line)
+
+    async def _flush(self) -> None:
+        sock, swim = self._sock, self.swim
+        for out in swim.outbox():
+            try:
+                data = encode(out.packet)
+            except WireError as exc:
+                swim.counters["tx_too_big"] += 1
+                log.warning("not sent to %s: %s", out.addr, exc)
+                continue
+            try:
+                await sock.sendto(data, parse_addr(out.addr))
+            except OSError as exc:
+                swim.counters["tx_socket_errors"] += 1
+                log.debug("sendto %s: %s", out.addr, exc)
+            else:
+                swim.counters["tx_bytes"] += len(data)
+
+
+def _print_line(line: str) -> None:
+    print(line, flush=True)
+
+
+async def run_node(identity: Identity, options: NodeOptions) -> int:
+    """``meshd run``: serve until SIGINT/SIGTERM, then leave and exit 0."""
+    import signal
+
+    node = Node(identity, options)
+    await node.bind()  # fail here, with a plain error, before any task starts
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(node.serve)
+            async for signum in signals:
+                print(f"meshd leaving ({signal.Signals(signum).name})", file=sys.stderr, flush=True)
+                with trio.move_on_after(1.5):
+                    await node.leave()
+                nursery.cancel_scope.cancel()
+                break
+    return 0

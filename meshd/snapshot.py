@@ -1,0 +1,77 @@
+"""The one view of a node's state that leaves the process.
+
+The snapshot dumper writes it as JSON lines; the dashboard serves it.  Nothing
+outside this module reaches into protocol objects for display.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from .identity import prefix
+from .swim import Member, Swim
+
+
+def member_view(m: Member, now: float) -> dict:
+    return {
+        "id": m.id.hex(),
+        "prefix": m.prefix,
+        "name": m.name,
+        "role": m.meta.role,
+        "stage": m.meta.stage,
+        "state": m.state.name.lower(),
+        "incarnation": m.incarnation,
+        "addr": m.addr,
+        "relay_url": m.meta.relay_url,
+        "version": m.meta.version,
+        "generation": m.meta.generation,
+        "rtt_ms": None if m.rtt is None else round(m.rtt * 1000, 3),
+        "last_seen_s": None if m.last_seen is None else round(now - m.last_seen, 3),
+        "state_age_s": round(now - m.state_change, 3),
+    }
+
+
+def snapshot(swim: Swim, now: float) -> dict:
+    """A JSON-ready picture of the node: self, members, names, counters."""
+    members = [member_view(m, now) for m in swim.members.values() if m.id != swim.id]
+    members.sort(key=lambda v: stage_sort_key(v["name"]))
+    names = {}
+    for name, claim in sorted(swim.registry.claims.items()):
+        names[name] = {
+            "owner": prefix(claim.owner),
+            "clock": claim.clock,
+            "tombstone": claim.tombstone,
+            "resolves": swim.resolve(name) is not None,
+        }
+    return {
+        "time": time.time(),
+        "self": member_view(swim.me, now),
+        "members": members,
+        "names": names,
+        "awareness": swim.awareness.score,
+        "counters": dict(sorted(swim.counters.items())),
+    }
+
+
+def stage_sort_key(name: str) -> tuple:
+    """orchestrator first, then stage-0, stage-1, ... by number."""
+    if name.startswith("stage-") and name[6:].isdigit():
+        return (1, int(name[6:]), name)
+    return (0 if name == "orchestrator" else 2, 0, name)
+
+
+class SnapshotWriter:
+    """Appends one JSON line per snapshot to ``DIR/<prefix>.jsonl``."""
+
+    def __init__(self, directory: str | os.PathLike, node_prefix: str) -> None:
+        self.path = Path(directory) / f"{node_prefix}.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, snap: dict) -> None:
+        line = json.dumps(snap, separators=(",", ":")) + "\n"
+        # One write() of one line: a reader never sees half a record.
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(line)

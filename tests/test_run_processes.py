@@ -1,0 +1,153 @@
+"""Real `meshd run` processes on loopback: the boot line, convergence, SIGKILL, SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from meshd.swim import LOCAL
+from meshd.testing.processes import BOOT_RE, MeshProcess, parse_stage_map, start_mesh, wait_converged
+
+pytestmark = pytest.mark.processes
+
+
+@pytest.fixture
+def mesh(tmp_path):
+    procs = start_mesh(2, snapshot_dir=str(tmp_path / "snap"), snapshot_interval=0.3)
+    yield procs
+    for p in procs:
+        p.stop(timeout=2)
+
+
+def _snapshot_states(path: Path, subject_prefix: str) -> list[str]:
+    """Every state the node at ``path`` recorded for ``subject_prefix``, in order."""
+    states = []
+    for line in path.read_text().splitlines():
+        snap = json.loads(line)
+        for m in snap["members"]:
+            if m["prefix"] == subject_prefix:
+                states.append(m["state"])
+    return states
+
+
+def test_boot_line_and_stage_map_follow_the_contract(mesh):
+    stage_map = wait_converged(mesh)
+    assert {p.boot.prefix: p.name for p in mesh} == stage_map
+    orch = mesh[0]
+    assert orch.boot.role == "orchestrator" and orch.boot.stage == "-" and orch.boot.relay == "-"
+    assert [p.boot.stage for p in mesh[1:]] == ["0", "1"]
+    for p in mesh:
+        assert p.boot.id.startswith(p.boot.prefix)
+        assert BOOT_RE.match(p.lines[0]), "the boot line comes first"
+
+
+def test_sigkilled_node_is_declared_dead_by_the_others(mesh, tmp_path):
+    wait_converged(mesh)
+    victim = mesh[2]
+    victim.proc.send_signal(signal.SIGKILL)
+    victim.proc.wait(5)
+    t_kill = time.monotonic()
+    n = len(mesh)
+    low, high = LOCAL.suspicion_bounds(n)
+    bound = high + 2 * LOCAL.probe_interval
+    for p in mesh[:2]:
+        p.wait_for(
+            lambda line: line.startswith(f"meshd member dead prefix={victim.boot.prefix} name=stage-1"),
+            bound + 5,
+            f"dead declaration of stage-1 ({victim.boot.prefix})",
+        )
+        # The next stage map no longer lists it.
+        p.wait_for(
+            lambda line: (m := parse_stage_map(line)) is not None and victim.boot.prefix not in m
+            and len(m) == n - 1,
+            5,
+            "stage map without stage-1",
+        )
+    detected = time.monotonic() - t_kill
+    print(f"\nSIGKILL of stage-1 known dead to both peers after {detected:.1f}s "
+          f"({detected / LOCAL.probe_interval:.1f} protocol periods; suspicion bounds {low:.0f}-{high:.0f}s)")
+    # Their snapshot files record it: alive first, dead at the end.
+    time.sleep(1.0)
+    for p in mesh[:2]:
+        states = _snapshot_states(tmp_path / "snap" / f"{p.boot.prefix}.jsonl", victim.boot.prefix)
+        assert states and states[0] == "alive"
+        assert states[-1] == "dead", f"{p.name} snapshot still shows stage-1 as {states[-1]}"
+
+
+def test_sigterm_leaves_gracefully_and_exits_zero_within_two_seconds(mesh, tmp_path):
+    wait_converged(mesh)
+    leaver = mesh[1]
+    leaver.signal(signal.SIGTERM)
+    assert leaver.proc.wait(2.0) == 0
+    for p in (mesh[0], mesh[2]):
+        p.wait_for(
+            lambda line: line.startswith(f"meshd member left prefix={leaver.boot.prefix} name=stage-0"),
+            5,
+            "left announcement of stage-0",
+        )
+    assert not any(f"member dead prefix={leaver.boot.prefix}" in line for p in mesh for line in p.lines)
+    # SIGINT (Ctrl-C) is as clean as SIGTERM.
+    mesh[2].signal(signal.SIGINT)
+    assert mesh[2].proc.wait(2.0) == 0
+    assert not any("Traceback" in line for p in mesh for line in p.lines)
+
+
+def _meshd(*args: str, timeout: float = 15) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "meshd", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_bad_key_file_is_a_clear_error(tmp_path):
+    key = tmp_path / "node.key"
+    key.write_text("not a key\n")
+    result = _meshd("run", "--role", "orchestrator", "--key-file", str(key))
+    assert result.returncode == 2
+    assert str(key) in result.stderr and "Traceback" not in result.stderr
+    assert key.read_text() == "not a key\n", "a bad key file must never be overwritten"
+
+
+def test_key_file_gives_a_stable_identity(tmp_path):
+    key = tmp_path / "keys" / "node.key"
+    ids = []
+    for _ in range(2):
+        p = MeshProcess("orchestrator", ["run", "--role", "orchestrator", "--key-file", str(key)])
+        try:
+            ids.append(p.wait_boot().id)
+        finally:
+            assert p.stop(timeout=5) == 0
+    assert ids[0] == ids[1]
+    assert key.stat().st_mode & 0o777 == 0o600
+
+
+def test_port_in_use_is_a_clear_error():
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        result = _meshd("run", "--role", "orchestrator", "--bind", f"127.0.0.1:{port}")
+    assert result.returncode == 2
+    assert f"cannot bind UDP 127.0.0.1:{port}: address already in use" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--role", "stage"], "needs --stage K and --stages N"),
+        (["--role", "stage", "--stage", "3", "--stages", "3"], "outside 0..2"),
+        (["--bind", "nonsense"], "is not HOST:PORT"),
+        (["--seed", "127.0.0.1:0"], "out of range"),
+        (["--role", "orchestrator", "--stage", "1"], "only for --role stage"),
+    ],
+)
+def test_bad_run_flags_are_refused_with_a_message(args, message):
+    result = _meshd("run", *args)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
