@@ -8,6 +8,7 @@ import sys
 
 from . import __version__
 from .identity import Identity, IdentityError, load_or_create
+from .net.faults import Faults, FaultSpecError
 from .net.udp import AddressError, BindError, parse_addr
 from .swim import PROFILES
 
@@ -64,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="protocol timings, as memberlist's profiles (default %(default)s)")
     run.add_argument("--snapshot-dir", metavar="DIR", help="append JSON-line snapshots to DIR/<prefix>.jsonl")
     run.add_argument("--snapshot-interval", type=_positive_float, default=5.0, metavar="SECONDS")
+    run.add_argument("--fault", action="append", default=[], metavar="SPEC",
+                     help="inject a fault in this node's transport: drop:HOST:PORT (our direct packets "
+                          "to that peer are lost), isolate, loss:P, delay:MS; repeatable")
     run.set_defaults(func=_cmd_run)
     return parser
 
@@ -83,6 +87,10 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.stages is not None and args.stages < 1:
         parser.error("run: --stages must be at least 1")
     try:
+        faults = Faults.parse(args.fault)
+    except FaultSpecError as exc:
+        parser.error(f"run: {exc}")
+    try:
         identity = load_or_create(args.key_file) if args.key_file else Identity.generate()
     except IdentityError as exc:
         print(f"meshd: error: {exc}", file=sys.stderr)
@@ -97,6 +105,7 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         profile=args.profile,
         snapshot_dir=args.snapshot_dir,
         snapshot_interval=args.snapshot_interval,
+        faults=faults,
     )
     try:
         return trio.run(run_node, identity, options)

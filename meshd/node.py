@@ -16,6 +16,7 @@ import trio
 
 from . import __version__
 from .identity import Identity
+from .net.faults import Faults
 from .net.udp import MAX_DATAGRAM, format_addr, open_udp, parse_addr
 from .snapshot import SnapshotWriter, snapshot, stage_sort_key
 from .swim import PROFILES, EventKind, State, Swim
@@ -38,6 +39,7 @@ class NodeOptions:
     profile: str = "lan"
     snapshot_dir: str | None = None
     snapshot_interval: float = 5.0
+    faults: Faults = field(default_factory=Faults)
 
     def names(self) -> list[str]:
         """Registry names this node owns."""
@@ -67,6 +69,7 @@ class Node:
         self._wake = trio.Event()
         self._last_map: str | None = None
         self._snapshots: SnapshotWriter | None = None
+        self._nursery: trio.Nursery | None = None
 
     # ---------------------------------------------------------------- serve
 
@@ -99,6 +102,8 @@ class Node:
                 f"role={opts.role} stage={'-' if opts.stage is None else opts.stage} "
                 f"addr={self.addr} relay=-"
             )
+            if opts.faults.active:
+                self.out(f"meshd faults {' '.join(opts.faults.describe())}")
             for name in opts.names():
                 swim.register_name(name, now)
             if opts.seeds:
@@ -108,6 +113,7 @@ class Node:
             self._after()
             await self._flush()
             async with trio.open_nursery() as nursery:
+                self._nursery = nursery
                 nursery.start_soon(self._receive_loop)
                 nursery.start_soon(self._timer_loop)
                 if self._snapshots is not None:
@@ -145,6 +151,9 @@ class Node:
             except OSError as exc:  # e.g. ICMP port unreachable surfacing on Linux
                 swim.counters["rx_socket_errors"] += 1
                 log.debug("recvfrom: %s", exc)
+                continue
+            if self.options.faults.direct_in_lost(addr):
+                swim.counters["rx_fault_dropped"] += 1
                 continue
             swim.receive_datagram(data, format_addr(addr[0], addr[1]), trio.current_time())
             self._after()
@@ -193,7 +202,7 @@ class Node:
             self.out(line)
 
     async def _flush(self) -> None:
-        sock, swim = self._sock, self.swim
+        swim, faults = self.swim, self.options.faults
         for out in swim.outbox():
             try:
                 data = encode(out.packet)
@@ -201,13 +210,27 @@ class Node:
                 swim.counters["tx_too_big"] += 1
                 log.warning("not sent to %s: %s", out.addr, exc)
                 continue
-            try:
-                await sock.sendto(data, parse_addr(out.addr))
-            except OSError as exc:
-                swim.counters["tx_socket_errors"] += 1
-                log.debug("sendto %s: %s", out.addr, exc)
+            if faults.direct_out_lost(out.addr):
+                swim.counters["tx_fault_dropped"] += 1
+                continue
+            if faults.delay_s and self._nursery is not None:
+                self._nursery.start_soon(self._send_later, data, out.addr, faults.delay_s)
             else:
-                swim.counters["tx_bytes"] += len(data)
+                await self._sendto(data, out.addr)
+
+    async def _send_later(self, data: bytes, addr: str, delay: float) -> None:
+        await trio.sleep(delay)
+        await self._sendto(data, addr)
+
+    async def _sendto(self, data: bytes, addr: str) -> None:
+        swim = self.swim
+        try:
+            await self._sock.sendto(data, parse_addr(addr))
+        except OSError as exc:
+            swim.counters["tx_socket_errors"] += 1
+            log.debug("sendto %s: %s", addr, exc)
+        else:
+            swim.counters["tx_bytes"] += len(data)
 
 
 def _print_line(line: str) -> None:

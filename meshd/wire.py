@@ -333,8 +333,11 @@ def decode(data: bytes, max_bytes: int = MAX_PACKET_BYTES) -> Packet:
         if type(item) is not list or len(item) != 2:
             raise WireError("message is not [tag, body]")
         tag, body = item
-        cls = MESSAGE_TYPES.get(tag) if type(tag) is int else None
+        if type(tag) is not int:
+            # Never repr() untrusted structures: a deeply nested one overflows the stack.
+            raise WireError(f"message tag is a {type(tag).__name__}, not an integer")
+        cls = MESSAGE_TYPES.get(tag)
         if cls is None:
-            raise WireError(f"unknown message tag {tag!r}")
+            raise WireError(f"unknown message tag {tag}")
         out.append(cls.from_body(body))
     return Packet(sender=sender, messages=tuple(out), version=version)

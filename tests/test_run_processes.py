@@ -151,3 +151,30 @@ def test_bad_run_flags_are_refused_with_a_message(args, message):
     assert result.returncode == 2
     assert message in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_one_way_drop_never_makes_a_live_peer_dead(tmp_path):
+    """stage-1's direct packets to the orchestrator are lost; indirect probes carry it.
+
+    Without a relay, stage-1 can only join through a seed it reaches (stage-0).
+    """
+    procs = start_mesh(
+        2,
+        snapshot_dir=str(tmp_path / "snap"),
+        stage_extra=lambda k, addrs: ["--fault", f"drop:{addrs[0]}", "--seed", addrs[1]] if k == 1 else [],
+    )
+    try:
+        wait_converged(procs)
+        assert procs[2].wait_for(lambda s: s.startswith("meshd faults "), 1, "faults line") == (
+            f"meshd faults drop:{procs[0].boot.addr}"
+        )
+        # Well past the suspicion timeout (3 s at N=3 on the local profile).
+        time.sleep(4 * LOCAL.suspicion_bounds(3)[0])
+        dead = [line for p in procs for line in p.lines if line.startswith("meshd member dead")]
+        assert dead == []
+        assert all(set(p.latest_stage_map()) == {q.boot.prefix for q in procs} for p in procs)
+        snap = json.loads((tmp_path / "snap" / f"{procs[2].boot.prefix}.jsonl").read_text().splitlines()[-1])
+        assert snap["counters"]["tx_fault_dropped"] > 0, "the fault must really have dropped packets"
+    finally:
+        for p in procs:
+            p.stop(timeout=2)

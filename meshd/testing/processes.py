@@ -125,8 +125,13 @@ def start_mesh(
     snapshot_dir: str | None = None,
     snapshot_interval: float = 0.5,
     extra: list[str] | None = None,
+    stage_extra: Callable[[int, list[str]], list[str]] | None = None,
 ) -> list[MeshProcess]:
-    """An orchestrator on a free loopback port, then ``stages`` stage nodes seeded through it."""
+    """An orchestrator on a free loopback port, then ``stages`` stage nodes seeded through it.
+
+    ``stage_extra(k, addrs)`` gives more flags for stage ``k``; ``addrs`` holds the
+    gossip addresses of the nodes started before it, the orchestrator first.
+    """
     common = ["--profile", profile, *(extra or [])]
     if snapshot_dir:
         common += ["--snapshot-dir", snapshot_dir, "--snapshot-interval", str(snapshot_interval)]
@@ -135,13 +140,14 @@ def start_mesh(
         orch = MeshProcess("orchestrator", ["run", "--role", "orchestrator", "--stages", str(stages),
                                             "--bind", "127.0.0.1:0", *common])
         procs.append(orch)
-        seed = orch.wait_boot().addr
+        addrs = [orch.wait_boot().addr]
         for k in range(stages):
-            procs.append(MeshProcess(f"stage-{k}", ["run", "--role", "stage", "--stage", str(k),
-                                                    "--stages", str(stages), "--bind", "127.0.0.1:0",
-                                                    "--seed", seed, *common]))
-        for p in procs[1:]:
-            p.wait_boot()
+            stage = MeshProcess(f"stage-{k}", ["run", "--role", "stage", "--stage", str(k),
+                                               "--stages", str(stages), "--bind", "127.0.0.1:0",
+                                               "--seed", addrs[0], *common,
+                                               *(stage_extra(k, list(addrs)) if stage_extra else [])])
+            procs.append(stage)
+            addrs.append(stage.wait_boot().addr)
     except BaseException:
         for p in procs:
             p.stop(timeout=2)
