@@ -6,6 +6,7 @@ prefix to a stage.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,14 +87,23 @@ def load_or_create(path: str | os.PathLike) -> Identity:
 
 def _create(path: Path) -> Identity:
     identity = Identity.generate()
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        # O_EXCL: never clobber a key another process wrote in the meantime.
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        return load_or_create(path)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(identity.to_pem())
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            # link() is atomic and never clobbers: a key another process wrote
+            # in the meantime wins, and nobody ever reads a half-written file.
+            os.link(tmp, path)
+        except FileExistsError:
+            return load_or_create(path)
     except OSError as exc:
         raise IdentityError(f"cannot create key file {path}: {exc.strerror}") from exc
-    with os.fdopen(fd, "wb") as f:
-        f.write(identity.to_pem())
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
     return identity

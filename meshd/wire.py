@@ -12,6 +12,7 @@ ONLY APPEND TO THE TAG TABLE.  A tag, once shipped, keeps its meaning.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -175,6 +176,9 @@ class MemberState(_Record):
 
 class Message(_Record):
     TAG: ClassVar[int]
+    # The message's encoding, filled on first use: a fact is piggybacked many
+    # times, and the object is immutable, so it is packed once.
+    __slots__ = ("_wire",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,11 +285,52 @@ def encode_message(msg: Message) -> list:
     return [msg.TAG, msg.to_body()]
 
 
+_getters: dict[type, Callable[[Any], Any]] = {}
+
+
+def _shallow_body(obj: Any) -> Any:
+    """msgpack's ``default`` hook: a record becomes the tuple of its fields.
+
+    Nested records come back through this hook; tuples pack as arrays, so the
+    bytes equal those of ``packb(encode_message(msg))``.
+    """
+    getter = _getters.get(type(obj))
+    if getter is None:
+        if not isinstance(obj, _Record):
+            raise TypeError(f"cannot encode {type(obj).__name__}")
+        names = [f.name for f in dataclasses.fields(obj)]  # type: ignore[arg-type]
+        if len(names) == 1:
+            one = operator.attrgetter(names[0])
+            getter = lambda o: (one(o),)  # noqa: E731
+        else:
+            getter = operator.attrgetter(*names)
+        _getters[type(obj)] = getter
+    return getter(obj)
+
+
+def _message_bytes(msg: Message) -> bytes:
+    try:
+        return msg._wire
+    except AttributeError:
+        data = msgpack.packb((msg.TAG, msg), use_bin_type=True, default=_shallow_body)
+        object.__setattr__(msg, "_wire", data)
+        return data
+
+
+def _array_header(n: int) -> bytes:
+    if n < 16:
+        return bytes((0x90 | n,))
+    if n < 65536:
+        return b"\xdc" + n.to_bytes(2, "big")
+    return b"\xdd" + n.to_bytes(4, "big")
+
+
 def encode(packet: Packet, max_bytes: int = MAX_PACKET_BYTES) -> bytes:
-    data = msgpack.packb(
-        [packet.version, packet.sender, [encode_message(m) for m in packet.messages]],
-        use_bin_type=True,
-    )
+    # Byte for byte ``packb([version, sender, [[tag, body], ...]])``, from each
+    # message's cached encoding.
+    head = msgpack.packb(packet.version) + msgpack.packb(packet.sender, use_bin_type=True)
+    messages = packet.messages
+    data = b"".join([b"\x93", head, _array_header(len(messages)), *map(_message_bytes, messages)])
     if len(data) > max_bytes:
         raise WireError(f"packet of {len(data)} bytes exceeds the {max_bytes}-byte limit")
     return data
@@ -293,7 +338,7 @@ def encode(packet: Packet, max_bytes: int = MAX_PACKET_BYTES) -> bytes:
 
 def encoded_size(msg: Message) -> int:
     """Bytes this message adds to a packet."""
-    return len(msgpack.packb(encode_message(msg), use_bin_type=True))
+    return len(_message_bytes(msg))
 
 
 # Overhead of the packet envelope around its messages (version, sender, list header).
