@@ -1,0 +1,472 @@
+"""The relay server: WebSocket frames between authenticated nodes, STUN over UDP.
+
+One TCP listener (WebSocket) and one UDP socket (STUN binding) on the same
+port number.  Each client proves it owns its NodeId by signing a fresh nonce;
+then its ``Send`` frames go to the destination's queue as ``Recv`` frames.  A
+slow or dead client is dropped; it never holds up the others.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import errno
+import logging
+import secrets
+from dataclasses import dataclass, field
+from typing import NoReturn
+
+import trio
+from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest, WebSocketServer
+
+from ..identity import prefix, verify
+from . import protocol, stun
+from .protocol import (
+    CLOSE_AUTH_TIMEOUT,
+    CLOSE_BAD_SIGNATURE,
+    CLOSE_MALFORMED,
+    CLOSE_PING_TIMEOUT,
+    CLOSE_REPLACED,
+    CLOSE_SHUTTING_DOWN,
+    CLOSE_SLOW_READER,
+    CLOSE_TOO_BIG,
+    CLOSE_UNAUTHENTICATED,
+    MAX_PAYLOAD,
+    NODE_ID_BYTES,
+    REPLACED_REASON,
+    RelayProtocolError,
+)
+from .ratelimit import TokenBucket
+
+log = logging.getLogger("meshd.relay")
+
+STUN_MAX_DATAGRAM = 2048
+# On shutdown, how long to wait for each client to answer our close frame.
+SHUTDOWN_GRACE = 0.25
+
+
+@dataclass(frozen=True)
+class RelayConfig:
+    max_payload: int = MAX_PAYLOAD
+    rate_bytes_per_s: float = 8 * 1024 * 1024
+    burst_bytes: float = 16 * 1024 * 1024
+    handshake_timeout: float = 10.0  # TCP accept -> WebSocket upgrade done
+    auth_timeout: float = 10.0  # challenge sent -> signed answer received
+    ping_interval: float = 15.0  # ping a client this long after its last message
+    ping_timeout: float = 10.0
+    send_timeout: float = 10.0  # a client that reads nothing for this long is dropped
+    close_timeout: float = 2.0
+    outbox_frames: int = 1024
+
+    def __post_init__(self) -> None:
+        if not 0 < self.max_payload <= MAX_PAYLOAD:
+            raise ValueError(f"max_payload must be in 1..{MAX_PAYLOAD}")
+        if self.burst_bytes < self.max_frame:
+            raise ValueError(f"burst_bytes must hold at least one full frame ({self.max_frame} bytes)")
+
+    @property
+    def max_frame(self) -> int:
+        return 1 + NODE_ID_BYTES + self.max_payload
+
+
+class RelayBindError(OSError):
+    """The relay could not bind its port; the message names the address."""
+
+
+@dataclass(eq=False)
+class _Client:
+    node_id: bytes
+    ws: WebSocketConnection
+    remote: str
+    bucket: TokenBucket
+    connected_at: float
+    outbox: trio.MemorySendChannel
+    inbox: trio.MemoryReceiveChannel
+    last_rx: float
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    frames_in: int = 0
+    bytes_in: int = 0
+    frames_out: int = 0
+    rate_limited: int = 0
+    dropped: int = 0
+
+    @property
+    def prefix(self) -> str:
+        return prefix(self.node_id)
+
+
+class Relay:
+    """The relay's state: who is connected, and what happened, in counters."""
+
+    def __init__(self, config: RelayConfig | None = None) -> None:
+        self.config = config or RelayConfig()
+        self._clients: dict[bytes, _Client] = {}
+        self.frames_forwarded = 0
+        self.bytes_forwarded = 0
+        self.peer_not_here = 0
+        self.rate_limited = 0
+        self.dropped_queue_full = 0
+        self.accepted = 0
+        self.replaced = 0
+        self.dead = 0
+        self.refused: dict[str, int] = {}
+        self.stun_answered = 0
+        self.stun_ignored = 0
+
+    def snapshot(self) -> dict:
+        now = trio.current_time()
+        return {
+            "clients_connected": len(self._clients),
+            "clients": {
+                c.prefix: {
+                    "id": c.node_id.hex(),
+                    "remote": c.remote,
+                    "connected_s": round(now - c.connected_at, 3),
+                    "frames_in": c.frames_in,
+                    "bytes_in": c.bytes_in,
+                    "frames_out": c.frames_out,
+                    "rate_limited": c.rate_limited,
+                    "dropped": c.dropped,
+                }
+                for c in self._clients.values()
+            },
+            "accepted": self.accepted,
+            "frames_forwarded": self.frames_forwarded,
+            "bytes_forwarded": self.bytes_forwarded,
+            "peer_not_here": self.peer_not_here,
+            "rate_limited": self.rate_limited,
+            "dropped_queue_full": self.dropped_queue_full,
+            "replaced": self.replaced,
+            "dead": self.dead,
+            "refused": dict(self.refused),
+            "stun_answered": self.stun_answered,
+            "stun_ignored": self.stun_ignored,
+        }
+
+    def is_connected(self, node_id: bytes) -> bool:
+        return node_id in self._clients
+
+    # --- connection lifecycle ---
+
+    async def handle(self, request: WebSocketRequest) -> None:
+        """trio-websocket handler: one call per upgraded connection."""
+        _handshake_done.get().append(True)
+        ws = await request.accept()
+        remote = _endpoint_text(ws.remote)
+        try:
+            node_id = await self._authenticate(ws, remote)
+            if node_id is not None:
+                await self._session(ws, node_id, remote)
+        finally:
+            if ws.closed is None:
+                # Cancelled: the relay is shutting down. Say so, so clients reconnect at once;
+                # the close frame goes out at once, the wait for the peer's reply is short.
+                with trio.CancelScope(shield=True) as scope:
+                    scope.deadline = trio.current_time() + min(self.config.close_timeout, SHUTDOWN_GRACE)
+                    await ws.aclose(CLOSE_SHUTTING_DOWN, "relay shutting down")
+
+    async def _authenticate(self, ws: WebSocketConnection, remote: str) -> bytes | None:
+        """The client's proven node id, or None once it has been refused."""
+        nonce = secrets.token_bytes(protocol.NONCE_BYTES)
+        try:
+            with trio.move_on_after(self.config.auth_timeout) as scope:
+                await ws.send_message(protocol.Challenge(nonce).encode())
+                data = await ws.get_message()
+        except ConnectionClosed:
+            if _closed_too_big(ws):
+                self._count_refused("oversized", remote, "frame over the size limit before authenticating")
+            return None
+        if scope.cancelled_caught:
+            t = self.config.auth_timeout
+            await self._refuse(ws, remote, "auth-timeout", CLOSE_AUTH_TIMEOUT,
+                               f"no answer to the challenge within {t:g}s")
+            return None
+        try:
+            frame = protocol.decode(data)  # type: ignore[arg-type]
+        except RelayProtocolError as exc:
+            await self._refuse(ws, remote, "malformed", CLOSE_MALFORMED, f"malformed frame: {exc}")
+            return None
+        if not isinstance(frame, protocol.Auth):
+            await self._refuse(ws, remote, "unauthenticated", CLOSE_UNAUTHENTICATED,
+                               f"{type(frame).__name__} frame before authentication")
+            return None
+        if not verify(frame.node_id, frame.signature, protocol.auth_message(nonce, frame.node_id)):
+            # A claim to someone else's id lands here too: only the owner's key verifies.
+            held = " (an id connected here)" if frame.node_id in self._clients else ""
+            await self._refuse(ws, remote, "bad-signature", CLOSE_BAD_SIGNATURE,
+                               f"signature does not prove ownership of node {prefix(frame.node_id)}{held}")
+            return None
+        return frame.node_id
+
+    async def _session(self, ws: WebSocketConnection, node_id: bytes, remote: str) -> None:
+        now = trio.current_time()
+        outbox, inbox = trio.open_memory_channel(self.config.outbox_frames)
+        client = _Client(
+            node_id=node_id, ws=ws, remote=remote, connected_at=now, last_rx=now,
+            bucket=TokenBucket(self.config.rate_bytes_per_s, self.config.burst_bytes, now),
+            outbox=outbox, inbox=inbox,
+        )
+        old = self._clients.get(node_id)
+        self._clients[node_id] = client
+        self.accepted += 1
+        log.info("relay: %s connected from %s", client.prefix, remote)
+        try:
+            try:
+                await ws.send_message(protocol.Accepted(self.config.max_payload).encode())
+            except ConnectionClosed:
+                return
+            async with trio.open_nursery() as nursery:
+                client.scope = nursery.cancel_scope  # cancelling it ends every task of this client
+                if old is not None:
+                    self.replaced += 1
+                    log.info("relay: %s reconnected from %s; closing its connection from %s",
+                             client.prefix, remote, old.remote)
+                    nursery.start_soon(self._replace, old)
+                nursery.start_soon(self._writer, client)
+                nursery.start_soon(self._keepalive, client)
+                await self._reader(client)
+                nursery.cancel_scope.cancel()
+        finally:
+            client.outbox.close()
+            if self._clients.get(node_id) is client:
+                del self._clients[node_id]
+            log.info("relay: %s disconnected (%s)", client.prefix, _close_text(ws))
+
+    async def _replace(self, old: _Client) -> None:
+        with trio.move_on_after(self.config.close_timeout):
+            try:
+                await old.ws.send_message(protocol.Replaced().encode())
+            except ConnectionClosed:
+                pass
+        await self._close(old, CLOSE_REPLACED, REPLACED_REASON)
+
+    async def _close(self, client: _Client, code: int, reason: str) -> None:
+        with trio.move_on_after(self.config.close_timeout):
+            await client.ws.aclose(code, reason)  # a timeout here still closes the TCP stream
+        client.scope.cancel()
+
+    async def _refuse(self, ws: WebSocketConnection, remote: str, why: str, code: int, text: str) -> None:
+        self._count_refused(why, remote, text)
+        with trio.move_on_after(self.config.close_timeout):
+            await ws.aclose(code, text)
+
+    def _count_refused(self, why: str, remote: str, text: str) -> None:
+        self.refused[why] = self.refused.get(why, 0) + 1
+        log.warning("relay: refused %s: %s", remote, text)
+
+    # --- per-client tasks ---
+
+    async def _reader(self, client: _Client) -> None:
+        while True:
+            try:
+                data = await client.ws.get_message()
+            except ConnectionClosed:
+                if _closed_too_big(client.ws):
+                    text = f"{client.prefix} sent an oversized frame"
+                    self._count_refused("oversized", client.remote, text)
+                return
+            client.last_rx = trio.current_time()
+            try:
+                frame = protocol.decode(data)  # type: ignore[arg-type]
+                if not isinstance(frame, protocol.Send):
+                    raise RelayProtocolError(f"a client may not send {type(frame).__name__} frames")
+                if len(frame.payload) > self.config.max_payload:
+                    limit = self.config.max_payload
+                    raise RelayProtocolError(f"payload over this relay's {limit}-byte limit")
+            except RelayProtocolError as exc:
+                self._count_refused("malformed", client.remote, f"{client.prefix}: {exc}")
+                await self._close(client, CLOSE_MALFORMED, f"malformed frame: {exc}")
+                return
+            self._forward(client, frame, len(data))
+
+    def _forward(self, client: _Client, frame: protocol.Send, size: int) -> None:
+        client.frames_in += 1
+        client.bytes_in += size
+        if not client.bucket.take(size, trio.current_time()):
+            client.rate_limited += 1
+            self.rate_limited += 1
+            return
+        dst = self._clients.get(frame.dst)
+        if dst is None:
+            self.peer_not_here += 1
+            _enqueue(client, protocol.PeerNotHere(frame.dst).encode())
+            return
+        if _enqueue(dst, protocol.Recv(client.node_id, frame.payload).encode()):
+            self.frames_forwarded += 1
+            self.bytes_forwarded += len(frame.payload)
+        else:
+            self.dropped_queue_full += 1
+
+    async def _writer(self, client: _Client) -> None:
+        async for data in client.inbox:
+            with trio.move_on_after(self.config.send_timeout) as scope:
+                try:
+                    await client.ws.send_message(data)
+                except ConnectionClosed:
+                    return
+            if scope.cancelled_caught:
+                self.dead += 1
+                t = self.config.send_timeout
+                log.warning("relay: %s read nothing for %gs; dropping it", client.prefix, t)
+                await self._close(client, CLOSE_SLOW_READER, f"not reading: a send took over {t:g}s")
+                return
+            client.frames_out += 1
+
+    async def _keepalive(self, client: _Client) -> None:
+        interval, timeout = self.config.ping_interval, self.config.ping_timeout
+        while True:
+            idle_until = client.last_rx + interval
+            if trio.current_time() < idle_until:
+                await trio.sleep_until(idle_until)
+                continue
+            with trio.move_on_after(timeout) as scope:
+                try:
+                    await client.ws.ping()
+                except ConnectionClosed:
+                    return
+            if scope.cancelled_caught:
+                self.dead += 1
+                log.warning("relay: %s did not answer a ping within %gs; dropping it", client.prefix, timeout)
+                await self._close(client, CLOSE_PING_TIMEOUT, f"no pong within {timeout:g}s")
+                return
+            client.last_rx = trio.current_time()
+
+    # --- STUN ---
+
+    async def serve_stun(self, sock: trio.socket.SocketType) -> NoReturn:
+        while True:
+            try:
+                data, addr = await sock.recvfrom(STUN_MAX_DATAGRAM)
+            except OSError:
+                continue  # an ICMP error surfacing on the socket; not ours to handle
+            try:
+                response = stun.binding_response(data, addr[:2])
+            except stun.StunError:
+                self.stun_ignored += 1
+                continue
+            try:
+                await sock.sendto(response, addr)
+            except OSError as exc:
+                log.debug("relay: STUN reply to %s failed: %s", addr, exc)
+                continue
+            self.stun_answered += 1
+
+
+def _enqueue(client: _Client, data: bytes) -> bool:
+    try:
+        client.outbox.send_nowait(data)
+    except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+        client.dropped += 1
+        return False
+    return True
+
+
+def _closed_too_big(ws: WebSocketConnection) -> bool:
+    return ws.closed is not None and ws.closed.code == CLOSE_TOO_BIG
+
+
+def _close_text(ws: WebSocketConnection) -> str:
+    reason = ws.closed
+    if reason is None:
+        return "open"
+    return f"{reason.code} {reason.reason or reason.name}"
+
+
+def _endpoint_text(endpoint: object) -> str:
+    address, port = getattr(endpoint, "address", None), getattr(endpoint, "port", None)
+    if address is None:
+        return str(endpoint)
+    address = str(address)
+    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+
+
+# Set per connection task by _Server; the handler appends to it once the upgrade succeeded.
+_handshake_done: contextvars.ContextVar[list[bool]] = contextvars.ContextVar("_handshake_done")
+
+
+class _Server(WebSocketServer):
+    """WebSocketServer that counts connections whose upgrade never completed
+    (garbage on the TCP port, a port scanner), and always closes the TCP stream."""
+
+    def __init__(self, relay: Relay, listeners: list[trio.SocketListener]) -> None:
+        config = relay.config
+        super().__init__(relay.handle, listeners, max_message_size=config.max_frame,
+                         connect_timeout=config.handshake_timeout, disconnect_timeout=config.close_timeout)
+        self._relay = relay
+
+    async def _handle_connection(self, stream: trio.abc.Stream) -> None:
+        done: list[bool] = []
+        _handshake_done.set(done)  # each connection runs in its own task, with its own context
+        try:
+            await super()._handle_connection(stream)
+        finally:
+            if not done:
+                self._relay._count_refused("handshake-failed", _stream_peer(stream),
+                                           "no WebSocket upgrade (not a relay client)")
+            # trio-websocket leaves the stream open after its own 1009 close.
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
+
+
+def _stream_peer(stream: trio.abc.Stream) -> str:
+    try:
+        host, port = stream.socket.getpeername()[:2]  # type: ignore[attr-defined]
+    except (AttributeError, OSError):
+        return "unknown peer"
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def _bind_same_port(host: str, port: int) -> tuple[trio.socket.SocketType, trio.socket.SocketType]:
+    """A listening TCP socket and a UDP socket on the same port number."""
+    what = f"{host}:{port}"
+    try:
+        infos = await trio.socket.getaddrinfo(host or None, port, type=trio.socket.SOCK_STREAM,
+                                              flags=trio.socket.AI_PASSIVE)
+    except trio.socket.gaierror as exc:
+        raise RelayBindError(errno.EINVAL, f"cannot bind relay on {what}: {exc.strerror}") from exc
+    family, _, _, _, sockaddr = infos[0]
+    # Port 0: the kernel picks a free TCP port, which may be taken for UDP; try a few.
+    for _ in range(16 if port == 0 else 1):
+        tcp = trio.socket.socket(family, trio.socket.SOCK_STREAM)
+        udp = trio.socket.socket(family, trio.socket.SOCK_DGRAM)
+        try:
+            # SO_REUSEADDR: a restarted relay gets its port back despite TIME_WAIT.
+            tcp.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_REUSEADDR, 1)
+            await tcp.bind(sockaddr)
+            tcp.listen(128)
+            await udp.bind((sockaddr[0], tcp.getsockname()[1], *sockaddr[2:]))
+            return tcp, udp
+        except OSError as exc:
+            tcp.close()
+            udp.close()
+            if port == 0 and exc.errno == errno.EADDRINUSE:
+                continue
+            reason = "address already in use" if exc.errno == errno.EADDRINUSE else exc.strerror
+            raise RelayBindError(exc.errno, f"cannot bind relay on {what}: {reason}") from exc
+    raise RelayBindError(errno.EADDRINUSE, f"cannot bind relay on {what}: no port free for both TCP and UDP")
+
+
+async def serve_relay(
+    host: str,
+    port: int,
+    *,
+    relay: Relay | None = None,
+    task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
+) -> NoReturn:
+    """Serve the relay (WebSocket on TCP, STUN on UDP, same port) until cancelled.
+
+    Reports the bound ``(host, port)`` through ``task_status``.  Pass a
+    :class:`Relay` to read its ``snapshot()`` or to set its config.
+    Raises :class:`RelayBindError` if the port cannot be bound.
+    """
+    relay = relay if relay is not None else Relay()
+    tcp, udp = await _bind_same_port(host, port)
+    bound = tcp.getsockname()[:2]
+    with udp:
+        server = _Server(relay, [trio.SocketListener(tcp)])
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.run)
+            nursery.start_soon(relay.serve_stun, udp)
+            log.info("relay: serving ws://%s:%d and STUN on udp %d", bound[0], bound[1], bound[1])
+            task_status.started((bound[0], bound[1]))
+            await trio.sleep_forever()
+    raise AssertionError("unreachable")
