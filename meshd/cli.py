@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="inject a fault in this node's transport: drop:HOST:PORT (our direct packets "
                           "to that peer are lost), isolate, loss:P, delay:MS; repeatable")
     run.set_defaults(func=_cmd_run)
+
+    from .relay.cli import add_parser as add_relay
+    add_relay(sub)
     return parser
 
 

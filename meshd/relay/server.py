@@ -343,12 +343,11 @@ class Relay:
             except stun.StunError:
                 self.stun_ignored += 1
                 continue
+            self.stun_answered += 1
             try:
                 await sock.sendto(response, addr)
             except OSError as exc:
                 log.debug("relay: STUN reply to %s failed: %s", addr, exc)
-                continue
-            self.stun_answered += 1
 
 
 def _enqueue(client: _Client, data: bytes) -> bool:

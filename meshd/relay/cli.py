@@ -1,0 +1,79 @@
+"""``meshd relay --bind HOST:PORT``: run a relay until SIGINT or SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from functools import partial
+
+from ..net.udp import AddressError, format_addr, parse_addr
+
+
+def _bind(text: str) -> tuple[str, int]:
+    try:
+        return parse_addr(text, allow_port_zero=True)
+    except AddressError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be greater than 0")
+    return value
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    relay = sub.add_parser(
+        "relay", help="run a relay: WebSocket frames between nodes, STUN over UDP on the same port",
+        description="Run a meshd relay. Nodes connect over WebSocket (ws://HOST:PORT), prove their "
+                    "node id, and send frames to each other; STUN binding requests are answered "
+                    "over UDP on the same port.")
+    relay.add_argument("--bind", type=_bind, default=("127.0.0.1", 0), metavar="HOST:PORT",
+                       help="TCP (WebSocket) and UDP (STUN) port; 0 picks one (default 127.0.0.1:0)")
+    relay.add_argument("--rate", type=_positive, default=8 * 1024 * 1024, metavar="BYTES_PER_S",
+                       help="per-client forwarding rate (default %(default)d)")
+    relay.add_argument("--burst", type=_positive, default=16 * 1024 * 1024, metavar="BYTES",
+                       help="per-client burst above the rate (default %(default)d)")
+    relay.add_argument("--ping-interval", type=_positive, default=15.0, metavar="SECONDS",
+                       help="ping a client this long after its last message (default %(default)g)")
+    relay.add_argument("--ping-timeout", type=_positive, default=10.0, metavar="SECONDS",
+                       help="drop a client whose pong takes longer (default %(default)g)")
+    relay.set_defaults(func=_cmd_relay)
+
+
+def _cmd_relay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import trio
+
+    from .server import Relay, RelayConfig
+
+    try:
+        config = RelayConfig(rate_bytes_per_s=args.rate, burst_bytes=args.burst,
+                             ping_interval=args.ping_interval, ping_timeout=args.ping_timeout)
+    except ValueError as exc:
+        parser.error(f"relay: {exc}")
+    return trio.run(_serve_until_signal, args.bind, Relay(config))
+
+
+async def _serve_until_signal(bind: tuple[str, int], relay) -> int:
+    import trio
+
+    from .server import RelayBindError, serve_relay
+
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            try:
+                host, port = await nursery.start(partial(serve_relay, bind[0], bind[1], relay=relay))
+            except RelayBindError as exc:
+                print(f"meshd: error: {exc.strerror}", file=sys.stderr)
+                return 2
+            addr = format_addr(host, port)
+            print(f"meshd relay url=ws://{addr} stun={addr}/udp", flush=True)
+            async for _ in signals:
+                break
+            nursery.cancel_scope.cancel()
+    return 0
