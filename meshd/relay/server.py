@@ -55,7 +55,7 @@ class RelayConfig:
     ping_timeout: float = 10.0
     send_timeout: float = 10.0  # a client that reads nothing for this long is dropped
     close_timeout: float = 2.0
-    outbox_frames: int = 1024
+    outbox_frames: int = 256  # per client; at 64 KiB a frame, at most 16 MiB queued
 
     def __post_init__(self) -> None:
         if not 0 < self.max_payload <= MAX_PAYLOAD:
@@ -149,7 +149,9 @@ class Relay:
 
     async def handle(self, request: WebSocketRequest) -> None:
         """trio-websocket handler: one call per upgraded connection."""
-        _handshake_done.get().append(True)
+        done = _handshake_done.get(None)
+        if done is not None:
+            done.append(True)
         ws = await request.accept()
         remote = _endpoint_text(ws.remote)
         try:
@@ -339,7 +341,7 @@ class Relay:
             except OSError:
                 continue  # an ICMP error surfacing on the socket; not ours to handle
             try:
-                response = stun.binding_response(data, addr[:2])
+                response = stun.binding_response(data, _unmapped(addr[0], addr[1]))
             except stun.StunError:
                 self.stun_ignored += 1
                 continue
@@ -348,6 +350,13 @@ class Relay:
                 await sock.sendto(response, addr)
             except OSError as exc:
                 log.debug("relay: STUN reply to %s failed: %s", addr, exc)
+
+
+def _unmapped(host: str, port: int) -> tuple[str, int]:
+    """An IPv4 peer on a dual-stack socket shows as ``::ffff:a.b.c.d``; report it as IPv4."""
+    if host.startswith("::ffff:") and "." in host:
+        return host[len("::ffff:"):], port
+    return host, port
 
 
 def _enqueue(client: _Client, data: bytes) -> bool:
