@@ -393,11 +393,14 @@ async def test_stun_binding_returns_our_reflexive_address():
 async def test_relay_restart_on_the_same_port_clients_reconnect_on_their_own():
     async with trio.open_nursery() as nursery:
         first, port, _ = await start_relay(nursery)
-        a = await start_client(nursery, port)
-        b = await start_client(nursery, port)
+        # First retry after 0.15-0.3 s: time to read why the connection ended before a retry overwrites it.
+        config = ClientConfig(backoff_initial=0.3, backoff_max=0.5)
+        a = await start_client(nursery, port, config=config)
+        b = await start_client(nursery, port, config=config)
         await assert_exchange(a, b, b"first life")
         await first.kill()
         await wait_until(lambda: not a.connected and not b.connected, "clients see the relay go")
+        assert f"relay ws://{HOST}:{port} closed the connection (1001 relay shutting down)" == a.last_error
         with pytest.raises(RelayNotConnected):
             await a.send(b.identity.node_id, b"into the void")
         _, again, relay = await start_relay(nursery, port=port)
