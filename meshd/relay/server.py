@@ -243,13 +243,13 @@ class Relay:
 
     async def _close(self, client: _Client, code: int, reason: str) -> None:
         with trio.move_on_after(self.config.close_timeout):
-            await client.ws.aclose(code, reason)  # a timeout here still closes the TCP stream
+            await client.ws.aclose(code, _close_reason(reason))  # a timeout still closes the TCP stream
         client.scope.cancel()
 
     async def _refuse(self, ws: WebSocketConnection, remote: str, why: str, code: int, text: str) -> None:
         self._count_refused(why, remote, text)
         with trio.move_on_after(self.config.close_timeout):
-            await ws.aclose(code, text)
+            await ws.aclose(code, _close_reason(text))
 
     def _count_refused(self, why: str, remote: str, text: str) -> None:
         self.refused[why] = self.refused.get(why, 0) + 1
@@ -350,6 +350,11 @@ class Relay:
                 await sock.sendto(response, addr)
             except OSError as exc:
                 log.debug("relay: STUN reply to %s failed: %s", addr, exc)
+
+
+def _close_reason(text: str) -> str:
+    """A WebSocket close reason holds at most 123 bytes of UTF-8."""
+    return text.encode()[:123].decode(errors="ignore")
 
 
 def _unmapped(host: str, port: int) -> tuple[str, int]:
