@@ -8,17 +8,22 @@ replaces the older one still queued, and each fact is dropped after
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from ..wire import Message, encoded_size
 
 
-@dataclass(order=True)
+@dataclass(slots=True)
 class _Item:
     transmits: int
     neg_order: int  # newer first among equals
     key: object = field(compare=False)
     msg: Message = field(compare=False)
     size: int = field(compare=False)
+
+
+# Sort by (transmits, neg_order) as C tuples: a dataclass __lt__ is slow in this hot loop.
+_priority = attrgetter("transmits", "neg_order")
 
 
 class BroadcastQueue:
@@ -39,7 +44,7 @@ class BroadcastQueue:
         if not self._items or budget <= 0:
             return []
         out = []
-        for item in sorted(self._items.values()):
+        for item in sorted(self._items.values(), key=_priority):
             if item.size > budget:
                 continue
             budget -= item.size
