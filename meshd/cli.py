@@ -65,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="protocol timings, as memberlist's profiles (default %(default)s)")
     run.add_argument("--snapshot-dir", metavar="DIR", help="append JSON-line snapshots to DIR/<prefix>.jsonl")
     run.add_argument("--snapshot-interval", type=_positive_float, default=5.0, metavar="SECONDS")
+    run.add_argument("--relay", metavar="URL", help="home relay, ws://HOST:PORT (see `meshd relay`)")
     run.add_argument("--fault", action="append", default=[], metavar="SPEC",
                      help="inject a fault in this node's transport: drop:HOST:PORT (our direct packets "
                           "to that peer are lost), isolate, loss:P, delay:MS; repeatable")
@@ -89,6 +90,13 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("run: --stage is only for --role stage")
     if args.stages is not None and args.stages < 1:
         parser.error("run: --stages must be at least 1")
+    if args.relay is not None:
+        from .relay.client import parse_relay_url
+
+        try:
+            parse_relay_url(args.relay)
+        except ValueError as exc:
+            parser.error(f"run: --relay {args.relay}: {exc}")
     try:
         faults = Faults.parse(args.fault)
     except FaultSpecError as exc:
@@ -109,6 +117,7 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         snapshot_dir=args.snapshot_dir,
         snapshot_interval=args.snapshot_interval,
         faults=faults,
+        relay=args.relay,
     )
     try:
         return trio.run(run_node, identity, options)

@@ -17,12 +17,16 @@ import trio
 from . import __version__
 from .identity import Identity
 from .net.faults import Faults
-from .net.udp import MAX_DATAGRAM, format_addr, open_udp, parse_addr
+from .net.path_table import RELAY, PathTable
+from .net.udp import MAX_DATAGRAM, AddressError, format_addr, open_udp, parse_addr
 from .snapshot import SnapshotWriter, snapshot, stage_sort_key
 from .swim import PROFILES, EventKind, State, Swim
 from .wire import Meta, WireError, encode
 
 log = logging.getLogger("meshd.node")
+
+# Where a packet came over the relay from a node we do not know yet.
+RELAY_ADDR_PREFIX = "relay:"
 
 # After a leave, how long to keep answering and re-sending before we go.
 LEAVE_LINGER_S = 0.3
@@ -40,6 +44,7 @@ class NodeOptions:
     snapshot_dir: str | None = None
     snapshot_interval: float = 5.0
     faults: Faults = field(default_factory=Faults)
+    relay: str | None = None  # home relay URL, ws://HOST:PORT
 
     def names(self) -> list[str]:
         """Registry names this node owns."""
@@ -70,6 +75,12 @@ class Node:
         self._last_map: str | None = None
         self._snapshots: SnapshotWriter | None = None
         self._nursery: trio.Nursery | None = None
+        self.paths = PathTable()
+        self.relay = None
+        if options.relay:
+            from .relay.client import RelayClient
+
+            self.relay = RelayClient(options.relay, identity)
 
     # ---------------------------------------------------------------- serve
 
@@ -90,7 +101,7 @@ class Node:
                 stage=opts.stage,
                 stages=opts.stages,
                 addrs=(self.addr,),
-                relay_url=None,
+                relay_url=opts.relay,
                 version=__version__,
             )
             now = trio.current_time()
@@ -100,7 +111,7 @@ class Node:
             self.out(
                 f"meshd node id={self.identity.node_id.hex()} prefix={self.identity.prefix} "
                 f"role={opts.role} stage={'-' if opts.stage is None else opts.stage} "
-                f"addr={self.addr} relay=-"
+                f"addr={self.addr} relay={opts.relay or '-'}"
             )
             if opts.faults.active:
                 self.out(f"meshd faults {' '.join(opts.faults.describe())}")
@@ -114,6 +125,9 @@ class Node:
             await self._flush()
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
+                if self.relay is not None:
+                    await nursery.start(self.relay.run)
+                    nursery.start_soon(self._relay_receive_loop)
                 nursery.start_soon(self._receive_loop)
                 nursery.start_soon(self._timer_loop)
                 if self._snapshots is not None:
@@ -139,7 +153,8 @@ class Node:
 
     def snapshot(self) -> dict:
         assert self.swim is not None
-        return snapshot(self.swim, trio.current_time())
+        relay = self.relay.snapshot() if self.relay is not None else None
+        return snapshot(self.swim, trio.current_time(), self.paths, relay)
 
     # ---------------------------------------------------------------- loops
 
@@ -155,7 +170,31 @@ class Node:
             if self.options.faults.direct_in_lost(addr):
                 swim.counters["rx_fault_dropped"] += 1
                 continue
-            swim.receive_datagram(data, format_addr(addr[0], addr[1]), trio.current_time())
+            now = trio.current_time()
+            sender = swim.receive_datagram(data, format_addr(addr[0], addr[1]), now)
+            if sender is not None:
+                self.paths.received(sender, "direct", now)
+            self._after()
+            await self._flush()
+
+    async def _relay_receive_loop(self) -> None:
+        from .relay.protocol import Recv
+
+        swim = self.swim
+        async for item in self.relay.received:
+            if not isinstance(item, Recv):
+                continue  # peer-not-here: the probe that needed it will time out and say so
+            if self.options.faults.relay_blocked():
+                swim.counters["rx_fault_dropped"] += 1
+                continue
+            now = trio.current_time()
+            m = swim.members.get(item.src)
+            addr = m.addr if m is not None else f"{RELAY_ADDR_PREFIX}{item.src.hex()[:8]}"
+            sender = swim.receive_datagram(item.payload, addr, now)
+            if sender is not None:
+                if sender != item.src:
+                    swim.counters["rx_relay_sender_mismatch"] += 1
+                self.paths.received(item.src, RELAY, now)
             self._after()
             await self._flush()
 
@@ -180,6 +219,9 @@ class Node:
         """React to what the core decided: log membership changes, wake the timer."""
         changed = False
         for ev in self.swim.events():
+            if ev.kind is EventKind.PATH:
+                self._path_changed(ev.node, ev.detail["direct"], ev.detail["rtt"], ev.at)
+                continue
             if not ev.membership:
                 continue
             m = self.swim.members.get(ev.node)
@@ -192,6 +234,16 @@ class Node:
         if changed:
             self._print_stage_map()
         self._wake.set()
+
+    def _path_changed(self, node: bytes, direct: bool, rtt: float, now: float) -> None:
+        reason = "direct ping unanswered within the probe timeout; the relayed ping was answered"
+        if self.paths.probe_verdict(node, direct, rtt, now, reason):
+            m = self.swim.members.get(node)
+            name = m.name if m is not None else "?"
+            path = self.paths.out_path(node)
+            detail = "" if direct else f" ({reason})"
+            self.out(f"meshd path {self.swim.me.name}->{name} prefix={node.hex()[:8]} "
+                     f"out={path} rtt_ms={rtt * 1000:.1f}{detail}")
 
     def _print_stage_map(self) -> None:
         live = [m for m in self.swim.members.values() if m.state in (State.ALIVE, State.SUSPECT)]
@@ -210,22 +262,48 @@ class Node:
                 swim.counters["tx_too_big"] += 1
                 log.warning("not sent to %s: %s", out.addr, exc)
                 continue
+            via = out.via or self.paths.out_path(out.node)
+            if out.addr.startswith(RELAY_ADDR_PREFIX):
+                via = RELAY  # we only know this peer through the relay so far
+            if via == RELAY and self.relay is not None and out.node is not None:
+                await self._send_relay(out.node, data)
+                continue
             if faults.direct_out_lost(out.addr):
                 swim.counters["tx_fault_dropped"] += 1
                 continue
             if faults.delay_s and self._nursery is not None:
                 self._nursery.start_soon(self._send_later, data, out.addr, faults.delay_s)
             else:
-                await self._sendto(data, out.addr)
+                await self._sendto(data, out.addr, out.node)
+
+    async def _send_relay(self, node: bytes, data: bytes) -> None:
+        from .relay.client import RelayError
+
+        swim = self.swim
+        if self.options.faults.relay_blocked():
+            swim.counters["tx_fault_dropped"] += 1
+            return
+        self.paths.sent(node)
+        try:
+            await self.relay.send(node, data)
+        except (RelayError, ValueError) as exc:
+            swim.counters["tx_relay_errors"] += 1
+            log.debug("relay send to %s: %s", node.hex()[:8], exc)
+        else:
+            swim.counters["tx_relay_bytes"] += len(data)
 
     async def _send_later(self, data: bytes, addr: str, delay: float) -> None:
         await trio.sleep(delay)
         await self._sendto(data, addr)
 
-    async def _sendto(self, data: bytes, addr: str) -> None:
+    async def _sendto(self, data: bytes, addr: str, node: bytes | None = None) -> None:
         swim = self.swim
+        self.paths.sent(node)
         try:
             await self._sock.sendto(data, parse_addr(addr))
+        except AddressError as exc:
+            swim.counters["tx_bad_address"] += 1
+            log.warning("not sent: %s", exc)
         except OSError as exc:
             swim.counters["tx_socket_errors"] += 1
             log.debug("sendto %s: %s", addr, exc)

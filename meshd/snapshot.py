@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from .identity import prefix
+from .net.path_table import PathTable
 from .swim import Member, Swim
 
 
@@ -34,9 +35,17 @@ def member_view(m: Member, now: float) -> dict:
     }
 
 
-def snapshot(swim: Swim, now: float) -> dict:
-    """A JSON-ready picture of the node: self, members, names, counters."""
-    members = [member_view(m, now) for m in swim.members.values() if m.id != swim.id]
+def snapshot(swim: Swim, now: float, paths: PathTable | None = None, relay: dict | None = None) -> dict:
+    """A JSON-ready picture of the node: self, members (with their paths), names, counters."""
+    members = []
+    for m in swim.members.values():
+        if m.id == swim.id:
+            continue
+        view = member_view(m, now)
+        if paths is not None:
+            view.update(paths.view(m.id, now))
+            del view["peer"]
+        members.append(view)
     members.sort(key=lambda v: stage_sort_key(v["name"]))
     names = {}
     for name, claim in sorted(swim.registry.claims.items()):
@@ -51,6 +60,7 @@ def snapshot(swim: Swim, now: float) -> dict:
         "self": member_view(swim.me, now),
         "members": members,
         "names": names,
+        "relay": relay,
         "awareness": swim.awareness.score,
         "counters": dict(sorted(swim.counters.items())),
     }

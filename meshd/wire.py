@@ -336,6 +336,13 @@ def encode(packet: Packet, max_bytes: int = MAX_PACKET_BYTES) -> bytes:
     return data
 
 
+def packet_size(packet: Packet) -> int:
+    """``len(encode(packet))`` without building the bytes (for simulations)."""
+    head = len(msgpack.packb(packet.version)) + len(msgpack.packb(packet.sender, use_bin_type=True))
+    messages = packet.messages
+    return 1 + head + len(_array_header(len(messages))) + sum(map(len, map(_message_bytes, messages)))
+
+
 def encoded_size(msg: Message) -> int:
     """Bytes this message adds to a packet."""
     return len(_message_bytes(msg))

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from ..identity import prefix
 from ..wire import (
@@ -64,7 +64,10 @@ class _Probe:
     end_at: float  # end of the period; no ack by then means suspect
     indirect_sent: bool = False
     expected_nacks: int = 0
-    nacks: int = 0
+    relay_seq: int | None = None  # the same ping, sent over the relay after the timeout
+    acked: bool = False  # the member answered, by some path
+    helpers: frozenset[bytes] = frozenset()
+    nackers: set[bytes] = field(default_factory=set)  # helpers that said "no answer"
 
 
 @dataclass(slots=True)
@@ -109,6 +112,7 @@ class Swim:
         self._relays: dict[int, _Relay] = {}
         self._suspicions: dict[bytes, Suspicion] = {}
         self._my_names: set[str] = set()
+        self._direct_ok: dict[bytes, bool] = {}  # last probe verdict on our direct path to each member
         self._seq = rng.randrange(1 << 31)
         self._out: list[Outgoing] = []
         self._events: list[Event] = []
@@ -172,6 +176,27 @@ class Swim:
         self.broadcasts.queue(("name", name), claim)
         self._emit(EventKind.NAME, self.id, now, name=name)
 
+    def warm_start(self, members: list[MemberState], now: float) -> None:
+        """Start as a long-settled member that already knows ``members`` (alive).
+
+        For simulations that begin from a converged cluster: no join events,
+        nothing queued to gossip, and the push-pull timer spread over the
+        interval a cluster of this size uses, as it would be after running a
+        while.  The probe order is shuffled from our own ``rng``.
+        """
+        for ms in members:
+            if ms.node == self.id or ms.node in self.members:
+                continue
+            m = Member(ms.node, ms.addr, ms.meta, ms.incarnation, State.ALIVE, now)
+            self.members[ms.node] = m
+            self._set_live(m, True)
+            self._probe_list.append(ms.node)
+        self.rng.shuffle(self._probe_list)
+        self._probe_pos = 0
+        self.broadcasts = BroadcastQueue()
+        interval = self.config.push_pull_interval_for(self.live_count())
+        self._next_push_pull = now + self.rng.uniform(0, interval)
+
     def leave(self, now: float) -> None:
         """Announce a graceful leave to every live member (and by gossip)."""
         if self.leaving:
@@ -189,22 +214,24 @@ class Swim:
 
     # ------------------------------------------------------------- receiving
 
-    def receive_datagram(self, data: bytes, addr: str, now: float, stream: bool = False) -> None:
+    def receive_datagram(self, data: bytes, addr: str, now: float, stream: bool = False) -> bytes | None:
         """The receive boundary: bad bytes become a counter, never an exception.
 
         ``stream`` marks bytes that came over a reliable stream, where a full
-        push-pull state may exceed a datagram.
+        push-pull state may exceed a datagram.  Returns the sender's id, or
+        None for a packet that was refused.
         """
         try:
             packet = decode(data, MAX_STREAM_BYTES if stream else MAX_PACKET_BYTES)
         except UnsupportedVersion:
             self.counters["rx_refused_newer_version"] += 1
-            return
+            return None
         except WireError:
             self.counters["rx_bad_packet"] += 1
-            return
+            return None
         self.counters["rx_bytes"] += len(data)
         self.receive(packet, addr, now)
+        return packet.sender
 
     def receive(self, packet: Packet, addr: str, now: float) -> None:
         sender = packet.sender
@@ -239,14 +266,26 @@ class Swim:
 
     def _handle_ack(self, msg: Ack, sender: bytes, addr: str, now: float) -> None:
         probe = self._probe
-        if probe is not None and msg.seq == probe.seq:
-            self.counters["acks"] += 1
-            target = self.members.get(probe.target)
-            if target is not None and sender == probe.target:
-                target.rtt = now - probe.sent_at
-            if not probe.indirect_sent:
-                self.awareness.apply_delta(-1)
-            self._probe = None
+        if probe is not None and msg.seq in (probe.seq, probe.relay_seq):
+            from_target = sender == probe.target  # else a ping-req helper forwarded it
+            direct = msg.seq == probe.seq and from_target
+            if not probe.acked:
+                probe.acked = True
+                self.counters["acks"] += 1
+                if not probe.indirect_sent:
+                    self.awareness.apply_delta(-1)
+            rtt = now - probe.sent_at
+            if direct:
+                self.members[probe.target].rtt = rtt
+            if from_target and self._direct_ok.get(probe.target, True) != direct:
+                # Only the relayed ping was answered (or direct works again): a path
+                # fact, not a failure of the member.
+                self._direct_ok[probe.target] = direct
+                self._emit(EventKind.PATH, probe.target, now, direct=direct, rtt=rtt)
+            if direct or probe.relay_seq is None or msg.seq == probe.relay_seq:
+                self._probe = None
+            # else: a helper vouched for the member; keep listening for the relayed
+            # ack until the period ends, to learn which path reaches it.
             return
         relay = self._relays.pop(msg.seq, None)
         if relay is not None:
@@ -254,8 +293,8 @@ class Swim:
 
     def _handle_nack(self, msg: Nack, sender: bytes, addr: str, now: float) -> None:
         probe = self._probe
-        if probe is not None and msg.seq == probe.seq:
-            probe.nacks += 1
+        if probe is not None and msg.seq == probe.seq and sender in probe.helpers:
+            probe.nackers.add(sender)  # per helper: a duplicate must not hide a missing one
 
     def _handle_alive(self, msg: Alive, sender: bytes, addr: str, now: float) -> None:
         self._on_alive(msg, now)
@@ -340,8 +379,13 @@ class Swim:
 
     def _on_suspect(self, msg: Suspect, now: float) -> None:
         m = self.members.get(msg.node)
-        if m is None or msg.incarnation < m.incarnation:
-            return  # unknown or stale
+        if m is None:
+            return
+        if msg.incarnation < m.incarnation:
+            if msg.node == self.id and not self.leaving:
+                # A stale accusation: its author missed our refutation; say it again.
+                self.broadcasts.queue(self.id, self._alive_self())
+            return
         if msg.node == self.id:
             if not self.leaving:
                 self._refute(msg.incarnation, now)
@@ -430,7 +474,10 @@ class Swim:
         if probe is not None and not probe.indirect_sent and now >= probe.timeout_at:
             self._send_ping_reqs(probe, now)
         if probe is not None and now >= probe.end_at:
-            self._probe_failed(probe, now)
+            if probe.acked:
+                self._probe = None
+            else:
+                self._probe_failed(probe, now)
         if self._probe is None and now >= self._next_probe:
             self._start_probe(now)
         if now >= self._next_gossip:
@@ -469,7 +516,9 @@ class Swim:
             # Buddy system: tell the suspect directly, so it can refute at once.
             msgs.append(Suspect(m.incarnation, target, self.id))
         self.counters["probes"] += 1
-        self._send(m.addr, target, msgs)
+        # Always direct, even when the path table prefers the relay: this is how a
+        # recovered direct link is found again.
+        self._send(m.addr, target, msgs, via="direct")
 
     def _next_probe_target(self) -> bytes | None:
         for _ in range(2):
@@ -490,11 +539,18 @@ class Swim:
     def _send_ping_reqs(self, probe: _Probe, now: float) -> None:
         probe.indirect_sent = True
         target = self.members[probe.target]
+        if target.meta.relay_url and self.me.meta.relay_url:
+            # The same question over the relay: an answer there means the member
+            # is alive and only the direct path is down.
+            probe.relay_seq = self._next_seq()
+            self._send(target.addr, probe.target, [Ping(probe.relay_seq, probe.target)], via="relay")
+            self.counters["relay_pings"] += 1
         helpers = self._random_members(self.config.indirect_checks, exclude=probe.target)
         for node in helpers:
             helper = self.members[node]
             self._send(helper.addr, node, [PingReq(probe.seq, probe.target, target.addr, True)])
         probe.expected_nacks = len(helpers)
+        probe.helpers = frozenset(helpers)
         self.counters["ping_reqs"] += len(helpers)
 
     def _probe_failed(self, probe: _Probe, now: float) -> None:
@@ -503,7 +559,7 @@ class Swim:
             self._send_ping_reqs(probe, now)
         # Lifeguard: missing nacks mean our own links are the likely problem.
         if probe.expected_nacks > 0:
-            self.awareness.apply_delta(probe.expected_nacks - probe.nacks)
+            self.awareness.apply_delta(probe.expected_nacks - len(probe.nackers))
         else:
             self.awareness.apply_delta(1)
         self.counters["probe_failures"] += 1
@@ -551,10 +607,10 @@ class Swim:
         out, self._events = self._events, []
         return out
 
-    def _send(self, addr: str, node: bytes | None, msgs: list[Message]) -> None:
+    def _send(self, addr: str, node: bytes | None, msgs: list[Message], via: str | None = None) -> None:
         budget = self.config.gossip_budget - PACKET_OVERHEAD - sum(encoded_size(m) for m in msgs)
         msgs = msgs + self._take_broadcasts(budget)
-        self._out.append(Outgoing(addr, node, self._packet(msgs)))
+        self._out.append(Outgoing(addr, node, self._packet(msgs), via=via))
         self.counters["tx_packets"] += 1
 
     def _take_broadcasts(self, budget: int) -> list[Message]:

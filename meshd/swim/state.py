@@ -48,6 +48,7 @@ class Outgoing:
     node: bytes | None
     packet: Packet
     reliable: bool = False  # push-pull: a stream would suit it better than a datagram
+    via: str | None = None  # "direct" or "relay" forces that path; None lets the path table choose
 
 
 class EventKind(enum.Enum):
@@ -58,6 +59,7 @@ class EventKind(enum.Enum):
     DEAD = "dead"
     LEFT = "left"
     NAME = "name"  # the registry changed
+    PATH = "path"  # a probe told us which path reaches a member: detail {"direct": bool, "rtt"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,4 +71,4 @@ class Event:
 
     @property
     def membership(self) -> bool:
-        return self.kind is not EventKind.NAME
+        return self.kind not in (EventKind.NAME, EventKind.PATH)

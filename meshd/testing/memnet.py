@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from ..identity import prefix
 from ..swim import Config, Event, EventKind, State, Swim
-from ..wire import MAX_PACKET_BYTES, MAX_STREAM_BYTES, Meta, WireError, encode
+from ..wire import MAX_PACKET_BYTES, MAX_STREAM_BYTES, Meta, WireError, encode, packet_size
 
 
 @dataclass
@@ -177,19 +177,29 @@ class MemNet:
             self.log.append(Observed(self.now, node.id, ev))
         for out in swim.outbox():
             self._transmit(node, out.addr, out.packet, out.reliable)
-        deadline = swim.next_deadline()
+        # A deadline a delivery moved into the past fires now; scheduling the raw
+        # value would never match the queued entry and stall the node.
+        deadline = max(swim.next_deadline(), self.now)
         if deadline != node.scheduled:
             node.scheduled = deadline
-            self._push((max(deadline, self.now), self._next(), _TIMER, node.addr, None, "", False))
+            self._push((deadline, self._next(), _TIMER, node.addr, None, "", False))
 
     def _transmit(self, src: SimNode, addr: str, packet, reliable: bool) -> None:
-        try:
-            data = encode(packet, MAX_STREAM_BYTES if reliable else MAX_PACKET_BYTES)
-        except WireError:
-            self.counters["tx_too_big"] += 1
-            return
+        limit = MAX_STREAM_BYTES if reliable else MAX_PACKET_BYTES
+        if self.decode:
+            try:
+                data = encode(packet, limit)
+            except WireError:
+                self.counters["tx_too_big"] += 1
+                return
+            size = len(data)
+        else:
+            size = packet_size(packet)  # the same number, without building the bytes
+            if size > limit:
+                self.counters["tx_too_big"] += 1
+                return
         src.tx_packets += 1
-        src.tx_bytes += len(data)
+        src.tx_bytes += size
         fault = self.faults.get((src.addr, addr), self.default_fault)
         if fault.drop or (fault.loss and self.rng.random() < fault.loss):
             self.counters["lost"] += 1

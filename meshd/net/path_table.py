@@ -1,0 +1,107 @@
+"""Which path carries each direction of each link, and why.
+
+Per peer and per direction: the path in use (``direct``, ``relay`` or
+``none``), outbound attempts and successes, inbound messages seen per path,
+the last RTT and why the last direct attempt failed.  The SWIM core reports
+probe verdicts (direct answered, or only the relayed ping was); every probe
+tries direct first, so a recovered link is used again within a period.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..identity import prefix
+
+DIRECT, RELAY, NONE = "direct", "relay", "none"
+
+
+@dataclass
+class Outbound:
+    path: str = DIRECT
+    since: float = 0.0
+    attempts: int = 0  # datagrams we sent
+    direct_failures: int = 0  # probes whose direct ping went unanswered
+    relay_ok: int = 0  # probes answered only over the relay
+    rtt: float | None = None
+    last_failure: str | None = None
+
+
+@dataclass
+class Inbound:
+    seen: dict[str, int] = field(default_factory=lambda: {DIRECT: 0, RELAY: 0})
+    last_path: str = NONE
+    last_seen: float | None = None
+
+    @property
+    def path(self) -> str:
+        return self.last_path
+
+
+@dataclass
+class PeerPaths:
+    out: Outbound = field(default_factory=Outbound)
+    inn: Inbound = field(default_factory=Inbound)
+
+
+class PathTable:
+    def __init__(self) -> None:
+        self.peers: dict[bytes, PeerPaths] = {}
+
+    def _peer(self, node: bytes) -> PeerPaths:
+        peer = self.peers.get(node)
+        if peer is None:
+            peer = self.peers[node] = PeerPaths()
+        return peer
+
+    def out_path(self, node: bytes | None) -> str:
+        if node is None:
+            return DIRECT
+        peer = self.peers.get(node)
+        return peer.out.path if peer is not None else DIRECT
+
+    def sent(self, node: bytes | None) -> None:
+        if node is not None:
+            self._peer(node).out.attempts += 1
+
+    def received(self, node: bytes, via: str, now: float) -> None:
+        inn = self._peer(node).inn
+        inn.seen[via] = inn.seen.get(via, 0) + 1
+        inn.last_path = via
+        inn.last_seen = now
+
+    def probe_verdict(self, node: bytes, direct: bool, rtt: float | None, now: float, reason: str) -> bool:
+        """Record what a probe showed; True if the outbound path changed."""
+        out = self._peer(node).out
+        out.rtt = rtt
+        new = DIRECT if direct else RELAY
+        if not direct:
+            out.direct_failures += 1
+            out.relay_ok += 1
+            out.last_failure = reason
+        if new == out.path:
+            return False
+        out.path, out.since = new, now
+        return True
+
+    def unreachable(self, node: bytes, now: float, reason: str) -> None:
+        out = self._peer(node).out
+        out.last_failure = reason
+        if out.path != NONE:
+            out.path, out.since = NONE, now
+
+    def view(self, node: bytes, now: float) -> dict:
+        peer = self._peer(node)
+        out, inn = peer.out, peer.inn
+        return {
+            "peer": prefix(node),
+            "path_out": out.path,
+            "path_out_since_s": round(now - out.since, 3) if out.since else None,
+            "path_in": inn.path,
+            "out_attempts": out.attempts,
+            "direct_failures": out.direct_failures,
+            "relay_ok": out.relay_ok,
+            "in_seen": dict(inn.seen),
+            "rtt_ms": None if out.rtt is None else round(out.rtt * 1000, 3),
+            "last_failure": out.last_failure,
+        }

@@ -1,0 +1,59 @@
+"""Per-direction paths over real loopback sockets, with the relay: a one-way drop
+moves that direction onto the relay, leaves the other direction direct, and
+never costs a live member its life."""
+
+from __future__ import annotations
+
+import trio
+
+from meshd.identity import Identity
+from meshd.net.faults import Faults
+from meshd.node import Node, NodeOptions
+from meshd.relay.server import serve_relay
+from meshd.swim import LOCAL
+
+
+async def _start(nursery, options: NodeOptions, lines: list[str]) -> Node:
+    node = Node(Identity.generate(), options, out=lines.append)
+    await nursery.start(node.serve)
+    return node
+
+
+async def test_one_way_drop_goes_via_relay_and_nobody_dies():
+    lines: list[str] = []
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            host, port = await nursery.start(serve_relay, "127.0.0.1", 0)
+            url = f"ws://{host}:{port}"
+            opts = dict(profile="local", relay=url, stages=3)
+            a = await _start(nursery, NodeOptions(role="orchestrator", **opts), lines)
+            b = await _start(nursery, NodeOptions(stage=0, seeds=[a.addr], **opts), lines)
+            d = await _start(nursery, NodeOptions(stage=2, seeds=[a.addr], **opts), lines)
+            # C (stage-1) loses every direct packet it sends to A.
+            c = await _start(
+                nursery,
+                NodeOptions(stage=1, seeds=[b.addr], faults=Faults.parse([f"drop:{a.addr}"]), **opts),
+                lines,
+            )
+            nodes = [a, b, c, d]
+            while not all(n.swim.live_count() == 4 for n in nodes):
+                await trio.sleep(0.1)
+            # Long enough for several probes each way and a full suspicion timeout.
+            await trio.sleep(3 * LOCAL.suspicion_bounds(4)[0])
+
+            assert c.paths.out_path(a.identity.node_id) == "relay"
+            assert a.paths.out_path(c.identity.node_id) == "direct"
+            snap_c = {m["prefix"]: m for m in c.snapshot()["members"]}
+            view = snap_c[a.identity.prefix]
+            assert view["path_out"] == "relay" and view["relay_ok"] > 0
+            assert "direct ping unanswered" in view["last_failure"]
+            snap_a = {m["prefix"]: m for m in a.snapshot()["members"]}
+            assert snap_a[c.identity.prefix]["path_out"] == "direct"
+            assert snap_a[c.identity.prefix]["in_seen"]["relay"] > 0, "C's packets reach A via the relay"
+            path_line = f"meshd path stage-1->orchestrator prefix={a.identity.prefix} out=relay"
+            assert any(line.startswith(path_line) for line in lines)
+            assert not [line for line in lines if line.startswith("meshd member dead")]
+            # With the relay answering, A is never even suspected by C.
+            assert not [line for line in lines
+                        if line.startswith(f"meshd member suspect prefix={a.identity.prefix}")]
+            nursery.cancel_scope.cancel()
