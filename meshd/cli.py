@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .relay.cli import add_parser as add_relay
     add_relay(sub)
+    from .sim.cli import add_parser as add_sim
+    add_sim(sub)
     return parser
 
 

@@ -1,0 +1,152 @@
+"""The four scale figures, each with memberlist's analytic bound beside it.
+
+matplotlib is imported here only, with the Agg backend: ``meshd sim`` without
+``--plot`` never needs it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+from ..swim import PROFILES
+from .scenario import Result, log_fit
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, directory: str, name: str) -> str:
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, name)
+    # No timestamp in the PNG: the same results give the same file.
+    fig.savefig(path, dpi=110, metadata={"Software": None})
+    _plt().close(fig)
+    return path
+
+
+def plot_detection_cdf(results: list[Result], directory: str) -> str:
+    """CDF of crash -> first suspicion and crash -> all members know it dead."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for r in results:
+        n = r.scenario.nodes
+        tag = f"N={n}, loss {r.scenario.loss:g}" if len(results) > 1 else ""
+        for attr, label, style in (("first_suspect", "first suspicion", "--"),
+                                   ("all_know", "all know dead", "-")):
+            xs = sorted(getattr(c, attr) - c.at for c in r.crashes if getattr(c, attr) is not None)
+            if xs:
+                ys = [(i + 1) / len(r.crashes) for i in range(len(xs))]
+                ax.step(xs, ys, style, where="post", label=f"{label} {tag}".strip())
+    r0 = results[0]
+    low, high = r0.bounds
+    ax.axvline(low, color="tab:green", lw=1, label=f"memberlist suspicion min {low:.1f} s")
+    ax.axvline(high, color="tab:red", lw=1, label=f"memberlist suspicion max {high:.1f} s")
+    ax.set_xlabel("seconds after the crash")
+    ax.set_ylabel("fraction of crashes")
+    ax.set_ylim(0, 1.02)
+    s = r0.scenario
+    ax.set_title(f"Crash detection: N={s.nodes}, loss {s.loss:g}, {len(r0.crashes)} crashes ({s.profile})")
+    ax.legend(fontsize=8, loc="center right")
+    ax.grid(alpha=0.3)
+    return _save(fig, directory, "detection_cdf.png")
+
+
+def plot_dissemination(results: list[Result], directory: str) -> tuple[str, tuple[float, float]]:
+    """Join spread (99% and 100%) vs N, the a + c·ln N fit, and the suspicion min bound."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    ns, p99, p100 = [], [], []
+    for r in results:
+        d = r.dissemination()["join"]
+        if d["p99_rounds_median"] is not None:
+            ns.append(r.scenario.nodes)
+            p99.append(d["p99_rounds_median"])
+            p100.append(d["p100_rounds_median"])
+    ax.plot(ns, p99, "o", label="join known to 99% (median)")
+    ax.plot(ns, [v if v is not None else math.nan for v in p100], "s", label="join known to 100% (median)")
+    fit = log_fit(ns, p99) if len(ns) > 1 else (p99[0] if p99 else 0.0, 0.0)
+    xs = [ns[0] * (ns[-1] / ns[0]) ** (i / 50) for i in range(51)] if ns else []
+    a, c = fit
+    ax.plot(xs, [a + c * math.log(x) for x in xs], "-", lw=1, label=f"fit: {a:.2f} + {c:.3f}·ln N")
+    cfg = PROFILES[results[0].scenario.profile]
+    ax.plot(xs, [cfg.suspicion_bounds(int(x))[0] / cfg.probe_interval for x in xs], ":", color="tab:green",
+            label="memberlist suspicion min (periods)")
+    ax.set_xscale("log")
+    ax.set_xlabel("members N")
+    ax.set_ylabel("protocol periods")
+    ax.set_title(f"Dissemination of a join, loss {results[0].scenario.loss:g}")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, which="both")
+    return _save(fig, directory, "dissemination_vs_n.png"), fit
+
+
+def plot_load(results: list[Result], directory: str) -> str:
+    """Messages per member per period vs N, against memberlist's per-period ceiling."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    ns = [r.scenario.nodes for r in results]
+    msgs = [r.load()["messages_per_member_period"] for r in results]
+    kb = [r.load()["bytes_per_member_period"] / 1000 for r in results]
+    ax.plot(ns, msgs, "o-", label="messages sent per member per period")
+    cfg = PROFILES[results[0].scenario.profile]
+    ceiling = 2 + cfg.gossip_nodes * cfg.probe_interval / cfg.gossip_interval
+    ax.axhline(ceiling, color="tab:red", lw=1,
+               label=f"memberlist ceiling: ping+ack + {cfg.gossip_nodes}/gossip interval = {ceiling:g}")
+    ax2 = ax.twinx()
+    ax2.plot(ns, kb, "s--", color="tab:gray", label="kB sent per member per period")
+    ax2.set_ylabel("kB per member per period")
+    ax.set_xscale("log")
+    ax.set_ylim(0, ceiling * 1.15)
+    ax2.set_ylim(0, max(kb) * 1.5 if kb else 1)
+    ax.set_xlabel("members N")
+    ax.set_ylabel("messages per member per period")
+    ax.set_title(f"Per-member load, loss {results[0].scenario.loss:g}")
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = ax2.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="lower right")
+    ax.grid(alpha=0.3, which="both")
+    return _save(fig, directory, "load_vs_n.png")
+
+
+def false_suspicion_rate(loss: float, indirect_checks: int) -> float:
+    """memberlist's chance that one probe of a live member fails.
+
+    The direct ping or its ack is lost, and every one of the k indirect paths
+    (ping-req, ping, ack, forwarded ack: four hops) loses a packet too.
+    """
+    direct = 1 - (1 - loss) ** 2
+    indirect = 1 - (1 - loss) ** 4
+    return direct * indirect**indirect_checks
+
+
+def plot_false_positives(results: list[Result], directory: str) -> str:
+    """False suspicions and false deaths per member-period vs loss, with the analytic probe-failure rate."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    results = sorted(results, key=lambda r: r.scenario.loss)
+    losses = [r.scenario.loss for r in results]
+    sus = [r.false_suspicions / r.member_periods / r.scenario.nodes for r in results]
+    dead = [r.false_dead / r.member_periods for r in results]
+    ax.plot(losses, sus, "o-", label="false suspicions per member-period (each seen by all)")
+    ax.plot(losses, [max(d, 1e-9) for d in dead], "s-", label="false dead views per member-period")
+    cfg = PROFILES[results[0].scenario.profile]
+    xs = [i / 100 for i in range(1, int(max(losses) * 100) + 2)]
+    ax.plot(xs, [false_suspicion_rate(x, cfg.indirect_checks) for x in xs], ":", color="tab:red",
+            label=f"memberlist analytic probe failure, k={cfg.indirect_checks}")
+    ax.set_yscale("log")
+    ax.set_ylim(1e-7, 1)
+    n = results[0].scenario.nodes
+    ax.set_xlabel("packet loss per link direction")
+    ax.set_ylabel("rate per member per period")
+    low, high = cfg.suspicion_bounds(n)
+    ax.set_title(f"False positives vs loss: N={n}; suspicion {low:.1f}..{high:.1f} s")
+    ax.legend(fontsize=8, loc="lower right")
+    ax.grid(alpha=0.3, which="both")
+    return _save(fig, directory, "false_positives_vs_loss.png")
