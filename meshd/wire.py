@@ -12,6 +12,7 @@ ONLY APPEND TO THE TAG TABLE.  A tag, once shipped, keeps its meaning.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -336,11 +337,23 @@ def encode(packet: Packet, max_bytes: int = MAX_PACKET_BYTES) -> bytes:
     return data
 
 
+@functools.lru_cache(maxsize=64)
+def _head_size(version: int, sender_len: int) -> int:
+    # The array marker, the version and the sender: fixed for a version and id length.
+    return 1 + len(msgpack.packb(version)) + len(msgpack.packb(b"\0" * sender_len, use_bin_type=True))
+
+
 def packet_size(packet: Packet) -> int:
     """``len(encode(packet))`` without building the bytes (for simulations)."""
-    head = len(msgpack.packb(packet.version)) + len(msgpack.packb(packet.sender, use_bin_type=True))
     messages = packet.messages
-    return 1 + head + len(_array_header(len(messages))) + sum(map(len, map(_message_bytes, messages)))
+    n = len(messages)
+    total = _head_size(packet.version, len(packet.sender)) + (1 if n < 16 else 3 if n < 65536 else 5)
+    for msg in messages:
+        try:
+            total += len(msg._wire)
+        except AttributeError:
+            total += len(_message_bytes(msg))
+    return total
 
 
 def encoded_size(msg: Message) -> int:
