@@ -17,13 +17,16 @@ from dataclasses import asdict, dataclass, field, replace
 
 from ..identity import prefix
 from ..swim import PROFILES, EventKind
-from ..testing.memnet import MemNet, SimNode
-from ..wire import STATE_ALIVE, MemberState
+from ..testing.memnet import MemNet, RelayPath, SimNode
+from ..wire import STATE_ALIVE, MemberState, Meta
 from .metrics import CrashTrack, Spread, median, rounded
 from .network import Latency, block_one_way
 
 # How often the spread of a join or metadata change is sampled, in periods.
 POLL_PERIODS = 0.05
+# Every member names the same home relay when there is one; the core then sends
+# a second ping over it after the direct timeout (memberlist's TCP fallback ping).
+RELAY_URL = "ws://relay.sim:3340"
 
 
 @dataclass(frozen=True)
@@ -33,7 +36,7 @@ class Scenario:
     loss: float = 0.0
     latency: str = "uniform:0.5:1.5"
     asym: float = 0.0  # fraction of directed links blocked one way
-    relay: bool = True  # a blocked direction goes through a relay instead
+    relay: bool = True  # there is a relay: relayed pings, and blocked directions go through it
     crash: float = 0.0  # fraction of nodes crashed, all at crash_at
     churn: float = 0.0  # per period, this fraction of members leaves and as many join
     seed: int = 0
@@ -161,6 +164,9 @@ class _Run:
         latency = Latency.parse(sc.latency)
         self.net = MemNet(seed=sc.seed, config=self.cfg, decode=False, sample_latency=latency.sampler())
         self.net.default_fault.loss = sc.loss
+        if sc.relay:
+            # Two stream hops: the loss on them costs resends (delay), not packets.
+            self.net.relay = RelayPath(delay=2 * latency.median + 0.001, loss=sc.loss, rto=0.2)
         self.rng = random.Random(f"meshd-sim:{sc.seed}")
         self.period = self.cfg.probe_interval
         self.leaving: set[bytes] = set()  # left or leaving: neither false dead nor observers
@@ -174,7 +180,7 @@ class _Run:
         self.member_periods = 0.0
         self.members_at_crash: set[bytes] = set()
 
-        nodes = [self.net.add_node() for _ in range(sc.nodes)]
+        nodes = [self._add_node() for _ in range(sc.nodes)]
         states = [MemberState(n.id, n.addr, 0, STATE_ALIVE, n.meta) for n in nodes]
         for n in nodes:
             n.swim.warm_start(states, 0.0)
@@ -184,6 +190,11 @@ class _Run:
         self.tx0 = (0, 0)
 
     # ----------------------------------------------------------- helpers
+
+    def _add_node(self, seeds: list[str] | None = None) -> SimNode:
+        index = len(self.net.nodes)
+        meta = Meta(role="stage", stage=index, relay_url=RELAY_URL if self.sc.relay else None)
+        return self.net.add_node(meta=meta, seeds=seeds)
 
     def members(self) -> list[SimNode]:
         """Up, not leaving: who counts as a member now."""
@@ -212,7 +223,7 @@ class _Run:
         seed = self._pick(set())
         if seed is None:
             return
-        node = self.net.add_node(seeds=[seed.addr])
+        node = self._add_node(seeds=[seed.addr])
         if track:
             self._track("join", node, lambda swim: _knows(swim, node.id))
 

@@ -31,6 +31,19 @@ class LinkFault:
 
 
 @dataclass
+class RelayPath:
+    """How packets a node sends ``via="relay"`` travel: two stream hops through a relay.
+
+    A stream does not lose packets, it resends them: each hop pays ``rto``
+    once more for every loss (probability ``loss``) before it gets through.
+    """
+
+    delay: float = 0.002  # both hops and the relay, before any resend
+    loss: float = 0.0
+    rto: float = 0.2
+
+
+@dataclass
 class SimNode:
     index: int
     id: bytes
@@ -84,6 +97,8 @@ class MemNet:
         self.nodes: dict[str, SimNode] = {}
         self.by_id: dict[bytes, SimNode] = {}
         self.default_fault = LinkFault()
+        # None: "via relay" packets take the direct link like any other.
+        self.relay: RelayPath | None = None
         self.faults: dict[tuple[str, str], LinkFault] = {}
         self.log: list[Observed] = []
         self.counters: Counter[str] = Counter()
@@ -176,7 +191,7 @@ class MemNet:
         for ev in swim.events():
             self.log.append(Observed(self.now, node.id, ev))
         for out in swim.outbox():
-            self._transmit(node, out.addr, out.packet, out.reliable)
+            self._transmit(node, out.addr, out.packet, out.reliable, out.via)
         # A deadline a delivery moved into the past fires now; scheduling the raw
         # value would never match the queued entry and stall the node.
         deadline = max(swim.next_deadline(), self.now)
@@ -184,7 +199,7 @@ class MemNet:
             node.scheduled = deadline
             self._push((deadline, self._next(), _TIMER, node.addr, None, "", False))
 
-    def _transmit(self, src: SimNode, addr: str, packet, reliable: bool) -> None:
+    def _transmit(self, src: SimNode, addr: str, packet, reliable: bool, via: str | None = None) -> None:
         limit = MAX_STREAM_BYTES if reliable else MAX_PACKET_BYTES
         if self.decode:
             try:
@@ -200,12 +215,21 @@ class MemNet:
                 return
         src.tx_packets += 1
         src.tx_bytes += size
+        payload = data if self.decode else packet
+        if via == "relay" and self.relay is not None:
+            relay = self.relay
+            delay = relay.delay
+            for _hop in range(2):
+                while relay.loss and self.rng.random() < relay.loss:
+                    delay += relay.rto
+            self.counters["relayed"] += 1
+            self._push((self.now + delay, self._next(), _DELIVER, addr, payload, src.addr, reliable))
+            return
         fault = self.faults.get((src.addr, addr), self.default_fault)
         if fault.drop or (fault.loss and self.rng.random() < fault.loss):
             self.counters["lost"] += 1
             return
         copies = 2 if fault.duplicate and self.rng.random() < fault.duplicate else 1
-        payload = data if self.decode else packet
         for _ in range(copies):
             if self.sample_latency is None:
                 delay = self.latency + fault.delay + self.rng.random() * self.jitter
