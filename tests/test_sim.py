@@ -116,3 +116,14 @@ def test_warm_start_is_a_settled_member():
     assert swim.live_count() == 5
     assert swim.events() == [] and len(swim.broadcasts) == 0
     assert swim.next_deadline() <= Config().probe_interval
+
+
+def test_with_a_relay_a_lossy_probe_gets_a_second_chance():
+    """The core pings over the relay after the direct timeout (memberlist's TCP
+    fallback): far fewer live members are suspected at high loss."""
+    base = dict(nodes=50, periods=30, loss=0.2, seed=1, joins=0, meta_changes=0)
+    without = simulate(Scenario(**base, relay=False))
+    with_relay = simulate(Scenario(**base, relay=True))
+    assert "relay_pings" not in without.counters
+    assert with_relay.counters["relay_pings"] > 0
+    assert with_relay.false_suspicions * 2 < without.false_suspicions
