@@ -35,6 +35,11 @@ MAX_PUSHPULL_MEMBERS = 4_096
 MAX_PUSHPULL_NAMES = 1_024
 NODE_ID_BYTES = 32
 _U64_MAX = 2**64 - 1
+# The data channel: one message (an activation) may be up to 64 MiB, sent in chunks.
+MAX_DATA_MESSAGE_BYTES = 64 * 1024 * 1024 + 64 * 1024
+MAX_CHUNK_BYTES = 1024 * 1024
+# A stream frame holds one chunk plus its envelope.
+MAX_FRAME_BYTES = MAX_CHUNK_BYTES + 1024
 
 
 class WireError(Exception):
@@ -73,6 +78,12 @@ def _str(value: Any) -> str:
 def _node_id(value: Any) -> bytes:
     if type(value) is not bytes or len(value) != NODE_ID_BYTES:
         raise WireError("expected a 32-byte node id")
+    return value
+
+
+def _chunk(value: Any) -> bytes:
+    if type(value) is not bytes or len(value) > MAX_CHUNK_BYTES:
+        raise WireError(f"expected a data chunk of at most {MAX_CHUNK_BYTES} bytes")
     return value
 
 
@@ -270,8 +281,36 @@ class PushPull(Message):
                 _tuple_of(_nested(NameClaim), MAX_PUSHPULL_NAMES))
 
 
+def _data_total(value: Any) -> int:
+    if type(value) is not int or not 0 <= value <= MAX_DATA_MESSAGE_BYTES:
+        raise WireError(f"a data message holds at most {MAX_DATA_MESSAGE_BYTES} bytes")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class DataChunk(Message):
+    """Part of one data-channel message; ``msg_id`` counts up per sender and receiver."""
+
+    TAG = 10
+    msg_id: int
+    total: int  # bytes in the whole message
+    offset: int
+    chunk: bytes
+    _fields_ = (_uint, _data_total, _data_total, _chunk)
+
+
+@dataclass(frozen=True, slots=True)
+class DataAck(Message):
+    """The receiver holds message ``msg_id`` whole; the sender may stop resending it."""
+
+    TAG = 11
+    msg_id: int
+    _fields_ = (_uint,)
+
+
 MESSAGE_TYPES: dict[int, type[Message]] = {
-    cls.TAG: cls for cls in (Ping, PingReq, Ack, Nack, Alive, Suspect, Dead, PushPull, NameClaim)
+    cls.TAG: cls
+    for cls in (Ping, PingReq, Ack, Nack, Alive, Suspect, Dead, PushPull, NameClaim, DataChunk, DataAck)
 }
 
 

@@ -76,6 +76,8 @@ EXAMPLES: dict[int, wire.Message] = {
         names=(CLAIM, wire.NameClaim(name="orchestrator", owner=NODE_B, clock=0, tombstone=True)),
     ),
     wire.NameClaim.TAG: CLAIM,
+    wire.DataChunk.TAG: wire.DataChunk(msg_id=7, total=10, offset=4, chunk=b"\x00\xffabc"),
+    wire.DataAck.TAG: wire.DataAck(msg_id=7),
 }
 
 
@@ -153,6 +155,9 @@ messages = st.one_of(
         names=st.lists(name_claims, max_size=4).map(tuple),
     ),
     name_claims,
+    st.builds(wire.DataChunk, msg_id=u64s, total=st.integers(0, wire.MAX_DATA_MESSAGE_BYTES),
+              offset=st.integers(0, wire.MAX_DATA_MESSAGE_BYTES), chunk=st.binary(max_size=64)),
+    st.builds(wire.DataAck, msg_id=u64s),
 )
 # Sizes above are bounded so that no drawn packet can exceed MAX_PACKET_BYTES.
 packets = st.builds(wire.Packet, sender=node_ids, messages=st.lists(messages, max_size=8).map(tuple))
@@ -483,7 +488,7 @@ def test_message_count_limit():
         wire.decode(raw_packet(at_limit + [[wire.Ack.TAG, [0]]]))
 
 
-@pytest.mark.parametrize("tag", [0, 10, 255, -1, U64_MAX, True, "1", b"\x01", None, 1.0, [1]])
+@pytest.mark.parametrize("tag", [0, 12, 255, -1, U64_MAX, True, "1", b"\x01", None, 1.0, [1]])
 def test_unknown_tag_raises_wire_error(tag):
     with pytest.raises(wire.WireError, match="tag"):
         wire.decode(raw_packet([[tag, [1]]]))
@@ -546,3 +551,14 @@ def test_meta_name():
     assert wire.Meta(role="stage", stage=0).name == "stage-0"
     assert wire.Meta(role="orchestrator").name == "orchestrator"
     assert wire.Meta(role="orchestrator", stage=2).name == "orchestrator"
+
+
+def test_data_chunks_are_bounded():
+    n = wire.MAX_CHUNK_BYTES + 1
+    big = wire.DataChunk(msg_id=1, total=n, offset=0, chunk=b"x" * n)
+    data = wire.encode(wire.Packet(SENDER, (big,)), max_bytes=wire.MAX_FRAME_BYTES * 2)
+    with pytest.raises(wire.WireError, match="data chunk"):
+        wire.decode(data, max_bytes=wire.MAX_FRAME_BYTES * 2)
+    too_long = wire.DataChunk(msg_id=1, total=wire.MAX_DATA_MESSAGE_BYTES + 1, offset=0, chunk=b"")
+    with pytest.raises(wire.WireError, match="at most"):
+        wire.decode(wire.encode(wire.Packet(SENDER, (too_long,))))
