@@ -14,7 +14,7 @@ from collections.abc import Callable
 import pytest
 
 from meshd.swim import EventKind, State
-from meshd.testing.memnet import MemNet, SimNode
+from meshd.testing.memnet import MemNet, RelayPath, SimNode
 from meshd.wire import Alive, Meta, Packet, Suspect
 
 SEED = 1
@@ -134,6 +134,22 @@ def test_a_one_way_drop_kills_nobody():
     assert net.events(EventKind.DEAD) == []
     assert_kept_probing(net, before, 300)
     assert all(net.view(x, y).live for x in nodes for y in nodes)
+
+
+def test_a_member_whose_acks_cannot_come_back_directly_is_kept_alive_by_the_relay():
+    """b -> a is blocked; a's relayed ping reaches b and b must answer over the
+    relay too, or a suspects b on every probe and, since b's refutations cannot
+    reach a either, declares it dead."""
+    net = MemNet(SEED)
+    net.relay = RelayPath()
+    meta = [Meta(stage=i, relay_url="ws://relay.test:3340") for i in range(2)]
+    a = net.add_node(meta=meta[0])
+    b = net.add_node(meta=meta[1], seeds=[a.addr])
+    net.run_until_converged(max_periods=10)
+    net.fault(b, a).drop = True
+    net.run_periods(60)
+    assert a.swim.counters["relay_pings"] > 10
+    assert net.events(EventKind.SUSPECT, b) == [] and net.view(a, b) is State.ALIVE
 
 
 def test_ten_percent_loss_on_every_link_kills_nobody():

@@ -614,6 +614,22 @@ def test_a_stale_accusation_to_our_face_is_answered_with_our_current_alive():
     assert (a.members[b.id].state, a.members[b.id].incarnation) == (State.ALIVE, 1)
 
 
+def test_a_ping_is_acked_on_the_path_it_came_in_on():
+    """memberlist acks its TCP fallback ping on the same connection: a relayed
+    ping answered over UDP would be lost as often as the ping it stood in for."""
+    bench = Bench(3)
+    a, b, _ = bench.swims
+    b.receive(Packet(a.id, (Ping(7, b.id),)), a.me.addr, 1.0, via="relay")
+    (out,) = b.outbox()
+    assert (out.node, out.via, found(out, Ack)) == (a.id, "relay", [Ack(7)])
+    b.receive(Packet(a.id, (Ping(8, b.id),)), a.me.addr, 1.1)
+    (out,) = b.outbox()
+    assert (out.via, found(out, Ack)) == (None, [Ack(8)])  # the driver's path table chooses
+    b.receive(Packet(a.id, (PingReq(9, b.id, b.me.addr, True),)), a.me.addr, 1.2, via="relay")
+    (out,) = b.outbox()
+    assert (out.via, found(out, Ack)) == ("relay", [Ack(9)])
+
+
 def test_a_ping_for_another_id_is_not_acked():
     bench = Bench(3)
     a, b, c = bench.swims

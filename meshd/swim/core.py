@@ -117,6 +117,7 @@ class Swim:
         self._out: list[Outgoing] = []
         self._events: list[Event] = []
         self._seeds: tuple[str, ...] = ()
+        self._rx_via: str | None = None  # the path the packet being handled came in on
 
         # Stagger the first timers so nodes started together do not tick in step.
         self._next_probe = now + rng.uniform(0, config.probe_interval)
@@ -214,12 +215,15 @@ class Swim:
 
     # ------------------------------------------------------------- receiving
 
-    def receive_datagram(self, data: bytes, addr: str, now: float, stream: bool = False) -> bytes | None:
+    def receive_datagram(
+        self, data: bytes, addr: str, now: float, stream: bool = False, via: str | None = None
+    ) -> bytes | None:
         """The receive boundary: bad bytes become a counter, never an exception.
 
         ``stream`` marks bytes that came over a reliable stream, where a full
-        push-pull state may exceed a datagram.  Returns the sender's id, or
-        None for a packet that was refused.
+        push-pull state may exceed a datagram.  ``via="relay"`` marks a packet
+        the relay delivered: a ping that came that way is answered that way.
+        Returns the sender's id, or None for a packet that was refused.
         """
         try:
             packet = decode(data, MAX_STREAM_BYTES if stream else MAX_PACKET_BYTES)
@@ -230,10 +234,10 @@ class Swim:
             self.counters["rx_bad_packet"] += 1
             return None
         self.counters["rx_bytes"] += len(data)
-        self.receive(packet, addr, now)
+        self.receive(packet, addr, now, via)
         return packet.sender
 
-    def receive(self, packet: Packet, addr: str, now: float) -> None:
+    def receive(self, packet: Packet, addr: str, now: float, via: str | None = None) -> None:
         sender = packet.sender
         if sender == self.id:
             return
@@ -241,21 +245,29 @@ class Swim:
         m = self.members.get(sender)
         if m is not None:
             m.last_seen = now
-        for msg in packet.messages:
-            handler = self._handlers.get(type(msg))
-            if handler is not None:
-                handler(self, msg, sender, addr, now)
+        self._rx_via = via
+        try:
+            for msg in packet.messages:
+                handler = self._handlers.get(type(msg))
+                if handler is not None:
+                    handler(self, msg, sender, addr, now)
+        finally:
+            self._rx_via = None
 
     def _handle_ping(self, msg: Ping, sender: bytes, addr: str, now: float) -> None:
         if msg.target != self.id:
             # A stale address now used by someone else; acking would lie.
             self.counters["rx_ping_for_other"] += 1
             return
-        self._send(addr, sender, [Ack(msg.seq)])
+        # Answer on the path the ping came in on, as memberlist acks its TCP
+        # fallback ping on the same connection: a relayed ping is the prober's
+        # question "are you alive when UDP fails?", and a UDP ack would lose
+        # the answer as often as the ping it stood in for.
+        self._send(addr, sender, [Ack(msg.seq)], via=self._rx_via)
 
     def _handle_ping_req(self, msg: PingReq, sender: bytes, addr: str, now: float) -> None:
         if msg.target == self.id:
-            self._send(addr, sender, [Ack(msg.seq)])
+            self._send(addr, sender, [Ack(msg.seq)], via=self._rx_via)
             return
         seq = self._next_seq()
         cfg = self.config
@@ -580,6 +592,7 @@ class Swim:
             m = self.members[node]
             self._out.append(Outgoing(m.addr, node, self._packet(msgs)))
             self.counters["tx_packets"] += 1
+            self.counters["tx_gossip"] += 1
 
     def _periodic_push_pull(self, now: float) -> None:
         cfg = self.config

@@ -61,8 +61,9 @@ class SimNode:
 
 
 # Heap entries are plain tuples, compared by (at, seq) in C:
-# (at, seq, kind, addr, payload, src, stream), kind 0 deliver, 1 timer.
-_DELIVER, _TIMER = 0, 1
+# (at, seq, kind, addr, payload, src, stream), kind 0 deliver, 1 timer,
+# 2 deliver what came through the relay (the receiver is told, via="relay").
+_DELIVER, _TIMER, _RELAYED = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -164,11 +165,12 @@ class MemNet:
             node = nodes.get(addr)
             if node is None or not node.up:
                 continue
-            if kind == _DELIVER:
+            if kind != _TIMER:
+                via = "relay" if kind == _RELAYED else None
                 if self.decode:
-                    node.swim.receive_datagram(payload, src, at, stream=stream)
+                    node.swim.receive_datagram(payload, src, at, stream=stream, via=via)
                 else:
-                    node.swim.receive(payload, src, at)
+                    node.swim.receive(payload, src, at, via)
             else:
                 if node.scheduled != at:
                     continue  # superseded by a later schedule
@@ -223,7 +225,7 @@ class MemNet:
                 while relay.loss and self.rng.random() < relay.loss:
                     delay += relay.rto
             self.counters["relayed"] += 1
-            self._push((self.now + delay, self._next(), _DELIVER, addr, payload, src.addr, reliable))
+            self._push((self.now + delay, self._next(), _RELAYED, addr, payload, src.addr, reliable))
             return
         fault = self.faults.get((src.addr, addr), self.default_fault)
         if fault.drop or (fault.loss and self.rng.random() < fault.loss):
