@@ -16,9 +16,10 @@ import trio
 
 from . import __version__
 from .identity import Identity
+from .net.channel import RELAY_DATA, DataChannel
 from .net.faults import Faults
 from .net.path_table import RELAY, PathTable
-from .net.udp import MAX_DATAGRAM, AddressError, format_addr, open_udp, parse_addr
+from .net.udp import MAX_DATAGRAM, AddressError, format_addr, open_udp_and_tcp, parse_addr
 from .snapshot import SnapshotWriter, snapshot, stage_sort_key
 from .swim import PROFILES, EventKind, State, Swim
 from .wire import Meta, WireError, encode
@@ -81,13 +82,21 @@ class Node:
             from .relay.client import RelayClient
 
             self.relay = RelayClient(options.relay, identity)
+        self._listeners = None
+        self.data = DataChannel(
+            identity.node_id,
+            addr_of=self._addr_of,
+            describe=self.describe,
+            relay_send=self.relay.send if self.relay is not None else None,
+            faults=options.faults,
+        )
 
     # ---------------------------------------------------------------- serve
 
     async def bind(self) -> None:
-        """Open the gossip socket; raises BindError naming the address."""
+        """Open the gossip socket and the data listener; raises BindError naming the address."""
         if self._sock is None:
-            self._sock = await open_udp(self.options.bind)
+            self._sock, self._listeners = await open_udp_and_tcp(self.options.bind)
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Run until cancelled; reports the bound gossip address via task_status."""
@@ -128,6 +137,7 @@ class Node:
                 if self.relay is not None:
                     await nursery.start(self.relay.run)
                     nursery.start_soon(self._relay_receive_loop)
+                await nursery.start(self.data.serve, self._listeners)
                 nursery.start_soon(self._receive_loop)
                 nursery.start_soon(self._timer_loop)
                 if self._snapshots is not None:
@@ -147,6 +157,22 @@ class Node:
         await self._flush()
         self.write_snapshot()
 
+    async def send_data(self, node: bytes, data: bytes, timeout: float = 30.0) -> str:
+        """Deliver ``data`` to ``node`` reliably and in order; returns the path used.
+
+        Raises DeliveryError naming the peer and the paths tried.
+        """
+        return await self.data.send(node, data, timeout)
+
+    def describe(self, node: bytes) -> str:
+        """``stage-2 (2b91108e)``: how logs and errors name a peer."""
+        m = self.swim.members.get(node) if self.swim is not None else None
+        return f"{m.name if m is not None else 'unknown'} ({node.hex()[:8]})"
+
+    def _addr_of(self, node: bytes) -> str | None:
+        m = self.swim.members.get(node) if self.swim is not None else None
+        return m.addr if m is not None else None
+
     def write_snapshot(self) -> None:
         if self._snapshots is not None and self.swim is not None:
             self._snapshots.write(self.snapshot())
@@ -154,7 +180,11 @@ class Node:
     def snapshot(self) -> dict:
         assert self.swim is not None
         relay = self.relay.snapshot() if self.relay is not None else None
-        return snapshot(self.swim, trio.current_time(), self.paths, relay)
+        snap = snapshot(self.swim, trio.current_time(), self.paths, relay)
+        for view in snap["members"]:
+            view.update(self.data.view(bytes.fromhex(view["id"])))
+        snap["data"] = dict(self.data.counters)
+        return snap
 
     # ---------------------------------------------------------------- loops
 
@@ -186,6 +216,9 @@ class Node:
                 continue  # peer-not-here: the probe that needed it will time out and say so
             if self.options.faults.relay_blocked():
                 swim.counters["rx_fault_dropped"] += 1
+                continue
+            if item.payload[:1] == RELAY_DATA:
+                await self.data.on_relay_payload(item.src, item.payload)
                 continue
             now = trio.current_time()
             m = swim.members.get(item.src)

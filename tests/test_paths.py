@@ -6,17 +6,12 @@ from __future__ import annotations
 
 import trio
 
-from meshd.identity import Identity
 from meshd.net.faults import Faults
-from meshd.node import Node, NodeOptions
+from meshd.node import NodeOptions
 from meshd.relay.server import serve_relay
 from meshd.swim import LOCAL
-
-
-async def _start(nursery, options: NodeOptions, lines: list[str]) -> Node:
-    node = Node(Identity.generate(), options, out=lines.append)
-    await nursery.start(node.serve)
-    return node
+from meshd.testing.inprocess import start_node as _start
+from meshd.testing.inprocess import wait_converged
 
 
 async def test_one_way_drop_goes_via_relay_and_nobody_dies():
@@ -36,8 +31,7 @@ async def test_one_way_drop_goes_via_relay_and_nobody_dies():
                 lines,
             )
             nodes = [a, b, c, d]
-            while not all(n.swim.live_count() == 4 for n in nodes):
-                await trio.sleep(0.1)
+            await wait_converged(nodes)
             # Long enough for several probes each way and a full suspicion timeout.
             await trio.sleep(3 * LOCAL.suspicion_bounds(4)[0])
 

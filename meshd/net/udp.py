@@ -47,3 +47,25 @@ async def open_udp(bind: str) -> trio.socket.SocketType:
         reason = "address already in use" if exc.errno == errno.EADDRINUSE else exc.strerror
         raise BindError(exc.errno, f"cannot bind UDP {bind}: {reason}") from exc
     return sock
+
+
+async def open_udp_and_tcp(bind: str, attempts: int = 20):
+    """A UDP socket and TCP listeners on the same port (gossip and the data stream).
+
+    With port 0, the port the kernel picks for UDP may be taken for TCP; then
+    we try again with a fresh one.
+    """
+    host, port = parse_addr(bind, allow_port_zero=True)
+    for _ in range(attempts if port == 0 else 1):
+        sock = await open_udp(bind)
+        bound = sock.getsockname()[1]
+        try:
+            listeners = await trio.open_tcp_listeners(bound, host=host)
+        except OSError as exc:
+            sock.close()
+            if port == 0 and exc.errno == errno.EADDRINUSE:
+                continue
+            reason = "address already in use" if exc.errno == errno.EADDRINUSE else exc.strerror
+            raise BindError(exc.errno, f"cannot bind TCP {format_addr(host, bound)}: {reason}") from exc
+        return sock, listeners
+    raise BindError(errno.EADDRINUSE, f"cannot find a port free for both UDP and TCP on {host}")
