@@ -630,6 +630,26 @@ def test_a_ping_is_acked_on_the_path_it_came_in_on():
     assert (out.via, found(out, Ack)) == ("relay", [Ack(9)])
 
 
+def test_push_pull_does_not_add_a_member_we_never_knew_as_suspect_or_dead():
+    """memberlist's mergeState: only an alive entry adds a member; suspectNode and
+    deadNode ignore unknown nodes, so a late joiner never adds the long dead."""
+    bench = Bench(2)
+    a, b = bench.swims
+    alive_x, suspect_y, dead_z = NODE_C, NODE_D, NODE_E
+    entries = (
+        wire.MemberState(alive_x, "10.0.0.7:7946", 3, int(State.ALIVE), Meta(stage=7)),
+        wire.MemberState(suspect_y, "10.0.0.8:7946", 2, int(State.SUSPECT), Meta(stage=8)),
+        wire.MemberState(dead_z, "10.0.0.9:7946", 5, int(State.DEAD), Meta(stage=9)),
+        wire.MemberState(b.id, b.me.addr, 0, int(State.DEAD), b.me.meta),  # known: only suspected
+    )
+    bench.tell(a, b, wire.PushPull(False, False, entries, ()), now=1.0)
+    assert a.members[alive_x].state is State.ALIVE
+    assert suspect_y not in a.members and dead_z not in a.members
+    assert a.members[b.id].state is State.SUSPECT
+    assert [(e.kind, e.node) for e in a.events()] == [(EventKind.JOIN, alive_x), (EventKind.SUSPECT, b.id)]
+    assert a.live_count() == 3
+
+
 def test_a_ping_for_another_id_is_not_acked():
     bench = Bench(3)
     a, b, c = bench.swims

@@ -331,7 +331,9 @@ class Swim:
                 self._on_dead(Dead(ms.incarnation, ms.node, ms.node), now)
             else:
                 # Dead is only a suspicion until we see it ourselves: it may refute.
-                self._on_alive(Alive(ms.incarnation, ms.node, ms.addr, ms.meta), now, learn_only=True)
+                # A member we never knew stays unknown (memberlist's mergeState:
+                # suspectNode ignores unknown nodes); if it lives, its own Alive
+                # will reach us.
                 self._on_suspect(Suspect(ms.incarnation, ms.node, sender), now)
         for claim in msg.names:
             self._on_name(claim, now)
@@ -352,7 +354,7 @@ class Swim:
 
     # -------------------------------------------------------- state changes
 
-    def _on_alive(self, msg: Alive, now: float, learn_only: bool = False) -> None:
+    def _on_alive(self, msg: Alive, now: float) -> None:
         if msg.node == self.id:
             if msg.incarnation >= self.incarnation and not self.leaving and (
                 msg.incarnation > self.incarnation or msg.meta != self.me.meta or msg.addr != self.me.addr
@@ -370,7 +372,7 @@ class Swim:
             self.broadcasts.queue(msg.node, msg)
             self._emit(EventKind.JOIN, msg.node, now)
             return
-        if learn_only or msg.incarnation <= m.incarnation:
+        if msg.incarnation <= m.incarnation:
             return
         self._suspicions.pop(msg.node, None)
         old = m.state
