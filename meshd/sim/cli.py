@@ -125,6 +125,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
+def _yes(v: bool) -> str:
+    return "yes" if v else "no"
+
+
 def _fmt(v, unit: str = "") -> str:
     return "-" if v is None else f"{v:g}{unit}"
 
@@ -145,9 +149,14 @@ def format_text(d: dict) -> str:
             f"  first suspicion, median: {_fmt(det['first_suspect_median_s'], ' s')}",
             "  suspicion phase (first suspect -> first dead), median: "
             f"{_fmt(det['suspicion_phase_median_s'], ' s')}",
-            f"  all know dead, median: {_fmt(det['all_know_median_s'], ' s')}, "
+            f"  all know dead, from the crash, median: {_fmt(det['all_know_median_s'], ' s')}, "
             f"max: {_fmt(det['all_know_max_s'], ' s')}"
-            f"  (within max bound: {'yes' if det['all_within_max_bound'] else 'no'})",
+            f"  (all within max bound: {_yes(det['all_within_max_bound'])}; "
+            f"median within min bound: {_yes(det['median_within_min_bound'])})",
+            "  all know dead, from the first suspicion, median: "
+            f"{_fmt(det['all_know_from_first_suspect_median_s'], ' s')}, "
+            f"max: {_fmt(det['all_know_from_first_suspect_max_s'], ' s')}"
+            f"  (median within min bound: {_yes(det['median_from_first_suspect_within_min_bound'])})",
         ]
     for kind, label in (("join", "join"), ("meta", "metadata change")):
         k = dis[kind]

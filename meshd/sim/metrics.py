@@ -30,9 +30,15 @@ class CrashTrack:
             if self.first_dead is None or at < self.first_dead:
                 self.first_dead = at
 
-    def finish(self, members: set[bytes]) -> None:
-        """Members = nodes up at the end; the crashed node itself is not one."""
-        times = [self.dead_at.get(m) for m in members if m != self.id]
+    def finish(self, members: set[bytes], never_knew: set[bytes] = frozenset()) -> None:
+        """Members = nodes up at the end; the crashed node itself is not one.
+
+        A member in ``never_knew`` (a late joiner that never heard of the node:
+        push-pull does not add the dead, as memberlist's does not) holds no
+        wrong view, so it is not missing; it adds no time either.
+        """
+        times = [self.dead_at.get(m) for m in members
+                 if m != self.id and not (m in never_knew and m not in self.dead_at)]
         self.missing = sum(t is None for t in times)
         known = [t for t in times if t is not None]
         self.all_know = max(known) if known and not self.missing else None
@@ -47,6 +53,8 @@ class CrashTrack:
             "first_suspect_s": rel(self.first_suspect),
             "first_dead_s": rel(self.first_dead),
             "all_know_s": rel(self.all_know),
+            "all_know_from_first_suspect_s": None if self.all_know is None or self.first_suspect is None
+            else self.all_know - self.first_suspect,
             "missing": self.missing,
         }
 
