@@ -527,6 +527,21 @@ def test_ping_req_goes_to_every_helper_up_to_indirect_checks():
     assert ping.target not in helpers and b.id not in helpers
 
 
+def test_ping_req_helpers_are_alive_members_not_suspects():
+    """memberlist picks indirect-probe helpers among alive members only: a suspect
+    is likely down, and its missing nack would count against our own health."""
+    bench = Bench(6)
+    b = bench.swims[1]
+    t, ping = first_probe(bench, b)
+    suspects = [s for s in bench.swims if s.id not in (b.id, ping.target)][:2]
+    for s in suspects:
+        bench.tell(b, STRANGER, Suspect(0, s.id, STRANGER), now=t)
+    assert all(b.members[s.id].state is State.SUSPECT for s in suspects)
+    _, outs = bench.tick_until(b, PingReq)
+    helpers = {o.node for o in outs}
+    assert len(helpers) == 2 and not helpers & {s.id for s in suspects}
+
+
 def test_an_indirect_ack_through_the_helper_keeps_the_target_alive():
     bench = Bench(3)
     b = bench.swims[1]

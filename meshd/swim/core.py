@@ -559,7 +559,9 @@ class Swim:
             probe.relay_seq = self._next_seq()
             self._send(target.addr, probe.target, [Ping(probe.relay_seq, probe.target)], via="relay")
             self.counters["relay_pings"] += 1
-        helpers = self._random_members(self.config.indirect_checks, exclude=probe.target)
+        # Helpers are alive members only (memberlist): a suspect is likely down,
+        # and its missing nack would count against our own health.
+        helpers = self._random_members(self.config.indirect_checks, exclude=probe.target, alive_only=True)
         for node in helpers:
             helper = self.members[node]
             self._send(helper.addr, node, [PingReq(probe.seq, probe.target, target.addr, True)])
@@ -599,7 +601,7 @@ class Swim:
     def _periodic_push_pull(self, now: float) -> None:
         cfg = self.config
         self._next_push_pull = now + cfg.push_pull_interval_for(self.live_count())
-        picks = self._random_members(1)
+        picks = self._random_members(1, alive_only=True)
         if picks:
             m = self.members[picks[0]]
             self._out.append(Outgoing(m.addr, m.id, self._packet([self._push_pull(False, True)]), True))
@@ -670,9 +672,10 @@ class Swim:
             del self._live_index[m.id]
 
     def _random_members(
-        self, k: int, exclude: bytes | None = None, gossip_at: float | None = None
+        self, k: int, exclude: bytes | None = None, gossip_at: float | None = None, alive_only: bool = False
     ) -> list[bytes]:
-        """Up to ``k`` distinct random live members; with ``gossip_at``, the recently dead too."""
+        """Up to ``k`` distinct random live members; with ``gossip_at``, the recently dead too;
+        with ``alive_only``, no suspects."""
         pool = self._live
         if gossip_at is not None and self._recent_dead:
             # Keep telling the recently dead: a live node wrongly declared can refute.
@@ -684,13 +687,18 @@ class Swim:
         n = len(pool)
         if n == 0 or k <= 0:
             return []
+        members = self.members
         if n <= 3 * k:
-            picks = [p for p in pool if p != exclude]
+            picks = [p for p in pool if p != exclude
+                     and not (alive_only and members[p].state is not State.ALIVE)]
             self.rng.shuffle(picks)
             return picks[:k]
         chosen: list[bytes] = []
-        while len(chosen) < k:
+        # Bounded, as memberlist's kRandomNodes: a pool of mostly suspects gives fewer.
+        for _ in range(3 * n):
             p = pool[self.rng.randrange(n)]
-            if p != exclude and p not in chosen:
+            if p != exclude and p not in chosen and not (alive_only and members[p].state is not State.ALIVE):
                 chosen.append(p)
+                if len(chosen) == k:
+                    break
         return chosen
