@@ -87,31 +87,42 @@ def plot_dissemination(results: list[Result], directory: str) -> tuple[str, tupl
     return _save(fig, directory, "dissemination_vs_n.png"), fit
 
 
-def plot_load(results: list[Result], directory: str) -> str:
-    """Messages per member per period vs N, against memberlist's steady probe + gossip rate."""
+def plot_load(results: list[Result], directory: str, others: dict[float, list[Result]] | None = None) -> str:
+    """Messages per member per period vs N, against memberlist's steady probe + gossip rate.
+
+    ``others`` adds one line per other loss rate (the same sweep, loss -> results).
+    """
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4.2))
     ns = [r.scenario.nodes for r in results]
     msgs = [r.load()["messages_per_member_period"] for r in results]
     kb = [r.load()["bytes_per_member_period"] / 1000 for r in results]
-    ax.plot(ns, msgs, "o-", label="messages sent per member per period")
+    loss = results[0].scenario.loss
+    ax.plot(ns, msgs, "o-", label=f"messages per member per period, loss {loss:g}")
+    top = list(msgs)
+    for other_loss, rs in sorted((others or {}).items()):
+        ys = [r.load()["messages_per_member_period"] for r in rs]
+        top += ys
+        ax.plot([r.scenario.nodes for r in rs], ys, "o:", label=f"messages, loss {other_loss:g}")
+    lo, hi = msgs[0] * 0.8, msgs[0] * 1.2
+    ax.axhspan(lo, hi, color="tab:green", alpha=0.12, label=f"±20% of N={ns[0]} at loss {loss:g}")
     cfg = PROFILES[results[0].scenario.profile]
     ceiling = 2 + cfg.gossip_nodes * cfg.probe_interval / cfg.gossip_interval
     ax.axhline(ceiling, color="tab:red", lw=1,
                label=f"memberlist probe + full gossip: 2 + {cfg.gossip_nodes}/gossip interval = {ceiling:g}"
                " (ping-req, relay, push-pull on top)")
     ax2 = ax.twinx()
-    ax2.plot(ns, kb, "s--", color="tab:gray", label="kB sent per member per period")
+    ax2.plot(ns, kb, "s--", color="tab:gray", label=f"kB per member per period, loss {loss:g}")
     ax2.set_ylabel("kB per member per period")
     ax.set_xscale("log")
-    ax.set_ylim(0, max([ceiling, *msgs]) * 1.15)
+    ax.set_ylim(0, max([ceiling, *top]) * 1.15)
     ax2.set_ylim(0, max(kb) * 1.5 if kb else 1)
     ax.set_xlabel("members N")
     ax.set_ylabel("messages per member per period")
-    ax.set_title(f"Per-member load, loss {results[0].scenario.loss:g}")
+    ax.set_title("Per-member load vs N")
     h1, l1 = ax.get_legend_handles_labels()
     h2, l2 = ax2.get_legend_handles_labels()
-    ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="lower right")
+    ax.legend(h1 + h2, l1 + l2, fontsize=7, loc="lower right")
     ax.grid(alpha=0.3, which="both")
     return _save(fig, directory, "load_vs_n.png")
 
@@ -127,6 +138,20 @@ def false_suspicion_rate(loss: float, indirect_checks: int) -> float:
     return direct * indirect**indirect_checks
 
 
+def relay_failure_rate(loss: float, budget: float, rto: float, hops: int = 4) -> float:
+    """Chance the relayed ping's round trip misses its deadline.
+
+    Each of the ``hops`` stream hops (prober -> relay -> target, and the ack
+    back the same way) resends after ``rto`` for every loss; the round trip
+    fails when the resends take more than ``budget`` (what is left of the
+    period after the direct timeout).  Resends over the hops are negative
+    binomial: P(j) = C(j + hops - 1, j) (1-l)^hops l^j.
+    """
+    allowed = int(budget / rto + 1e-9)
+    ok = sum(math.comb(j + hops - 1, j) * (1 - loss) ** hops * loss**j for j in range(allowed + 1))
+    return max(0.0, 1 - ok)
+
+
 def plot_false_positives(results: list[Result], directory: str) -> str:
     """False suspicions and false deaths per member-period vs loss, with the analytic probe-failure rate."""
     plt = _plt()
@@ -140,7 +165,12 @@ def plot_false_positives(results: list[Result], directory: str) -> str:
     cfg = PROFILES[results[0].scenario.profile]
     xs = [i / 100 for i in range(1, int(max(losses) * 100) + 2)]
     ax.plot(xs, [false_suspicion_rate(x, cfg.indirect_checks) for x in xs], ":", color="tab:red",
-            label=f"memberlist analytic probe failure, k={cfg.indirect_checks}")
+            label=f"analytic probe failure, UDP only (k={cfg.indirect_checks})")
+    if results[0].scenario.relay:
+        budget = cfg.probe_interval - cfg.probe_timeout
+        ax.plot(xs, [false_suspicion_rate(x, cfg.indirect_checks) * relay_failure_rate(x, budget, 0.2)
+                     for x in xs], "--", color="tab:purple",
+                label="analytic, with the relayed ping (4 stream hops, 200 ms resend)")
     ax.set_yscale("log")
     ax.set_ylim(1e-7, 1)
     n = results[0].scenario.nodes
