@@ -238,7 +238,7 @@ class Node:
                 await self._wake.wait()
             self._wake = trio.Event()
             swim.tick(trio.current_time())
-            self._after()
+            self._after(wake=False)  # waking ourselves would spin this loop
             await self._flush()
 
     async def _snapshot_loop(self) -> None:
@@ -248,7 +248,7 @@ class Node:
 
     # ------------------------------------------------------------- plumbing
 
-    def _after(self) -> None:
+    def _after(self, wake: bool = True) -> None:
         """React to what the core decided: log membership changes, wake the timer."""
         changed = False
         for ev in self.swim.events():
@@ -266,7 +266,8 @@ class Node:
                 changed = True
         if changed:
             self._print_stage_map()
-        self._wake.set()
+        if wake:
+            self._wake.set()  # the core's next deadline may have moved
 
     def _path_changed(self, node: bytes, direct: bool, rtt: float, now: float) -> None:
         reason = "direct ping unanswered within the probe timeout; the relayed ping was answered"
