@@ -60,6 +60,7 @@ class _Peer:
     dial_lock: trio.Lock = field(default_factory=trio.Lock)
     acks: dict[int, trio.Event] = field(default_factory=dict)
     direct_retry_at: float = 0.0
+    dialing: bool = False  # a background re-probe of the direct path is under way
     backoff: float = 0.0
     path: str = "direct"
     last_failure: str | None = None
@@ -201,7 +202,7 @@ class DataChannel:
         try:
             with trio.move_on_at(deadline):
                 while True:
-                    path = self._choose(peer)
+                    path = self._choose(node, peer)
                     if tried:
                         self.counters["resent"] += 1
                     try:
@@ -235,12 +236,26 @@ class DataChannel:
             f"within {timeout:g}s; tried: {'; '.join(tried[-6:]) or 'nothing (no path available)'}"
         )
 
-    def _choose(self, peer: _Peer) -> str:
-        if self._direct_due(peer):
+    def _choose(self, node: bytes, peer: _Peer) -> str:
+        if peer.stream is not None or self.relay_send is None:
             return "direct"
-        if self.relay_send is not None:
-            return "relay"
-        return "direct"
+        if peer.path == "direct" and self._direct_due(peer):
+            return "direct"
+        if self._direct_due(peer) and not peer.dialing and self._nursery is not None:
+            # Re-probe direct in the background; the relay carries this message.
+            peer.dialing = True
+            self._nursery.start_soon(self._probe_direct, node, peer)
+        return "relay"
+
+    async def _probe_direct(self, node: bytes, peer: _Peer) -> None:
+        try:
+            await self._stream(node, peer)
+        except PathFailed as exc:
+            self._path_failed(node, peer, "direct", str(exc))
+        else:
+            peer.path = "direct"
+        finally:
+            peer.dialing = False
 
     def _direct_due(self, peer: _Peer) -> bool:
         return trio.current_time() >= peer.direct_retry_at

@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+"""Direct vs relay on loopback, side by side in one run.
+
+Two meshd nodes and a relay in one trio process.  For each path, N messages
+of SIZE bytes go A -> B over the data channel, one at a time (each waits for
+its ack): the one-way latency is the receiver's clock minus the sender's
+stamp (same process, same clock).  Then messages/s with W senders in flight.
+The relay path is forced with a one-way drop, as a real filter would.
+
+    .venv/bin/python bench/paths.py [--messages 2000] [--size 1024] [--window 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import struct
+import time
+
+import trio
+
+from meshd.node import NodeOptions
+from meshd.relay.server import serve_relay
+from meshd.testing.inprocess import start_node, wait_converged
+
+_STAMP = struct.Struct("!d")
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+async def measure(path: str, messages: int, size: int, window: int) -> dict:
+    lines: list[str] = []
+    async with trio.open_nursery() as nursery:
+        host, port = await nursery.start(serve_relay, "127.0.0.1", 0)
+        opts = dict(profile="local", relay=f"ws://{host}:{port}", stages=2)
+        b = await start_node(nursery, NodeOptions(stage=1, **opts), lines)
+        a = await start_node(nursery, NodeOptions(stage=0, seeds=[b.addr], **opts), lines)
+        await wait_converged([a, b])
+        if path == "relay":
+            # After the join (a seed must be reachable both ways): A's direct packets to B are lost.
+            a.options.faults.drop_to.add(b.addr)
+        dst = a.identity.node_id, b.identity.node_id
+        latencies: list[float] = []
+        pad = b"x" * max(0, size - _STAMP.size)
+
+        async def receive(count: int) -> None:
+            async for _src, data in b.data.received:
+                latencies.append(time.perf_counter() - _STAMP.unpack_from(data)[0])
+                if len(latencies) == count:
+                    return
+
+        # Warm up: let the path settle (the relay case first tries direct and backs off).
+        async with trio.open_nursery() as n:
+            n.start_soon(receive, 20)
+            for _ in range(20):
+                used = await a.send_data(dst[1], _STAMP.pack(time.perf_counter()) + pad, timeout=30)
+        assert used == path, f"expected the {path} path, got {used}"
+        latencies.clear()
+
+        async with trio.open_nursery() as n:
+            n.start_soon(receive, messages)
+            for _ in range(messages):
+                await a.send_data(dst[1], _STAMP.pack(time.perf_counter()) + pad, timeout=30)
+        one_way = list(latencies)
+        latencies.clear()
+
+        async def sender(count: int) -> None:
+            for _ in range(count):
+                await a.send_data(dst[1], _STAMP.pack(time.perf_counter()) + pad, timeout=30)
+
+        t0 = time.perf_counter()
+        async with trio.open_nursery() as n:
+            n.start_soon(receive, messages)
+            for _ in range(window):
+                n.start_soon(sender, messages // window)
+        rate = messages / (time.perf_counter() - t0)
+        nursery.cancel_scope.cancel()
+    return {
+        "path": path,
+        "median_ms": statistics.median(one_way) * 1000,
+        "p99_ms": pct(one_way, 0.99) * 1000,
+        "msgs_per_s": rate,
+    }
+
+
+async def main_async(args) -> None:
+    results = {}
+    for path in ("direct", "relay"):
+        results[path] = await measure(path, args.messages, args.size, args.window)
+    print(f"{args.messages} messages of {args.size} B, A -> B on loopback (one process; "
+          f"msgs/s with {args.window} in flight)")
+    print(f"{'path':<8} {'median one-way':>15} {'p99 one-way':>12} {'msgs/s':>9}")
+    for r in results.values():
+        print(f"{r['path']:<8} {r['median_ms']:>12.3f} ms {r['p99_ms']:>9.3f} ms {r['msgs_per_s']:>9.0f}")
+    d, r = results["direct"], results["relay"]
+    print(f"relay/direct: median latency x{r['median_ms'] / d['median_ms']:.2f}, "
+          f"p99 x{r['p99_ms'] / d['p99_ms']:.2f}, throughput x{r['msgs_per_s'] / d['msgs_per_s']:.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--messages", type=int, default=2000)
+    parser.add_argument("--size", type=int, default=1024)
+    parser.add_argument("--window", type=int, default=8)
+    args = parser.parse_args()
+    if args.messages < args.window or args.size < _STAMP.size:
+        parser.error("--messages must be at least --window, --size at least 8")
+    trio.run(main_async, args)
+
+
+if __name__ == "__main__":
+    main()
