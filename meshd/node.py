@@ -105,11 +105,16 @@ class Node:
         with self._sock as sock:
             host, port = sock.getsockname()[:2]
             self.addr = opts.advertise or format_addr(host, port)
+            self.candidates = [self.addr]
+            if self.relay is not None:
+                reflexive = await self._stun()
+                if reflexive is not None and reflexive not in self.candidates:
+                    self.candidates.append(reflexive)
             meta = Meta(
                 role=opts.role,
                 stage=opts.stage,
                 stages=opts.stages,
-                addrs=(self.addr,),
+                addrs=tuple(self.candidates),
                 relay_url=opts.relay,
                 version=__version__,
             )
@@ -122,6 +127,7 @@ class Node:
                 f"role={opts.role} stage={'-' if opts.stage is None else opts.stage} "
                 f"addr={self.addr} relay={opts.relay or '-'}"
             )
+            self.out(f"meshd candidates {' '.join(self.candidates)}")
             if opts.faults.active:
                 self.out(f"meshd faults {' '.join(opts.faults.describe())}")
             for name in opts.names():
@@ -143,6 +149,18 @@ class Node:
                 if self._snapshots is not None:
                     nursery.start_soon(self._snapshot_loop)
                 task_status.started(self.addr)
+
+    async def _stun(self) -> str | None:
+        """Our address as the relay sees this gossip socket (its STUN answer), or None."""
+        from .relay.client import RelayError, parse_relay_url, stun_query
+
+        host, port, _path, _tls = parse_relay_url(self.options.relay)
+        try:
+            ip, mapped = await stun_query(host, port, timeout=1.0, sock=self._sock)
+        except (RelayError, OSError) as exc:
+            log.warning("no reflexive address from the relay's STUN at %s:%d: %s", host, port, exc)
+            return None
+        return format_addr(ip, mapped)
 
     async def leave(self) -> None:
         """Tell the cluster we are going, so peers mark us left, not dead."""
@@ -264,6 +282,10 @@ class Node:
                          f"incarnation={m.incarnation}{detail}")
             if ev.kind in (EventKind.JOIN, EventKind.DEAD, EventKind.LEFT, EventKind.UPDATE):
                 changed = True
+            if ev.kind in (EventKind.DEAD, EventKind.LEFT):
+                self.paths.unreachable(ev.node, ev.at, f"member {ev.kind.value}: no path answered")
+            elif ev.kind is EventKind.JOIN:
+                self.paths.revived(ev.node, ev.at)
         if changed:
             self._print_stage_map()
         if wake:

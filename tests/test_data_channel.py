@@ -134,6 +134,8 @@ async def test_isolated_node_is_declared_dead_and_sends_to_it_fail_naming_it():
             took = trio.current_time() - t0
             print(f"\nisolated stage-1 declared dead by all 3 peers after {took:.1f}s (bound {bound:.0f}s)")
             assert {line.split()[3] for line in mesh.dead_lines()} == {f"prefix={c.identity.prefix}"}
+            view = {m["prefix"]: m for m in mesh.a.snapshot()["members"]}[c.identity.prefix]
+            assert view["path_out"] == "none" and "member dead" in view["last_failure"]
             nursery.cancel_scope.cancel()
 
 

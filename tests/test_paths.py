@@ -4,11 +4,13 @@ never costs a live member its life."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import trio
 
 from meshd.net.faults import Faults
 from meshd.node import NodeOptions
-from meshd.relay.server import serve_relay
+from meshd.relay.server import Relay, serve_relay
 from meshd.swim import LOCAL
 from meshd.testing.inprocess import start_node as _start
 from meshd.testing.inprocess import wait_converged
@@ -18,7 +20,8 @@ async def test_one_way_drop_goes_via_relay_and_nobody_dies():
     lines: list[str] = []
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
-            host, port = await nursery.start(serve_relay, "127.0.0.1", 0)
+            relay = Relay()
+            host, port = await nursery.start(partial(serve_relay, relay=relay), "127.0.0.1", 0)
             url = f"ws://{host}:{port}"
             opts = dict(profile="local", relay=url, stages=3)
             a = await _start(nursery, NodeOptions(role="orchestrator", **opts), lines)
@@ -36,6 +39,12 @@ async def test_one_way_drop_goes_via_relay_and_nobody_dies():
             await trio.sleep(3 * LOCAL.suspicion_bounds(4)[0])
 
             assert c.paths.out_path(a.identity.node_id) == "relay"
+            # Each node asked the relay's STUN how its gossip socket looks from outside;
+            # on loopback that is its own address, so it is the one candidate gossiped.
+            assert relay.stun_answered >= 4
+            for n in nodes:
+                assert n.candidates == [n.addr] and n.swim.me.meta.addrs == (n.addr,)
+                assert f"meshd candidates {n.addr}" in lines
             assert a.paths.out_path(c.identity.node_id) == "direct"
             snap_c = {m["prefix"]: m for m in c.snapshot()["members"]}
             view = snap_c[a.identity.prefix]

@@ -90,6 +90,12 @@ class PathTable:
         if out.path != NONE:
             out.path, out.since = NONE, now
 
+    def revived(self, node: bytes, now: float) -> None:
+        """A member is back: try direct again (the next probe will tell)."""
+        out = self._peer(node).out
+        if out.path == NONE:
+            out.path, out.since = DIRECT, now
+
     def view(self, node: bytes, now: float) -> dict:
         peer = self._peer(node)
         out, inn = peer.out, peer.inn
