@@ -75,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_relay(sub)
     from .sim.cli import add_parser as add_sim
     add_sim(sub)
+    from .pipeline.cli import add_parser as add_pipeline
+    add_pipeline(sub)
     return parser
 
 

@@ -1,0 +1,302 @@
+"""Weights in the Hugging Face Llama layout: read one stage's share, or write a random checkpoint.
+
+A stage reads only the tensors its layer range needs (``safe_open`` reads
+single tensors).  numpy has no bfloat16: such tensors are read as raw bytes
+and widened (uint16 -> uint32 << 16 -> float32), which is exact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+from .config import ConfigError, LlamaConfig
+from .tokenizer import write_byte_tokenizer_spec
+
+
+class CheckpointError(Exception):
+    """A checkpoint we cannot load; the message names the file or the tensor."""
+
+
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+# safetensors dtype -> numpy dtype, for the ones numpy reads directly.
+_NUMPY_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
+_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
+
+LAYER_TENSORS = (
+    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+    "input_layernorm.weight", "post_attention_layernorm.weight",
+)
+
+
+def layer_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Per-layer tensor suffix -> shape; Hugging Face Linear weights are (out, in)."""
+    d, i, hd = config.hidden_size, config.intermediate_size, config.head_dim
+    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    return {
+        "self_attn.q_proj.weight": (q, d),
+        "self_attn.k_proj.weight": (kv, d),
+        "self_attn.v_proj.weight": (kv, d),
+        "self_attn.o_proj.weight": (d, q),
+        "mlp.gate_proj.weight": (i, d),
+        "mlp.up_proj.weight": (i, d),
+        "mlp.down_proj.weight": (d, i),
+        "input_layernorm.weight": (d,),
+        "post_attention_layernorm.weight": (d,),
+    }
+
+
+def expected_tensors(config: LlamaConfig, layers: Iterable[int], *, embed: bool,
+                     head: bool) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor a stage with these parts needs."""
+    out: dict[str, tuple[int, ...]] = {}
+    vd = (config.vocab_size, config.hidden_size)
+    if embed:
+        out["model.embed_tokens.weight"] = vd
+    shapes = layer_shapes(config)
+    for n in layers:
+        if not 0 <= n < config.num_hidden_layers:
+            raise ValueError(f"layer {n} is outside 0..{config.num_hidden_layers - 1}")
+        for suffix, shape in shapes.items():
+            out[f"model.layers.{n}.{suffix}"] = shape
+    if head:
+        out["model.norm.weight"] = (config.hidden_size,)
+        out["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"] = vd
+    return out
+
+
+class _SafetensorsFile:
+    """One .safetensors file: its header, parsed and checked, and single-tensor reads."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            size = path.stat().st_size
+            with path.open("rb") as f:
+                head = f.read(8)
+                if len(head) < 8:
+                    raise CheckpointError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+                (n,) = struct.unpack("<Q", head)
+                if n > min(size - 8, 100 << 20):
+                    raise CheckpointError(f"{path}: not a safetensors file (header length {n} "
+                                          f"does not fit a {size}-byte file)")
+                raw = f.read(n)
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: no such file") from None
+        except OSError as exc:
+            raise CheckpointError(f"{path}: cannot read: {exc}") from exc
+        try:
+            header = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise CheckpointError(f"{path}: corrupted safetensors header: {exc}") from None
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{path}: corrupted safetensors header (not a JSON object)")
+        header.pop("__metadata__", None)
+        self.data_start = 8 + n
+        data_len = size - self.data_start
+        self.entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
+        for name, info in header.items():
+            try:
+                dtype, shape, (start, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+                count = int(np.prod(shape, dtype=np.int64))
+            except (KeyError, TypeError, ValueError):
+                raise CheckpointError(f"{path}: corrupted safetensors header entry for {name}") from None
+            if not 0 <= start <= end <= data_len:
+                raise CheckpointError(f"{path}: tensor {name} lies outside the file "
+                                      f"(bytes {start}..{end} of {data_len}; truncated?)")
+            if dtype in _ITEMSIZE and end - start != count * _ITEMSIZE[dtype]:
+                raise CheckpointError(f"{path}: tensor {name}: {end - start} bytes do not hold "
+                                      f"{dtype} of shape {shape}")
+            self.entries[name] = (dtype, shape, start, end)
+
+    def read(self, name: str) -> np.ndarray:
+        """The tensor as C-contiguous float32."""
+        dtype, shape, start, end = self.entries[name]
+        if dtype == "BF16":
+            try:
+                with self.path.open("rb") as f:
+                    f.seek(self.data_start + start)
+                    raw = f.read(end - start)
+            except OSError as exc:
+                raise CheckpointError(f"{self.path}: cannot read tensor {name}: {exc}") from exc
+            if len(raw) != end - start:
+                raise CheckpointError(f"{self.path}: tensor {name} is truncated")
+            widened = np.frombuffer(raw, dtype="<u2").astype(np.uint32) << np.uint32(16)
+            return widened.view(np.float32).reshape(shape)
+        if dtype not in _NUMPY_DTYPES:
+            raise CheckpointError(f"{self.path}: tensor {name} has dtype {dtype}; "
+                                  f"expected F32, F16 or BF16")
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(self.path), framework="np") as f:
+                array = f.get_tensor(name)
+        except Exception as exc:  # safetensors raises its own SafetensorError and OSError
+            raise CheckpointError(f"{self.path}: cannot read tensor {name}: {exc}") from exc
+        return np.ascontiguousarray(array, dtype=np.float32).reshape(shape)
+
+
+def _tensor_files(model_dir: Path) -> dict[str, Path]:
+    """Tensor name -> the file holding it (one file, or shards listed in an index)."""
+    index = model_dir / INDEX_FILE
+    if not (model_dir / WEIGHTS_FILE).exists() and index.exists():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            return {name: model_dir / file for name, file in weight_map.items()}
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index}: cannot read the shard index: {exc}") from exc
+    return {}
+
+
+def load_weights(model_dir: str | Path, layers: Iterable[int] | None = None, *, embed: bool = False,
+                 head: bool = False, config: LlamaConfig | None = None) -> dict[str, np.ndarray]:
+    """Read only the tensors for ``layers`` (plus embedding / final norm and head), as float32.
+
+    Returns Hugging Face name -> array.  With a tied head, ``head=True`` reads
+    ``model.embed_tokens.weight`` (the head is the embedding).
+    """
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise CheckpointError(f"{model_dir}: no such directory")
+    if config is None:
+        config = LlamaConfig.load(model_dir)
+    layers = range(config.num_hidden_layers) if layers is None else layers
+    wanted = expected_tensors(config, layers, embed=embed, head=head)
+    shard_of = _tensor_files(model_dir)
+    files: dict[Path, _SafetensorsFile] = {}
+    out: dict[str, np.ndarray] = {}
+    for name, shape in wanted.items():
+        path = shard_of.get(name, model_dir / WEIGHTS_FILE)
+        if path not in files:
+            files[path] = _SafetensorsFile(path)
+        st = files[path]
+        if name not in st.entries:
+            raise CheckpointError(f"{path}: missing tensor {name} (expected shape {shape})")
+        found = st.entries[name][1]
+        if found != shape:
+            raise CheckpointError(f"{path}: tensor {name} has shape {found}, expected {shape}")
+        out[name] = st.read(name)
+    return out
+
+
+# --- writing ----------------------------------------------------------------
+
+PRESETS: dict[str, dict] = {
+    # For tests: byte vocabulary (0..255) plus BOS 256 and EOS 257.
+    "tiny": dict(hidden_size=64, intermediate_size=172, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=258, max_position_embeddings=256,
+                 rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=256, eos_token_ids=(257,)),
+    # stories15M's shapes.  Llama's vocabulary layout: 1 = BOS, 2 = EOS, bytes at 3..258.
+    # Untied head: with random weights a tied head mostly echoes the input token.
+    "small": dict(hidden_size=288, intermediate_size=768, num_hidden_layers=6, num_attention_heads=6,
+                  num_key_value_heads=6, vocab_size=32000, max_position_embeddings=256,
+                  rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_ids=(2,)),
+}
+_BYTE_OFFSET = {"tiny": 0, "small": 3}
+
+
+def random_weights(config: LlamaConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    """Seeded random float32 weights: matrices normal(0, 0.02), the embedding normal(0, 0.3), norms 1.
+
+    With the embedding at 0.02 too, the (near-uniform) attention average
+    drowns the current token and greedy decoding repeats one token; at 0.3
+    the stories15M-shaped model gives 64 distinct tokens in 64.
+    """
+    rng = np.random.default_rng(seed)
+    out: dict[str, np.ndarray] = {}
+    all_tensors = expected_tensors(config, range(config.num_hidden_layers), embed=True, head=True)
+    for name, shape in all_tensors.items():  # insertion order is fixed, so the seed fixes every byte
+        if len(shape) == 1:
+            out[name] = np.ones(shape, dtype=np.float32)
+        else:
+            std = np.float32(0.3 if name == "model.embed_tokens.weight" else 0.02)
+            out[name] = rng.standard_normal(shape, dtype=np.float32) * std
+    return out
+
+
+def _to_bf16_bits(array: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns, rounded to nearest even."""
+    bits = np.ascontiguousarray(array, dtype=np.float32).view(np.uint32)
+    rounding = ((bits >> np.uint32(16)) & np.uint32(1)) + np.uint32(0x7FFF)
+    return ((bits + rounding) >> np.uint32(16)).astype(np.uint16)
+
+
+def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray], dtype: str = "float32") -> None:
+    """Write float tensors as F32, F16 or BF16 (numpy cannot hold BF16, so we write the format)."""
+    code = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}[dtype]
+    header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
+    blobs: list[bytes] = []
+    offset = 0
+    for name in sorted(tensors):
+        array = tensors[name]
+        if dtype == "bfloat16":
+            data = _to_bf16_bits(array).astype("<u2").tobytes()
+        else:
+            data = np.ascontiguousarray(array, dtype=np.dtype(dtype).newbyteorder("<")).tobytes()
+        header[name] = {"dtype": code, "shape": list(array.shape),
+                        "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for data in blobs:
+            f.write(data)
+    os.replace(tmp, path)
+
+
+def preset_config(preset: str, **overrides) -> LlamaConfig:
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r} (known: {', '.join(PRESETS)})")
+    try:
+        return LlamaConfig(**{**PRESETS[preset], **overrides})
+    except TypeError as exc:
+        raise ValueError(f"bad override: {exc}") from None
+
+
+def init_checkpoint(out_dir: str | Path, preset: str = "tiny", seed: int = 0, *, dtype: str = "float32",
+                    force: bool = False, **overrides) -> LlamaConfig:
+    """Write config.json, model.safetensors and a byte tokenizer spec with seeded random weights.
+
+    ``overrides`` replace preset fields (e.g. ``tie_word_embeddings=True``).
+    Refuses a non-empty ``out_dir`` unless ``force``.
+    """
+    config = preset_config(preset, **overrides)
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"{out}: exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise CheckpointError(f"{out}: directory is not empty (use --force to overwrite)")
+    out.mkdir(parents=True, exist_ok=True)
+    weights = random_weights(config, seed)
+    if config.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    write_safetensors(out / WEIGHTS_FILE, weights, dtype)
+    config_json = {**config.to_dict(), "torch_dtype": dtype}
+    (out / "config.json").write_text(json.dumps(config_json, indent=2) + "\n", encoding="utf-8")
+    (out / INDEX_FILE).unlink(missing_ok=True)
+    (out / "tokenizer.json").unlink(missing_ok=True)
+    write_byte_tokenizer_spec(out, offset=_BYTE_OFFSET[preset], bos_token_id=config.bos_token_id,
+                              eos_token_id=config.eos_token_ids[0])
+    return config
+
+
+def checkpoint_params(config: LlamaConfig) -> int:
+    tensors = expected_tensors(config, range(config.num_hidden_layers), embed=True, head=True)
+    return sum(int(np.prod(s)) for s in tensors.values())
+
+
+__all__ = ["CheckpointError", "ConfigError", "init_checkpoint", "load_weights", "expected_tensors",
+           "random_weights", "write_safetensors", "PRESETS"]

@@ -1,0 +1,239 @@
+"""A Llama decoder in numpy, float32 end to end, cut into stages.
+
+A ``StageModel`` holds layers [a, b), plus the embedding if it is the first
+stage and the final norm and LM head if it is the last.  The whole model is
+the stage with every layer.  Chaining stages
+
+    hidden = first.embed(ids)
+    for stage, cache in zip(stages, caches):
+        hidden = stage.forward(hidden, cache, start_pos)
+    logits = last.logits(hidden[-1:])
+
+runs exactly the same numpy operations, in the same order and shapes, as the
+whole model, so its logits are the same bits.
+
+Conventions are Hugging Face's (``LlamaForCausalLM``): RMSNorm computed in
+float32, rotate-half RoPE, grouped-query attention, SwiGLU MLP, Linear
+weights stored (out, in).  Every scalar is ``np.float32``: a Python float
+would be harmless under NEP 50, a float64 numpy scalar would not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from .config import LlamaConfig
+
+F32 = np.float32
+
+
+def split_layers(num_layers: int, num_stages: int) -> list[range]:
+    """Contiguous, near-equal layer ranges; the first stages take the extra layers."""
+    if not 1 <= num_stages <= num_layers:
+        raise ValueError(f"cannot split {num_layers} layers into {num_stages} stages")
+    base, extra = divmod(num_layers, num_stages)
+    out, start = [], 0
+    for k in range(num_stages):
+        stop = start + base + (1 if k < extra else 0)
+        out.append(range(start, stop))
+        start = stop
+    return out
+
+
+class KVCache:
+    """Keys and values of one request for one stage's layers, preallocated.
+
+    ``k``/``v``: (stage layers, kv heads, max_seq, head_dim) float32.
+    ``length``: positions filled so far.
+    """
+
+    __slots__ = ("k", "v", "length", "max_seq")
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_seq: int):
+        shape = (num_layers, num_kv_heads, max_seq, head_dim)
+        self.k = np.zeros(shape, dtype=np.float32)
+        self.v = np.zeros(shape, dtype=np.float32)
+        self.length = 0
+        self.max_seq = max_seq
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+def rope_tables(config: LlamaConfig, max_seq: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin: (positions, head_dim // 2) float32.
+
+    Hugging Face builds cos/sin of ``cat(freqs, freqs)``; both halves are
+    equal, so one half is kept.  Computed in float64 and rounded once.
+    """
+    n = config.max_position_embeddings if max_seq is None else max_seq
+    hd = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+    freqs = np.outer(np.arange(n, dtype=np.float64), inv_freq)  # (n, hd/2)
+    return np.cos(freqs).astype(np.float32), np.sin(freqs).astype(np.float32)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotate-half RoPE: x * cat(cos, cos) + rotate_half(x) * cat(sin, sin).
+
+    x: (heads, T, head_dim); cos, sin: (T, head_dim // 2).
+    """
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    out = np.empty(x.shape, dtype=np.float32)
+    out[..., :half] = x1 * cos - x2 * sin
+    out[..., half:] = x2 * cos + x1 * sin
+    return out
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: np.float32) -> np.ndarray:
+    """x: (T, D) float32 -> (T, D) float32."""
+    var = np.sum(x * x, axis=-1, keepdims=True) * F32(1.0 / x.shape[-1])  # np.mean costs 3x the calls
+    return x * (F32(1.0) / np.sqrt(var + eps)) * weight
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    # x * sigmoid(x), with sigmoid via tanh: no overflow warning for large negative x
+    return x * (F32(0.5) + F32(0.5) * np.tanh(F32(0.5) * x))
+
+
+class _Layer:
+    """One decoder layer's weights, q/k/v and gate/up fused so each is one matmul."""
+
+    __slots__ = ("wqkv", "wo", "w_gate_up", "w_down", "attn_norm", "mlp_norm")
+
+    def __init__(self, w: Mapping[str, np.ndarray], prefix: str):
+        def get(name: str) -> np.ndarray:
+            return np.asarray(w[prefix + name], dtype=np.float32)
+
+        self.wqkv = np.concatenate([get("self_attn.q_proj.weight"), get("self_attn.k_proj.weight"),
+                                    get("self_attn.v_proj.weight")])  # (q + 2 kv, D)
+        self.wo = np.ascontiguousarray(get("self_attn.o_proj.weight"))  # (D, q)
+        self.w_gate_up = np.concatenate([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")])  # (2I, D)
+        self.w_down = np.ascontiguousarray(get("mlp.down_proj.weight"))  # (D, I)
+        self.attn_norm = get("input_layernorm.weight")
+        self.mlp_norm = get("post_attention_layernorm.weight")
+
+
+class StageModel:
+    """Layers [a, b) of a Llama model, plus the embedding and/or the head if this stage has them."""
+
+    def __init__(self, config: LlamaConfig, weights: Mapping[str, np.ndarray], layers: range | None = None,
+                 *, embed: bool | None = None, head: bool | None = None):
+        n = config.num_hidden_layers
+        layers = range(n) if layers is None else layers
+        if layers.step != 1 or not 0 <= layers.start <= layers.stop <= n:
+            raise ValueError(f"layers {layers} is not a contiguous range within 0..{n}")
+        self.config = config
+        self.layer_range = layers
+        self.has_embed = layers.start == 0 if embed is None else embed
+        self.has_head = layers.stop == n if head is None else head
+        self._eps = F32(config.rms_norm_eps)
+        self._scale = F32(1.0 / np.sqrt(config.head_dim))
+        self._cos, self._sin = rope_tables(config)
+        self._layers = [_Layer(weights, f"model.layers.{i}.") for i in layers]
+        self._embed = None
+        self._norm = self._head = None
+        if self.has_embed:
+            self._embed = np.asarray(weights["model.embed_tokens.weight"], dtype=np.float32)  # (V, D)
+        if self.has_head:
+            self._norm = np.asarray(weights["model.norm.weight"], dtype=np.float32)
+            name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+            self._head = np.asarray(weights[name], dtype=np.float32)  # (V, D)
+
+    @classmethod
+    def load(cls, model_dir: str | Path, layers: range | None = None, *, embed: bool | None = None,
+             head: bool | None = None, config: LlamaConfig | None = None) -> StageModel:
+        """Read this stage's tensors only (see ``checkpoint.load_weights``)."""
+        from .checkpoint import load_weights
+
+        if config is None:
+            config = LlamaConfig.load(model_dir)
+        n = config.num_hidden_layers
+        layers = range(n) if layers is None else layers
+        embed = layers.start == 0 if embed is None else embed
+        head = layers.stop == n if head is None else head
+        weights = load_weights(model_dir, layers, embed=embed, head=head, config=config)
+        return cls(config, weights, layers, embed=embed, head=head)
+
+    def new_cache(self, max_seq: int | None = None) -> KVCache:
+        """A KV cache for one request, for this stage's layers."""
+        c = self.config
+        max_seq = c.max_position_embeddings if max_seq is None else max_seq
+        if not 1 <= max_seq <= c.max_position_embeddings:
+            raise ValueError(f"max_seq {max_seq} is outside 1..{c.max_position_embeddings}")
+        return KVCache(len(self._layers), c.num_key_value_heads, c.head_dim, max_seq)
+
+    def embed(self, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Token ids (T,) -> hidden (T, D) float32."""
+        if self._embed is None:
+            raise RuntimeError(f"stage {self.layer_range} has no embedding")
+        ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
+            bad = ids[(ids < 0) | (ids >= self.config.vocab_size)][0]
+            raise ValueError(f"token id {bad} is outside 0..{self.config.vocab_size - 1}")
+        return self._embed[ids]
+
+    def forward(self, hidden: np.ndarray, cache: KVCache, start_pos: int) -> np.ndarray:
+        """Run this stage's layers on positions [start_pos, start_pos + T).
+
+        hidden: (T, D) float32.  Prefill passes the whole prompt (causal
+        mask), decode one row.  Writes keys/values at those positions of
+        ``cache`` and attends to everything before them.
+        """
+        c = self.config
+        if hidden.dtype != np.float32 or hidden.ndim != 2 or hidden.shape[1] != c.hidden_size:
+            raise ValueError(f"hidden must be (T, {c.hidden_size}) float32, "
+                             f"got {hidden.shape} {hidden.dtype}")
+        T = hidden.shape[0]
+        end = start_pos + T
+        if not 0 <= start_pos <= cache.length or end > cache.max_seq:
+            raise ValueError(f"positions {start_pos}..{end} do not fit the cache "
+                             f"(filled {cache.length}, size {cache.max_seq})")
+        H, KV, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        G, qd, kvd, inter = H // KV, H * hd, KV * hd, c.intermediate_size
+        cos, sin = self._cos[start_pos:end], self._sin[start_pos:end]  # (T, hd/2)
+        mask = None
+        if T > 1:  # query i (position start_pos + i) sees keys 0..start_pos + i
+            mask = np.triu(np.full((T, end), -np.inf, dtype=np.float32), k=start_pos + 1)
+        x = hidden
+        for li, layer in enumerate(self._layers):
+            h = rms_norm(x, layer.attn_norm, self._eps)
+            qkv = h @ layer.wqkv.T  # (T, qd + 2 kvd)
+            q = qkv[:, :qd].reshape(T, H, hd).transpose(1, 0, 2)  # (H, T, hd)
+            k = qkv[:, qd:qd + kvd].reshape(T, KV, hd).transpose(1, 0, 2)  # (KV, T, hd)
+            v = qkv[:, qd + kvd:].reshape(T, KV, hd).transpose(1, 0, 2)
+            q = apply_rope(q, cos, sin)
+            cache.k[li, :, start_pos:end] = apply_rope(k, cos, sin)
+            cache.v[li, :, start_pos:end] = v
+            keys = cache.k[li, :, :end]  # (KV, end, hd)
+            values = cache.v[li, :, :end]
+            # grouped-query: each kv head serves G query heads, no copy of k/v
+            scores = q.reshape(KV, G, T, hd) @ keys[:, None].transpose(0, 1, 3, 2)  # (KV, G, T, end)
+            scores *= self._scale
+            if mask is not None:
+                scores += mask
+            scores -= scores.max(axis=-1, keepdims=True)
+            np.exp(scores, out=scores)
+            scores /= scores.sum(axis=-1, keepdims=True)
+            attn = scores @ values[:, None]  # (KV, G, T, hd)
+            attn = attn.reshape(H, T, hd).transpose(1, 0, 2).reshape(T, qd)
+            x = x + attn @ layer.wo.T
+            h = rms_norm(x, layer.mlp_norm, self._eps)
+            gate_up = h @ layer.w_gate_up.T  # (T, 2I)
+            x = x + (silu(gate_up[:, :inter]) * gate_up[:, inter:]) @ layer.w_down.T
+        cache.length = max(cache.length, end)
+        return x
+
+    def logits(self, hidden: np.ndarray) -> np.ndarray:
+        """Final norm and LM head: hidden (T, D) -> logits (T, V) float32.
+
+        Generation needs only the last row: pass ``hidden[-1:]``.
+        """
+        if self._head is None:
+            raise RuntimeError(f"stage {self.layer_range} has no LM head")
+        return rms_norm(hidden, self._norm, self._eps) @ self._head.T

@@ -1,0 +1,118 @@
+"""Text <-> token ids.
+
+Byte-level by default: byte b is id ``offset + b``, plus BOS/EOS specials.
+A random checkpoint names its layout in ``byte_tokenizer.json``.  A real
+checkpoint's ``tokenizer.json`` is used through the ``tokenizers`` package
+(an optional dependency) when present.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Protocol
+
+BYTE_SPEC_FILE = "byte_tokenizer.json"
+HF_FILE = "tokenizer.json"
+
+
+class TokenizerError(Exception):
+    """A tokenizer we cannot load."""
+
+
+class Tokenizer(Protocol):
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    def encode(self, text: str) -> list[int]: ...  # no BOS; the caller adds it
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids ``offset .. offset + 255``; other ids decode as ``<id>``."""
+
+    def __init__(self, offset: int = 0, bos_token_id: int | None = 256,
+                 eos_token_ids: tuple[int, ...] = (257,)):
+        self.offset = offset
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = tuple(eos_token_ids)
+        self._specials = {t for t in (bos_token_id, *self.eos_token_ids) if t is not None}
+
+    def encode(self, text: str) -> list[int]:
+        return [self.offset + b for b in text.encode("utf-8")]
+
+    def decode(self, ids: list[int]) -> str:
+        out: list[str] = []
+        run = bytearray()
+        for t in ids:
+            b = t - self.offset
+            if 0 <= b < 256 and t not in self._specials:
+                run.append(b)
+                continue
+            if run:
+                out.append(run.decode("utf-8", errors="replace"))
+                run.clear()
+            if t not in self._specials:
+                out.append(f"<{t}>")
+        if run:
+            out.append(run.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizer.json`` through the ``tokenizers`` package."""
+
+    def __init__(self, path: Path, bos_token_id: int | None, eos_token_ids: tuple[int, ...]):
+        try:
+            from tokenizers import Tokenizer as _Tokenizer
+        except ImportError:
+            raise TokenizerError(f"{path} needs the tokenizers package (pip install tokenizers)") from None
+        try:
+            self._tok = _Tokenizer.from_file(str(path))
+        except Exception as exc:  # tokenizers raises a bare Exception on a bad file
+            raise TokenizerError(f"{path}: cannot load: {exc}") from exc
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = tuple(eos_token_ids)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=True)
+
+
+def write_byte_tokenizer_spec(model_dir: str | Path, *, offset: int, bos_token_id: int | None,
+                              eos_token_id: int | None) -> None:
+    spec = {"type": "byte", "offset": offset, "bos_token_id": bos_token_id, "eos_token_id": eos_token_id}
+    (Path(model_dir) / BYTE_SPEC_FILE).write_text(json.dumps(spec, indent=2) + "\n", encoding="utf-8")
+
+
+def load_tokenizer(model_dir: str | Path, bos_token_id: int | None = None,
+                   eos_token_ids: tuple[int, ...] = ()) -> Tokenizer:
+    """The checkpoint's tokenizer: tokenizer.json, else byte_tokenizer.json, else plain bytes.
+
+    ``bos_token_id``/``eos_token_ids`` come from config.json.  Plain bytes
+    (no file) start at 0, or just above the specials when they fall among
+    the first 256 ids (Llama's layout: byte ids from 3).
+    """
+    model_dir = Path(model_dir)
+    if (model_dir / HF_FILE).exists():
+        return HFTokenizer(model_dir / HF_FILE, bos_token_id, eos_token_ids)
+    spec_path = model_dir / BYTE_SPEC_FILE
+    if spec_path.exists():
+        try:
+            spec = json.loads(spec_path.read_text(encoding="utf-8"))
+            if spec.get("type") != "byte":
+                raise TokenizerError(f"{spec_path}: unknown type {spec.get('type')!r}")
+            offset = spec["offset"]
+            if not isinstance(offset, int) or offset < 0:
+                raise TokenizerError(f"{spec_path}: offset {offset!r} is not a non-negative integer")
+            bos = spec.get("bos_token_id", bos_token_id)
+            eos = spec.get("eos_token_id")
+        except (OSError, ValueError, KeyError, AttributeError) as exc:
+            raise TokenizerError(f"{spec_path}: cannot read: {exc}") from exc
+        return ByteTokenizer(offset, bos, (eos,) if eos is not None else tuple(eos_token_ids))
+    specials = [t for t in (bos_token_id, *eos_token_ids) if t is not None]
+    low = [t for t in specials if t < 256]
+    return ByteTokenizer(max(low) + 1 if low else 0, bos_token_id, tuple(eos_token_ids))
