@@ -122,7 +122,7 @@ def plot_load(results: list[Result], directory: str, others: dict[float, list[Re
     ax.set_title("Per-member load vs N")
     h1, l1 = ax.get_legend_handles_labels()
     h2, l2 = ax2.get_legend_handles_labels()
-    ax.legend(h1 + h2, l1 + l2, fontsize=7, loc="lower right")
+    ax.legend(h1 + h2, l1 + l2, fontsize=7, loc="upper left")
     ax.grid(alpha=0.3, which="both")
     return _save(fig, directory, "load_vs_n.png")
 
