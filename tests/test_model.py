@@ -1,0 +1,191 @@
+"""The numpy Llama: stages chain to the whole model, the KV cache equals recomputation, float32 throughout."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from meshd.pipeline import Sampler, StageModel, split_layers, stub_model
+from meshd.pipeline.checkpoint import preset_config, random_weights
+from meshd.pipeline.generate import generate_ids
+from meshd.pipeline.model import apply_rope, rope_tables
+
+PROMPT = [256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]  # BOS "Hello, world"
+
+
+def reference_logits(config, w, ids) -> np.ndarray:
+    """Hugging Face's LlamaForCausalLM written plainly in float64: full recompute, repeat_kv, cat(freqs)."""
+    T, H, KV, hd = len(ids), config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    f64 = {k: v.astype(np.float64) for k, v in w.items()}
+
+    def norm(x, weight):
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + config.rms_norm_eps) * weight
+
+    def rotate_half(x):
+        return np.concatenate([-x[..., hd // 2:], x[..., :hd // 2]], axis=-1)
+
+    inv_freq = 1.0 / config.rope_theta ** (np.arange(0, hd, 2) / hd)
+    emb = np.concatenate([np.outer(np.arange(T), inv_freq)] * 2, axis=-1)  # (T, hd)
+    cos, sin = np.cos(emb), np.sin(emb)
+    mask = np.triu(np.full((T, T), -np.inf), k=1)
+    x = f64["model.embed_tokens.weight"][ids]
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        h = norm(x, f64[p + "input_layernorm.weight"])
+        q = (h @ f64[p + "self_attn.q_proj.weight"].T).reshape(T, H, hd).transpose(1, 0, 2)
+        k = (h @ f64[p + "self_attn.k_proj.weight"].T).reshape(T, KV, hd).transpose(1, 0, 2)
+        v = (h @ f64[p + "self_attn.v_proj.weight"].T).reshape(T, KV, hd).transpose(1, 0, 2)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        k, v = np.repeat(k, H // KV, axis=0), np.repeat(v, H // KV, axis=0)
+        s = q @ k.transpose(0, 2, 1) / np.sqrt(hd) + mask
+        s = np.exp(s - s.max(-1, keepdims=True))
+        s /= s.sum(-1, keepdims=True)
+        x = x + (s @ v).transpose(1, 0, 2).reshape(T, H * hd) @ f64[p + "self_attn.o_proj.weight"].T
+        h = norm(x, f64[p + "post_attention_layernorm.weight"])
+        g, u = h @ f64[p + "mlp.gate_proj.weight"].T, h @ f64[p + "mlp.up_proj.weight"].T
+        x = x + (g / (1 + np.exp(-g)) * u) @ f64[p + "mlp.down_proj.weight"].T
+    head = f64["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
+    return norm(x, f64["model.norm.weight"]) @ head.T
+
+
+def chain_logits(stages, caches, ids, start_pos) -> np.ndarray:
+    hidden = stages[0].embed(ids)
+    for stage, cache in zip(stages, caches, strict=True):
+        hidden = stage.forward(hidden, cache, start_pos)
+    return stages[-1].logits(hidden)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_matches_float64_hugging_face_reference(tied):
+    config = preset_config("tiny", tie_word_embeddings=tied)
+    w = random_weights(config, seed=3)
+    model = StageModel(config, w)
+    got = model.logits(model.forward(model.embed(PROMPT), model.new_cache(32), 0))
+    want = reference_logits(config, w, PROMPT)
+    assert got.dtype == np.float32 and got.shape == (len(PROMPT), config.vocab_size)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("n_stages", [1, 2, 3, 4])
+def test_chained_stages_equal_the_whole_model(n_stages):
+    full = stub_model()
+    stages = [stub_model(r) for r in split_layers(full.config.num_hidden_layers, n_stages)]
+    assert stages[0].has_embed and stages[-1].has_head
+    assert not any(s.has_embed for s in stages[1:]) and not any(s.has_head for s in stages[:-1])
+    full_cache = full.new_cache(64)
+    caches = [s.new_cache(64) for s in stages]
+    # prefill: every position's logits
+    want = full.logits(full.forward(full.embed(PROMPT), full_cache, 0))
+    got = chain_logits(stages, caches, PROMPT, 0)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # decode greedily across per-stage caches
+    token_full = token_chain = int(want[-1].argmax())
+    for pos in range(len(PROMPT), len(PROMPT) + 30):
+        lf = full.logits(full.forward(full.embed([token_full]), full_cache, pos))[0]
+        lc = chain_logits(stages, caches, [token_chain], pos)[0]
+        np.testing.assert_allclose(lc, lf, rtol=1e-5, atol=1e-6)
+        token_full, token_chain = int(lf.argmax()), int(lc.argmax())
+        assert token_full == token_chain
+    assert [c.length for c in caches] == [len(PROMPT) + 30] * n_stages
+
+
+def test_stage_without_embed_or_head_refuses_them():
+    middle = stub_model(range(1, 3))
+    assert not middle.has_embed and not middle.has_head
+    with pytest.raises(RuntimeError, match="no embedding"):
+        middle.embed([1])
+    with pytest.raises(RuntimeError, match="no LM head"):
+        middle.logits(np.zeros((1, 64), np.float32))
+
+
+def test_kv_cache_decode_equals_recomputing_the_sequence():
+    model = stub_model()
+    gen = generate_ids(model, PROMPT, 20, Sampler(), keep_logits=True)
+    seq = PROMPT + gen.tokens
+    for step, logits in enumerate(gen.logits):
+        upto = len(PROMPT) + step  # the sequence that produced this step's logits
+        fresh = model.logits(model.forward(model.embed(seq[:upto]), model.new_cache(upto), 0))[-1]
+        np.testing.assert_allclose(logits, fresh, rtol=1e-4, atol=1e-5)
+
+
+def test_chunked_prefill_equals_prefill_at_once():
+    model = stub_model()
+    once = model.logits(model.forward(model.embed(PROMPT), model.new_cache(32), 0))
+    cache = model.new_cache(32)
+    parts = [model.forward(model.embed(PROMPT[a:b]), cache, a) for a, b in [(0, 5), (5, 6), (6, len(PROMPT))]]
+    np.testing.assert_allclose(model.logits(np.concatenate(parts)), once, rtol=1e-5, atol=1e-5)
+
+
+def test_rope_matches_rotate_half_reference():
+    config = preset_config("tiny")
+    hd = config.head_dim
+    cos, sin = rope_tables(config, 40)
+    x = np.random.default_rng(1).standard_normal((3, 40, hd), dtype=np.float32)
+    inv_freq = 1.0 / config.rope_theta ** (np.arange(0, hd, 2) / hd)
+    emb = np.concatenate([np.outer(np.arange(40), inv_freq)] * 2, axis=-1)
+    x64 = x.astype(np.float64)
+    rotated = np.concatenate([-x64[..., hd // 2:], x64[..., :hd // 2]], axis=-1)
+    want = x64 * np.cos(emb) + rotated * np.sin(emb)
+    got = apply_rope(x, cos, sin)
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # position 0 is the identity
+    np.testing.assert_array_equal(got[:, 0], x[:, 0])
+
+
+def test_no_float64_anywhere():
+    model = stub_model()
+    cache = model.new_cache(32)
+    assert cache.k.dtype == np.float32 and cache.v.dtype == np.float32
+    assert model._cos.dtype == np.float32 and model._sin.dtype == np.float32
+    hidden = model.embed(PROMPT)
+    assert hidden.dtype == np.float32
+    out = model.forward(hidden, cache, 0)
+    assert out.dtype == np.float32
+    assert model.logits(out[-1:]).dtype == np.float32
+    step = model.forward(model.embed([7]), cache, len(PROMPT))
+    assert step.dtype == np.float32 and model.logits(step).dtype == np.float32
+    for layer in model._layers:
+        for name in layer.__slots__:
+            assert getattr(layer, name).dtype == np.float32, name
+    gen = generate_ids(model, PROMPT, 5, Sampler(0.8, 10, 1), keep_logits=True)
+    assert all(lg.dtype == np.float32 for lg in gen.logits)
+
+
+def test_forward_refuses_bad_input():
+    model = stub_model()
+    cache = model.new_cache(8)
+    with pytest.raises(ValueError, match="float32"):
+        model.forward(np.zeros((2, 64)), cache, 0)
+    with pytest.raises(ValueError, match="do not fit the cache"):
+        model.forward(model.embed(PROMPT), cache, 0)
+    with pytest.raises(ValueError, match="token id 999"):
+        model.embed([1, 999])
+
+
+def test_seeded_sampling_is_reproducible():
+    model = stub_model()
+
+    def run(seed, temperature=1.0, top_k=0):
+        return generate_ids(model, PROMPT, 30, Sampler(temperature, top_k, seed)).tokens
+
+    assert run(7) == run(7)
+    assert run(7) != run(8)
+    assert run(7, 0.7, 5) == run(7, 0.7, 5)
+    assert run(3, 1.0, 1) == run(0, 0.0)  # top-1 is greedy
+
+
+def test_top_k_only_picks_among_the_k_largest():
+    logits = np.random.default_rng(0).standard_normal(300).astype(np.float32)
+    top = set(np.argsort(logits)[-5:].tolist())
+    sampler = Sampler(temperature=2.0, top_k=5, seed=11)
+    picks = [sampler(logits) for _ in range(500)]
+    assert set(picks) <= top and len(set(picks)) == 5
+
+
+def test_split_layers():
+    assert split_layers(6, 1) == [range(0, 6)]
+    assert split_layers(6, 4) == [range(0, 2), range(2, 4), range(4, 5), range(5, 6)]
+    with pytest.raises(ValueError):
+        split_layers(3, 5)
