@@ -292,11 +292,12 @@ class DataChunk(Message):
     """Part of one data-channel message; ``msg_id`` counts up per sender and receiver."""
 
     TAG = 10
+    session: int  # random per sending process: a restarted peer starts afresh
     msg_id: int
     total: int  # bytes in the whole message
     offset: int
     chunk: bytes
-    _fields_ = (_uint, _data_total, _data_total, _chunk)
+    _fields_ = (_uint, _uint, _data_total, _data_total, _chunk)
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,8 +305,9 @@ class DataAck(Message):
     """The receiver holds message ``msg_id`` whole; the sender may stop resending it."""
 
     TAG = 11
+    session: int
     msg_id: int
-    _fields_ = (_uint,)
+    _fields_ = (_uint, _uint)
 
 
 MESSAGE_TYPES: dict[int, type[Message]] = {

@@ -6,11 +6,12 @@ from meshd.net.reassembly import ChunkError, Reassembler
 from meshd.wire import DataChunk
 
 A, B = b"a" * 32, b"b" * 32
+S = 7  # the sender's session
 
 
 def chunks(msg_id: int, data: bytes, size: int = 4) -> list[DataChunk]:
     offsets = range(0, max(len(data), 1), size)
-    return [DataChunk(msg_id, len(data), off, data[off:off + size]) for off in offsets]
+    return [DataChunk(S, msg_id, len(data), off, data[off:off + size]) for off in offsets]
 
 
 def feed(r: Reassembler, sender: bytes, items) -> list[bytes]:
@@ -49,8 +50,8 @@ def test_ack_only_when_whole():
 @pytest.mark.parametrize(
     "bad",
     [
-        DataChunk(1, 4, 2, b"xyz"),  # runs past the end
-        DataChunk(10_000, 4, 0, b"x"),  # far ahead of anything delivered
+        DataChunk(S, 1, 4, 2, b"xyz"),  # runs past the end
+        DataChunk(S, 10_000, 4, 0, b"x"),  # far ahead of anything delivered
     ],
 )
 def test_contradictions_are_refused(bad):
@@ -60,6 +61,13 @@ def test_contradictions_are_refused(bad):
 
 def test_a_message_cannot_change_its_size():
     r = Reassembler()
-    r.accept(A, DataChunk(1, 8, 0, b"1234"))
+    r.accept(A, DataChunk(S, 1, 8, 0, b"1234"))
     with pytest.raises(ChunkError, match="changed its size"):
-        r.accept(A, DataChunk(1, 9, 4, b"5678"))
+        r.accept(A, DataChunk(S, 1, 9, 4, b"5678"))
+
+
+def test_a_restarted_sender_starts_a_new_session():
+    r = Reassembler()
+    assert feed(r, A, chunks(1, b"old run")) == [b"old run"]
+    fresh = [DataChunk(S + 1, c.msg_id, c.total, c.offset, c.chunk) for c in chunks(1, b"new run")]
+    assert feed(r, A, fresh) == [b"new run"]

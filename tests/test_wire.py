@@ -76,8 +76,8 @@ EXAMPLES: dict[int, wire.Message] = {
         names=(CLAIM, wire.NameClaim(name="orchestrator", owner=NODE_B, clock=0, tombstone=True)),
     ),
     wire.NameClaim.TAG: CLAIM,
-    wire.DataChunk.TAG: wire.DataChunk(msg_id=7, total=10, offset=4, chunk=b"\x00\xffabc"),
-    wire.DataAck.TAG: wire.DataAck(msg_id=7),
+    wire.DataChunk.TAG: wire.DataChunk(session=3, msg_id=7, total=10, offset=4, chunk=b"\x00\xffabc"),
+    wire.DataAck.TAG: wire.DataAck(session=3, msg_id=7),
 }
 
 
@@ -155,9 +155,9 @@ messages = st.one_of(
         names=st.lists(name_claims, max_size=4).map(tuple),
     ),
     name_claims,
-    st.builds(wire.DataChunk, msg_id=u64s, total=st.integers(0, wire.MAX_DATA_MESSAGE_BYTES),
+    st.builds(wire.DataChunk, session=u64s, msg_id=u64s, total=st.integers(0, wire.MAX_DATA_MESSAGE_BYTES),
               offset=st.integers(0, wire.MAX_DATA_MESSAGE_BYTES), chunk=st.binary(max_size=64)),
-    st.builds(wire.DataAck, msg_id=u64s),
+    st.builds(wire.DataAck, session=u64s, msg_id=u64s),
 )
 # Sizes above are bounded so that no drawn packet can exceed MAX_PACKET_BYTES.
 packets = st.builds(wire.Packet, sender=node_ids, messages=st.lists(messages, max_size=8).map(tuple))
@@ -555,10 +555,11 @@ def test_meta_name():
 
 def test_data_chunks_are_bounded():
     n = wire.MAX_CHUNK_BYTES + 1
-    big = wire.DataChunk(msg_id=1, total=n, offset=0, chunk=b"x" * n)
+    big = wire.DataChunk(session=1, msg_id=1, total=n, offset=0, chunk=b"x" * n)
     data = wire.encode(wire.Packet(SENDER, (big,)), max_bytes=wire.MAX_FRAME_BYTES * 2)
     with pytest.raises(wire.WireError, match="data chunk"):
         wire.decode(data, max_bytes=wire.MAX_FRAME_BYTES * 2)
-    too_long = wire.DataChunk(msg_id=1, total=wire.MAX_DATA_MESSAGE_BYTES + 1, offset=0, chunk=b"")
+    too_long = wire.DataChunk(session=1, msg_id=1, total=wire.MAX_DATA_MESSAGE_BYTES + 1, offset=0,
+                              chunk=b"")
     with pytest.raises(wire.WireError, match="at most"):
         wire.decode(wire.encode(wire.Packet(SENDER, (too_long,))))

@@ -85,6 +85,7 @@ class DataChannel:
         self.faults = faults or Faults()
         self.config = config or ChannelConfig()
         self.reassembler = Reassembler()
+        self.session = random.getrandbits(63)
         self._peers: dict[bytes, _Peer] = {}
         self._recv_send, self.received = trio.open_memory_channel[tuple[bytes, bytes]](
             self.config.receive_queue
@@ -161,6 +162,8 @@ class DataChannel:
         sender = packet.sender
         for msg in packet.messages:
             if isinstance(msg, DataAck):
+                if msg.session != self.session:
+                    continue  # an ack for a previous run of ours
                 event = self._peer(sender).acks.get(msg.msg_id)
                 if event is not None:
                     event.set()
@@ -172,13 +175,15 @@ class DataChannel:
                     log.warning("data from %s refused: %s", self.describe(sender), exc)
                     return
                 if ack:
-                    await self._send_ack(sender, msg.msg_id, stream)
+                    await self._send_ack(sender, msg.session, msg.msg_id, stream)
                 for data in ready:
                     self.counters["delivered"] += 1
                     await self._recv_send.send((sender, data))
 
-    async def _send_ack(self, node: bytes, msg_id: int, stream: trio.SocketStream | None) -> None:
-        frame = encode(Packet(self.id, (DataAck(msg_id),)))
+    async def _send_ack(
+        self, node: bytes, session: int, msg_id: int, stream: trio.SocketStream | None
+    ) -> None:
+        frame = encode(Packet(self.id, (DataAck(session, msg_id),)))
         try:
             if stream is not None:
                 async with self._peer(node).stream_lock:
@@ -344,7 +349,8 @@ class DataChannel:
         view = memoryview(data)
         for offset in range(0, max(total, 1), CHUNK_BYTES):
             chunk = bytes(view[offset:offset + CHUNK_BYTES])
-            yield encode(Packet(self.id, (DataChunk(msg_id, total, offset, chunk),)), MAX_FRAME_BYTES)
+            msg = DataChunk(self.session, msg_id, total, offset, chunk)
+            yield encode(Packet(self.id, (msg,)), MAX_FRAME_BYTES)
 
     def _peer(self, node: bytes) -> _Peer:
         peer = self._peers.get(node)

@@ -40,12 +40,13 @@ MAX_AHEAD = 4096
 
 class Reassembler:
     def __init__(self) -> None:
-        self._senders: dict[bytes, _FromSender] = {}
+        self._senders: dict[tuple[bytes, int], _FromSender] = {}
         self.duplicates = 0
 
     def accept(self, sender: bytes, chunk: DataChunk) -> tuple[bool, list[bytes]]:
         """Take one chunk; returns (acknowledge it?, messages now deliverable in order)."""
-        state = self._senders.setdefault(sender, _FromSender())
+        # Keyed by the sender's session too: a restarted peer numbers from 1 again.
+        state = self._senders.setdefault((sender, chunk.session), _FromSender())
         msg_id = chunk.msg_id
         if msg_id < state.next_id or msg_id in state.complete:
             self.duplicates += 1
