@@ -81,6 +81,18 @@ def _node_id(value: Any) -> bytes:
     return value
 
 
+def _float(value: Any) -> float:
+    if type(value) is not float or value != value or value in (float("inf"), float("-inf")):
+        raise WireError("expected a finite float")
+    return value
+
+
+def _blob(value: Any) -> bytes:
+    if type(value) is not bytes or len(value) > MAX_DATA_MESSAGE_BYTES:
+        raise WireError("expected bytes within the data message limit")
+    return value
+
+
 def _chunk(value: Any) -> bytes:
     if type(value) is not bytes or len(value) > MAX_CHUNK_BYTES:
         raise WireError(f"expected a data chunk of at most {MAX_CHUNK_BYTES} bytes")
@@ -310,9 +322,96 @@ class DataAck(Message):
     _fields_ = (_uint, _uint)
 
 
+# --- the pipeline, carried over the data channel ---
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling(_Record):
+    max_tokens: int
+    temperature: float
+    top_k: int
+    seed: int
+    want_logits: bool  # send each step's logits back (tests compare them)
+    _fields_ = (_uint, _float, _uint, _uint, _bool)
+
+
+@dataclass(frozen=True, slots=True)
+class Hop(_Record):
+    """One line of an activation's trace: a stage's compute or a hop's transit."""
+
+    kind: str  # "compute" or "transit"
+    name: str  # "stage-1" or "stage-0->stage-1"
+    ms: float
+    path: str  # for transit: "direct" or "relay"
+    _fields_ = (_str, _str, _float, _str)
+
+
+_trace = _tuple_of(_nested(Hop), 64)
+
+
+@dataclass(frozen=True, slots=True)
+class Activation(Message):
+    """Hidden states for positions [pos, pos + rows) of request ``req_id``, on their way
+    to the next stage; stage 0 sends token ids (``tokens``) to itself this way too."""
+
+    TAG = 12
+    req_id: str
+    origin: bytes  # the orchestrator, who gets the tokens
+    pos: int
+    step: int  # the index of the token this pass will produce
+    rows: int
+    dims: int
+    hidden: bytes  # (rows, dims) float32, C order
+    tokens: tuple[int, ...]  # for stage 0: the ids to embed
+    sampling: Sampling
+    sent_at: float  # sender's wall clock, for transit time
+    trace: tuple[Hop, ...]
+    _fields_ = (_str, _node_id, _uint, _uint, _uint, _uint, _blob, _tuple_of(_uint, 65536),
+                _nested(Sampling), _float, _trace)
+
+
+@dataclass(frozen=True, slots=True)
+class Token(Message):
+    """The last stage's sample for step ``step``; to the orchestrator and back to stage 0."""
+
+    TAG = 13
+    req_id: str
+    origin: bytes
+    step: int
+    token: int
+    pos: int  # where this token goes when fed back
+    done: str  # "" while generating, else "eos" or "length"
+    logits: bytes  # (vocab,) float32 when asked for, else empty
+    sampling: Sampling
+    sent_at: float
+    trace: tuple[Hop, ...]
+    _fields_ = (_str, _node_id, _uint, _uint, _uint, _str, _blob, _nested(Sampling), _float, _trace)
+
+
+@dataclass(frozen=True, slots=True)
+class Release(Message):
+    """Request ``req_id`` is over: drop its KV cache, and pass this on down the chain."""
+
+    TAG = 14
+    req_id: str
+    _fields_ = (_str,)
+
+
+@dataclass(frozen=True, slots=True)
+class StageError(Message):
+    """A stage could not serve ``req_id``; the orchestrator fails the request with it."""
+
+    TAG = 15
+    req_id: str
+    stage: str
+    message: str
+    _fields_ = (_str, _str, _str)
+
+
 MESSAGE_TYPES: dict[int, type[Message]] = {
     cls.TAG: cls
-    for cls in (Ping, PingReq, Ack, Nack, Alive, Suspect, Dead, PushPull, NameClaim, DataChunk, DataAck)
+    for cls in (Ping, PingReq, Ack, Nack, Alive, Suspect, Dead, PushPull, NameClaim, DataChunk, DataAck,
+                Activation, Token, Release, StageError)
 }
 
 

@@ -78,6 +78,19 @@ EXAMPLES: dict[int, wire.Message] = {
     wire.NameClaim.TAG: CLAIM,
     wire.DataChunk.TAG: wire.DataChunk(session=3, msg_id=7, total=10, offset=4, chunk=b"\x00\xffabc"),
     wire.DataAck.TAG: wire.DataAck(session=3, msg_id=7),
+    wire.Activation.TAG: wire.Activation(
+        req_id="r1", origin=NODE_B, pos=3, step=1, rows=1, dims=2, hidden=b"\0" * 8, tokens=(5,),
+        sampling=wire.Sampling(max_tokens=8, temperature=0.7, top_k=40, seed=1, want_logits=False),
+        sent_at=1.5, trace=(wire.Hop("compute", "stage-0", 0.25, ""), wire.Hop("transit", "stage-0->stage-1",
+                                                                             0.1, "relay")),
+    ),
+    wire.Token.TAG: wire.Token(
+        req_id="r1", origin=NODE_B, step=1, token=42, pos=4, done="", logits=b"",
+        sampling=wire.Sampling(max_tokens=8, temperature=0.0, top_k=0, seed=0, want_logits=True),
+        sent_at=2.0, trace=(),
+    ),
+    wire.Release.TAG: wire.Release(req_id="r1"),
+    wire.StageError.TAG: wire.StageError(req_id="r1", stage="stage-2", message="out of memory"),
 }
 
 
@@ -488,7 +501,7 @@ def test_message_count_limit():
         wire.decode(raw_packet(at_limit + [[wire.Ack.TAG, [0]]]))
 
 
-@pytest.mark.parametrize("tag", [0, 12, 255, -1, U64_MAX, True, "1", b"\x01", None, 1.0, [1]])
+@pytest.mark.parametrize("tag", [0, 99, 255, -1, U64_MAX, True, "1", b"\x01", None, 1.0, [1]])
 def test_unknown_tag_raises_wire_error(tag):
     with pytest.raises(wire.WireError, match="tag"):
         wire.decode(raw_packet([[tag, [1]]]))
