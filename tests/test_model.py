@@ -189,3 +189,15 @@ def test_split_layers():
     assert split_layers(6, 4) == [range(0, 2), range(2, 4), range(4, 5), range(5, 6)]
     with pytest.raises(ValueError):
         split_layers(3, 5)
+
+
+def test_generation_stops_on_eos_without_emitting_it():
+    model = stub_model()
+    free = generate_ids(model, PROMPT, 10, Sampler())
+    assert free.finish_reason == "length" and len(free.tokens) == 10
+    eos = free.tokens[2]
+    first = free.tokens.index(eos)
+    stopped = generate_ids(model, PROMPT, 10, Sampler(), (eos,), keep_logits=True)
+    assert stopped.finish_reason == "eos"
+    assert stopped.tokens == free.tokens[:first]
+    assert len(stopped.logits) == first + 1  # the step that chose EOS is kept
