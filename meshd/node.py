@@ -46,6 +46,7 @@ class NodeOptions:
     snapshot_interval: float = 5.0
     faults: Faults = field(default_factory=Faults)
     relay: str | None = None  # home relay URL, ws://HOST:PORT
+    model: str | None = None  # checkpoint dir: this node serves its share of the pipeline
 
     def names(self) -> list[str]:
         """Registry names this node owns."""
@@ -83,6 +84,7 @@ class Node:
 
             self.relay = RelayClient(options.relay, identity)
         self._listeners = None
+        self.app = None
         self.data = DataChannel(
             identity.node_id,
             addr_of=self._addr_of,
@@ -98,9 +100,22 @@ class Node:
         if self._sock is None:
             self._sock, self._listeners = await open_udp_and_tcp(self.options.bind)
 
+    def _load_app(self) -> None:
+        """The stage service or the orchestrator, if this node has a model to serve."""
+        opts = self.options
+        if opts.model is None or self.app is not None:
+            return
+        from .pipeline.service import Orchestrator, StageService
+
+        if opts.role == "orchestrator":
+            self.app = Orchestrator(self, opts.model, opts.stages or 1)
+        else:
+            self.app = StageService(self, opts.model, opts.stage, opts.stages)
+
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Run until cancelled; reports the bound gossip address via task_status."""
         opts = self.options
+        self._load_app()  # before our names are registered: a resolved stage can serve
         await self.bind()
         with self._sock as sock:
             host, port = sock.getsockname()[:2]
@@ -144,6 +159,8 @@ class Node:
                     await nursery.start(self.relay.run)
                     nursery.start_soon(self._relay_receive_loop)
                 await nursery.start(self.data.serve, self._listeners)
+                if self.app is not None:
+                    await nursery.start(self.app.serve)
                 nursery.start_soon(self._receive_loop)
                 nursery.start_soon(self._timer_loop)
                 if self._snapshots is not None:

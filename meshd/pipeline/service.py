@@ -1,0 +1,359 @@
+"""Stages and the orchestrator on the mesh.
+
+Stage K holds layers split_layers(N)[K] and a KV cache per request.  Stage 0
+embeds; each stage runs its layers and forwards the hidden state to
+``pp-stage-{K+1}``; the last stage samples, streams the token to the
+orchestrator, and feeds it back to stage 0 (the autoregressive edge).  Names
+resolve through the SWIM registry, and every message goes over the node's
+data channel, so each hop uses whatever path works.  Each activation carries a
+trace: every stage's compute time and every hop's transit time and path.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import trio
+
+from ..net.channel import DeliveryError
+from ..wire import (
+    MAX_DATA_MESSAGE_BYTES,
+    Activation,
+    Hop,
+    Message,
+    Packet,
+    Release,
+    Sampling,
+    StageError,
+    Token,
+    WireError,
+    decode,
+    encode,
+)
+from .config import LlamaConfig
+from .generate import check_context, prompt_ids
+from .model import KVCache, StageModel, split_layers
+from .sampling import Sampler
+from .tokenizer import load_tokenizer
+
+if TYPE_CHECKING:
+    from ..node import Node
+
+log = logging.getLogger("meshd.pipeline")
+
+RESOLVE_TIMEOUT_S = 10.0
+SEND_TIMEOUT_S = 30.0
+MAX_CACHED_REQUESTS = 64
+
+
+class PipelineError(Exception):
+    """A request failed; the message names the stage and what went wrong."""
+
+
+class NotReady(PipelineError):
+    """Some pipeline names do not resolve; ``missing`` lists them."""
+
+    def __init__(self, missing: list[str]) -> None:
+        super().__init__("pipeline not ready: " + ", ".join(f"{n} does not resolve" for n in missing))
+        self.missing = missing
+
+
+def encode_app(sender: bytes, msg: Message) -> bytes:
+    return encode(Packet(sender, (msg,)), MAX_DATA_MESSAGE_BYTES + 4096)
+
+
+def decode_app(data: bytes) -> Packet:
+    return decode(data, MAX_DATA_MESSAGE_BYTES + 4096)
+
+
+async def resolve(node: Node, name: str, timeout: float = RESOLVE_TIMEOUT_S) -> bytes:
+    """The live owner of ``name``, waiting for it up to ``timeout`` seconds."""
+    with trio.move_on_after(timeout):
+        while True:
+            owner = node.swim.resolve(name)
+            if owner is not None:
+                return owner
+            await trio.sleep(0.05)
+    raise PipelineError(f"{node.swim.me.name}: name {name} did not resolve within {timeout:g}s")
+
+
+class _App:
+    """Shared plumbing: one inbox, fed by the data channel and by sends to ourselves."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self._inbox_send, self._inbox = trio.open_memory_channel[tuple[bytes, Message]](1024)
+
+    async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._pump)
+            task_status.started()
+            async for src, msg in self._inbox:
+                try:
+                    await self.on_message(src, msg)
+                except Exception as exc:  # one bad request must not stop the stage
+                    log.exception("%s: %s failed", self.node.swim.me.name, type(msg).__name__)
+                    await self.failed(msg, exc)
+
+    async def _pump(self) -> None:
+        async for src, data in self.node.data.received:
+            try:
+                packet = decode_app(data)
+            except WireError as exc:
+                log.warning("bad pipeline message from %s: %s", self.node.describe(src), exc)
+                continue
+            for msg in packet.messages:
+                await self._inbox_send.send((src, msg))
+
+    async def send(self, dst: bytes, msg: Message) -> str:
+        """To ``dst`` over the data channel (or straight to our own inbox)."""
+        if dst == self.node.identity.node_id:
+            await self._inbox_send.send((dst, msg))
+            return "local"
+        return await self.node.send_data(dst, encode_app(self.node.identity.node_id, msg), SEND_TIMEOUT_S)
+
+    def path_to(self, dst: bytes) -> str:
+        if dst == self.node.identity.node_id:
+            return "local"
+        return self.node.data.view(dst)["data_out"] or "direct"
+
+    async def on_message(self, src: bytes, msg: Message) -> None:
+        raise NotImplementedError
+
+    async def failed(self, msg: Message, exc: Exception) -> None:
+        pass
+
+
+def _arrived(trace: tuple[Hop, ...], sent_at: float) -> tuple[Hop, ...]:
+    """Fill in the transit time of the hop that just arrived (the last one)."""
+    if not trace or trace[-1].kind != "transit":
+        return trace
+    last = trace[-1]
+    ms = max(0.0, (time.time() - sent_at) * 1000)
+    return (*trace[:-1], Hop("transit", last.name, ms, last.path))
+
+
+class StageService(_App):
+    def __init__(self, node: Node, model_dir: str | Path, stage: int, stages: int) -> None:
+        super().__init__(node)
+        self.stage, self.stages = stage, stages
+        self.name = f"stage-{stage}"
+        config = LlamaConfig.load(model_dir)
+        self.layers = split_layers(config.num_hidden_layers, stages)[stage]
+        self.model = StageModel.load(model_dir, self.layers, config=config)
+        self.last = stage == stages - 1
+        self.eos = set(config.eos_token_ids)
+        self.caches: dict[str, KVCache] = {}
+        self.samplers: dict[str, Sampler] = {}
+        self.counters = {"activations": 0, "tokens": 0, "errors": 0}
+
+    async def on_message(self, src: bytes, msg: Message) -> None:
+        if isinstance(msg, Activation):
+            await self._activation(msg)
+        elif isinstance(msg, Token):  # the feedback edge, at stage 0
+            await self._activation(Activation(
+                msg.req_id, msg.origin, msg.pos, msg.step + 1, 0, 0, b"", (msg.token,),
+                msg.sampling, msg.sent_at, msg.trace,
+            ))
+        elif isinstance(msg, Release):
+            self.caches.pop(msg.req_id, None)
+            self.samplers.pop(msg.req_id, None)
+            if not self.last:
+                await self.send(await resolve(self.node, f"pp-stage-{self.stage + 1}"), msg)
+
+    async def _activation(self, msg: Activation) -> None:
+        self.counters["activations"] += 1
+        trace = _arrived(msg.trace, msg.sent_at)
+        model = self.model
+        if msg.tokens:
+            hidden = model.embed(list(msg.tokens))  # (T, D)
+        else:
+            hidden = np.frombuffer(msg.hidden, dtype=np.float32).reshape(msg.rows, msg.dims)
+        cache = self.caches.get(msg.req_id)
+        if cache is None:
+            if msg.pos != 0:
+                raise PipelineError(f"{self.name} has no KV cache for request {msg.req_id} at position "
+                                    f"{msg.pos} (did this stage restart?)")
+            need = msg.pos + hidden.shape[0] + msg.sampling.max_tokens
+            cache = self.caches[msg.req_id] = model.new_cache(min(need, model.config.max_position_embeddings))
+            while len(self.caches) > MAX_CACHED_REQUESTS:
+                self.caches.pop(next(iter(self.caches)))
+        t0 = time.perf_counter()
+        out = await trio.to_thread.run_sync(model.forward, hidden, cache, msg.pos)
+        logits = model.logits(out[-1:])[0] if self.last else None
+        trace = (*trace, Hop("compute", self.name, (time.perf_counter() - t0) * 1000, ""))
+        pos = msg.pos + hidden.shape[0]
+        if not self.last:
+            nxt = await resolve(self.node, f"pp-stage-{self.stage + 1}")
+            hop = Hop("transit", f"{self.name}->stage-{self.stage + 1}", 0.0, self.path_to(nxt))
+            await self.send(nxt, Activation(
+                msg.req_id, msg.origin, msg.pos, msg.step, out.shape[0], out.shape[1],
+                np.ascontiguousarray(out, dtype=np.float32).tobytes(), (), msg.sampling, time.time(),
+                (*trace, hop),
+            ))
+            return
+        s = msg.sampling
+        sampler = self.samplers.get(msg.req_id)
+        if sampler is None:
+            sampler = self.samplers[msg.req_id] = Sampler(s.temperature, s.top_k, s.seed)
+        token = sampler(logits)
+        done = "eos" if token in self.eos else ("length" if msg.step + 1 >= s.max_tokens else "")
+        self.counters["tokens"] += 1
+        raw = logits.astype(np.float32).tobytes() if s.want_logits else b""
+        to_origin = Token(msg.req_id, msg.origin, msg.step, token, pos, done, raw, s, time.time(),
+                          (*trace, Hop("transit", f"{self.name}->orchestrator", 0.0,
+                                       self.path_to(msg.origin))))
+        await self.send(msg.origin, to_origin)
+        entry = await resolve(self.node, "pp-stage-0")
+        if done:
+            self.caches.pop(msg.req_id, None)
+            self.samplers.pop(msg.req_id, None)
+            if self.stages > 1:
+                await self.send(entry, Release(msg.req_id))
+            return
+        await self.send(entry, Token(msg.req_id, msg.origin, msg.step, token, pos, "", b"", s, time.time(),
+                                     (Hop("transit", f"{self.name}->stage-0", 0.0, self.path_to(entry)),)))
+
+    async def failed(self, msg: Message, exc: Exception) -> None:
+        self.counters["errors"] += 1
+        origin = getattr(msg, "origin", None)
+        req_id = getattr(msg, "req_id", "")
+        if origin is None:
+            return
+        text = str(exc) if isinstance(exc, PipelineError | DeliveryError) else f"{type(exc).__name__}: {exc}"
+        try:
+            await self.send(origin, StageError(req_id, self.name, text[:500]))
+        except Exception as send_exc:
+            log.warning("%s: could not report the failure of %s: %s", self.name, req_id, send_exc)
+
+
+@dataclass
+class _Request:
+    req_id: str
+    tokens: list[int] = field(default_factory=list)
+    logits: list[np.ndarray] = field(default_factory=list)
+    traces: list[tuple[Hop, ...]] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    changed: trio.Event = field(default_factory=trio.Event)
+
+
+class Orchestrator(_App):
+    def __init__(self, node: Node, model_dir: str | Path, stages: int) -> None:
+        super().__init__(node)
+        self.stages = stages
+        self.config = LlamaConfig.load(model_dir)
+        self.tokenizer = load_tokenizer(model_dir, self.config.bos_token_id, self.config.eos_token_ids)
+        self.requests: dict[str, _Request] = {}
+        self.recent_traces: deque[dict] = deque(maxlen=256)
+
+    def missing(self) -> list[str]:
+        """Pipeline names that do not resolve yet (for 503s and readiness)."""
+        names = ["pp-entry", *(f"pp-stage-{k}" for k in range(self.stages)), "pp-exit"]
+        return [n for n in names if self.node.swim.resolve(n) is None]
+
+    async def wait_ready(self, timeout: float) -> None:
+        with trio.move_on_after(timeout):
+            while self.missing():
+                await trio.sleep(0.05)
+        if self.missing():
+            raise NotReady(self.missing())
+
+    async def generate(self, prompt: str, max_tokens: int, temperature: float = 0.0, top_k: int = 0,
+                       seed: int = 0, *, want_logits: bool = False, token_timeout: float = 30.0,
+                       on_token=None) -> dict:
+        ids = prompt_ids(self.tokenizer, prompt)
+        check_context(self.config, len(ids), max_tokens)
+        missing = self.missing()
+        if missing:
+            raise NotReady(missing)
+        entry = await resolve(self.node, "pp-entry", 1.0)
+        req = _Request(uuid.uuid4().hex[:12])
+        self.requests[req.req_id] = req
+        sampling = Sampling(max_tokens, float(temperature), top_k, seed, want_logits)
+        t0 = time.perf_counter()
+        try:
+            hop = Hop("transit", "orchestrator->stage-0", 0.0, self.path_to(entry))
+            await self.send(entry, Activation(req.req_id, self.node.identity.node_id, 0, 0, 0, 0, b"",
+                                              tuple(ids), sampling, time.time(), (hop,)))
+            seen = 0
+            while req.finish_reason is None and req.error is None:
+                with trio.move_on_after(token_timeout) as scope:
+                    await req.changed.wait()
+                req.changed = trio.Event()
+                if scope.cancelled_caught:
+                    raise PipelineError(f"no token {len(req.tokens)} for request {req.req_id} within "
+                                        f"{token_timeout:g}s; stages: {self._stage_states()}")
+                if on_token is not None:
+                    while seen < len(req.tokens):
+                        await on_token(req.tokens[seen])
+                        seen += 1
+            if req.error is not None:
+                raise PipelineError(req.error)
+        finally:
+            self.requests.pop(req.req_id, None)
+        total = time.perf_counter() - t0
+        first = req.token_times[0] - t0 if req.token_times else None
+        result = {
+            "tokens": req.tokens,
+            "text": self.tokenizer.decode(req.tokens),
+            "finish_reason": req.finish_reason,
+            "timings": {
+                "total_s": total,
+                "first_token_s": first,
+                "tokens_per_s": len(req.tokens) / total if total > 0 else 0.0,
+                "hops": summarize(req.traces),
+            },
+        }
+        if want_logits:
+            result["logits"] = np.stack(req.logits) if req.logits else np.zeros((0, self.config.vocab_size),
+                                                                               np.float32)
+        self.recent_traces.append({"req_id": req.req_id, "traces": [[h.to_body() for h in t]
+                                                                     for t in req.traces[-4:]]})
+        return result
+
+    def _stage_states(self) -> str:
+        out = []
+        for k in range(self.stages):
+            m = self.node.swim.member_by_name(f"stage-{k}")
+            out.append(f"stage-{k} {'missing' if m is None else m.state.name.lower() + ' ' + m.prefix}")
+        return ", ".join(out)
+
+    async def on_message(self, src: bytes, msg: Message) -> None:
+        if isinstance(msg, Token):
+            req = self.requests.get(msg.req_id)
+            if req is None:
+                return
+            req.traces.append(_arrived(msg.trace, msg.sent_at))
+            if msg.logits:
+                req.logits.append(np.frombuffer(msg.logits, dtype=np.float32).copy())
+            if msg.done != "eos":
+                req.tokens.append(msg.token)
+                req.token_times.append(time.perf_counter())
+            if msg.done:
+                req.finish_reason = msg.done
+            req.changed.set()
+        elif isinstance(msg, StageError):
+            req = self.requests.get(msg.req_id)
+            if req is not None:
+                req.error = f"{msg.stage}: {msg.message}"
+                req.changed.set()
+
+
+def summarize(traces: list[tuple[Hop, ...]]) -> list[dict]:
+    """Median ms per hop name over a request's steps: where a token's time goes."""
+    by_name: dict[tuple[str, str], list[float]] = {}
+    for trace in traces:
+        for hop in trace:
+            by_name.setdefault((hop.kind, hop.name), []).append(hop.ms)
+    paths = {(h.kind, h.name): h.path for t in traces for h in t}
+    return [{"kind": kind, "name": name, "median_ms": float(np.median(v)), "path": paths[(kind, name)]}
+            for (kind, name), v in by_name.items()]
