@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(BIN)/python scripts/demo_mesh.py --nodes 3
 
 lint: $(STAMP)
-	$(BIN)/ruff check meshd tests scripts
+	$(BIN)/ruff check meshd dashboard tests scripts bench
 
 test: $(STAMP) lint
 	$(BIN)/python -m pytest -q

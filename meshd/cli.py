@@ -65,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="protocol timings, as memberlist's profiles (default %(default)s)")
     run.add_argument("--snapshot-dir", metavar="DIR", help="append JSON-line snapshots to DIR/<prefix>.jsonl")
     run.add_argument("--snapshot-interval", type=_positive_float, default=5.0, metavar="SECONDS")
+    model = run.add_mutually_exclusive_group()
+    model.add_argument("--model", metavar="DIR", help="checkpoint folder (config.json + model.safetensors)")
+    model.add_argument("--stub", action="store_true", help="serve the tiny built-in model")
+    run.add_argument("--dashboard", default="127.0.0.1:0", metavar="HOST:PORT|off",
+                     help="HTTP API and dashboard (default %(default)s; the URL is printed)")
     run.add_argument("--relay", metavar="URL", help="home relay, ws://HOST:PORT (see `meshd relay`)")
     run.add_argument("--fault", action="append", default=[], metavar="SPEC",
                      help="inject a fault in this node's transport: drop:HOST:PORT (our direct packets "
@@ -101,6 +106,28 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parse_relay_url(args.relay)
         except ValueError as exc:
             parser.error(f"run: --relay {args.relay}: {exc}")
+    if args.dashboard != "off":
+        try:
+            parse_addr(args.dashboard, allow_port_zero=True)
+        except AddressError as exc:
+            parser.error(f"run: --dashboard: {exc}")
+    model_dir = args.model
+    if args.stub:
+        from .pipeline.stub import stub_checkpoint
+
+        model_dir = str(stub_checkpoint())
+    if model_dir is not None:
+        from .pipeline.checkpoint import CheckpointError
+        from .pipeline.config import ConfigError, LlamaConfig
+        from .pipeline.model import split_layers
+
+        try:
+            config = LlamaConfig.load(model_dir)
+            if args.role == "stage":
+                split_layers(config.num_hidden_layers, args.stages)
+        except (ConfigError, CheckpointError, OSError, ValueError) as exc:
+            print(f"meshd: error: --model {model_dir}: {exc}", file=sys.stderr)
+            return 2
     try:
         faults = Faults.parse(args.fault)
     except FaultSpecError as exc:
@@ -122,6 +149,8 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         snapshot_interval=args.snapshot_interval,
         faults=faults,
         relay=args.relay,
+        model=model_dir,
+        dashboard=None if args.dashboard == "off" else args.dashboard,
     )
     try:
         return trio.run(run_node, identity, options)

@@ -47,6 +47,7 @@ class NodeOptions:
     faults: Faults = field(default_factory=Faults)
     relay: str | None = None  # home relay URL, ws://HOST:PORT
     model: str | None = None  # checkpoint dir: this node serves its share of the pipeline
+    dashboard: str | None = None  # HOST:PORT for the HTTP app; None = no dashboard
 
     def names(self) -> list[str]:
         """Registry names this node owns."""
@@ -85,6 +86,7 @@ class Node:
             self.relay = RelayClient(options.relay, identity)
         self._listeners = None
         self.app = None
+        self.dashboard_url: str | None = None
         self.data = DataChannel(
             identity.node_id,
             addr_of=self._addr_of,
@@ -161,6 +163,11 @@ class Node:
                 await nursery.start(self.data.serve, self._listeners)
                 if self.app is not None:
                     await nursery.start(self.app.serve)
+                if opts.dashboard is not None:
+                    from dashboard.app import serve_dashboard
+
+                    self.dashboard_url = await nursery.start(serve_dashboard, self, opts.dashboard)
+                    self.out(f"meshd dashboard url={self.dashboard_url}")
                 nursery.start_soon(self._receive_loop)
                 nursery.start_soon(self._timer_loop)
                 if self._snapshots is not None:

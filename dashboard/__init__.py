@@ -1,0 +1,1 @@
+"""The node's HTTP surface: a Starlette app served by Hypercorn on trio."""

@@ -1,0 +1,209 @@
+"""The node's Starlette app.
+
+It reads node state only through ``node.snapshot()`` and drives generation
+only through the orchestrator's public ``generate``.  Today it serves the
+orchestrator API (``/api/generate``, ``/v1/completions``) and the snapshot;
+the peers table and topology page grow here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import trio
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+if TYPE_CHECKING:
+    from meshd.node import Node
+
+MAX_BODY_BYTES = 1 << 20
+
+
+class BadRequest(ValueError):
+    pass
+
+
+def _field(body: dict, name: str, kind: type, default: Any, *, low: float | None = None,
+           high: float | None = None) -> Any:
+    value = body.get(name, default)
+    if kind is float and type(value) is int:
+        value = float(value)
+    if type(value) is not kind:
+        raise BadRequest(f"{name!r} must be {kind.__name__}")
+    if kind in (int, float):
+        if kind is float and not math.isfinite(value):
+            raise BadRequest(f"{name!r} must be finite")
+        if (low is not None and value < low) or (high is not None and value > high):
+            raise BadRequest(f"{name!r} must be within [{low}, {high}]")
+    return value
+
+
+async def _json_body(request: Request) -> dict:
+    raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise BadRequest(f"body over {MAX_BODY_BYTES} bytes")
+    try:
+        body = json.loads(raw or b"null")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("body must be a JSON object")
+    return body
+
+
+def _sampling(body: dict, prompt_key: str) -> dict:
+    prompt = body.get(prompt_key)
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]  # OpenAI allows a list of prompts; we serve one
+    if not isinstance(prompt, str):
+        raise BadRequest(f"{prompt_key!r} must be a string")
+    return {
+        "prompt": prompt,
+        "max_tokens": _field(body, "max_tokens", int, 16, low=1, high=4096),
+        "temperature": _field(body, "temperature", float, 0.0, low=0.0, high=10.0),
+        "top_k": _field(body, "top_k", int, 0, low=0, high=1 << 20),
+        "seed": _field(body, "seed", int, 0, low=0, high=2**63 - 1),
+    }
+
+
+def create_app(node: Node) -> Starlette:
+    def orchestrator():
+        from meshd.pipeline.service import Orchestrator
+
+        app = node.app
+        return app if isinstance(app, Orchestrator) else None
+
+    def error(status: int, message: str, **extra) -> JSONResponse:
+        return JSONResponse({"error": message, **extra}, status_code=status)
+
+    async def _prepare(request: Request, prompt_key: str):
+        orch = orchestrator()
+        if orch is None:
+            return None, error(404, "this node is not an orchestrator with a model")
+        try:
+            params = _sampling(await _json_body(request), prompt_key)
+        except BadRequest as exc:
+            return None, error(400, str(exc))
+        missing = orch.missing()
+        if missing:
+            text = ", ".join(f"{n} does not resolve" for n in missing)
+            return None, error(503, f"pipeline not ready: {text}", missing=missing)
+        return (orch, params), None
+
+    async def api_generate(request: Request):
+        from meshd.pipeline.service import PipelineError
+
+        ready, failure = await _prepare(request, "prompt")
+        if failure is not None:
+            return failure
+        orch, params = ready
+        try:
+            result = await orch.generate(**params)
+        except ValueError as exc:  # e.g. the context does not fit
+            return error(400, str(exc))
+        except PipelineError as exc:
+            return error(503, str(exc))
+        return JSONResponse({"tokens": result["tokens"], "text": result["text"],
+                             "finish_reason": result["finish_reason"], "timings": result["timings"]})
+
+    async def completions(request: Request):
+        from meshd.pipeline.service import PipelineError
+
+        ready, failure = await _prepare(request, "prompt")
+        if failure is not None:
+            return failure
+        orch, params = ready
+        try:
+            body = await _json_body(request)
+        except BadRequest as exc:
+            return error(400, str(exc))
+        cid, created = f"cmpl-{uuid.uuid4().hex[:16]}", int(time.time())
+        model = body.get("model") if isinstance(body.get("model"), str) else "meshd"
+        if not body.get("stream"):
+            try:
+                result = await orch.generate(**params)
+            except ValueError as exc:
+                return error(400, str(exc))
+            except PipelineError as exc:
+                return error(503, str(exc))
+            return JSONResponse({
+                "id": cid, "object": "text_completion", "created": created, "model": model,
+                "choices": [{"index": 0, "text": result["text"], "logprobs": None,
+                             "finish_reason": "stop" if result["finish_reason"] == "eos" else "length"}],
+                "usage": {"completion_tokens": len(result["tokens"])},
+            })
+
+        send, receive = trio.open_memory_channel[str](64)
+
+        async def produce() -> None:
+            async with send:
+                tokens: list[int] = []
+                emitted = ""
+
+                def event(text: str, reason: str | None) -> str:
+                    chunk = {"id": cid, "object": "text_completion", "created": created, "model": model,
+                             "choices": [{"index": 0, "text": text, "finish_reason": reason}]}
+                    return f"data: {json.dumps(chunk)}\n\n"
+
+                async def on_token(token: int) -> None:
+                    nonlocal emitted
+                    tokens.append(token)
+                    text = orch.tokenizer.decode(tokens)
+                    # Hold back a character whose bytes are not all here yet.
+                    stable = text.rstrip("\ufffd")
+                    if len(stable) > len(emitted):
+                        await send.send(event(stable[len(emitted):], None))
+                        emitted = stable
+
+                try:
+                    result = await orch.generate(**params, on_token=on_token)
+                    reason = "stop" if result["finish_reason"] == "eos" else "length"
+                    last = json.loads(event(result["text"][len(emitted):], reason)[6:])
+                    await send.send(f"data: {json.dumps(last)}\n\n")
+                except (ValueError, PipelineError) as exc:
+                    await send.send(f"data: {json.dumps({'error': str(exc)})}\n\n")
+                await send.send("data: [DONE]\n\n")
+
+        async def stream():
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(produce)
+                async with receive:
+                    async for line in receive:
+                        yield line
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    async def api_snapshot(request: Request):
+        return JSONResponse(node.snapshot())
+
+    return Starlette(routes=[
+        Route("/api/generate", api_generate, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/api/snapshot", api_snapshot, methods=["GET"]),
+    ])
+
+
+async def serve_dashboard(node: Node, bind: str, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Serve the app on ``bind`` (HOST:PORT, port 0 picks one); reports the URL."""
+    from hypercorn.config import Config
+    from hypercorn.trio import serve
+
+    config = Config()
+    config.bind = [bind]
+    config.accesslog = None
+    config.errorlog = None
+    app = create_app(node)
+
+    async def run(*, task_status=trio.TASK_STATUS_IGNORED):
+        await serve(app, config, task_status=task_status)
+
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(run)
+        task_status.started(binds[0])

@@ -1,0 +1,98 @@
+"""The orchestrator's HTTP API, served by Hypercorn inside the node, over real sockets."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import trio
+
+from meshd.node import NodeOptions
+from meshd.pipeline.checkpoint import init_checkpoint
+from meshd.pipeline.generate import generate
+from meshd.testing.inprocess import start_node, wait_converged
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    init_checkpoint(path, "tiny", seed=0)
+    return path
+
+
+async def _mesh(nursery, checkpoint, stages: int, lines: list[str], start_stages: int | None = None):
+    opts = dict(profile="local", stages=stages, model=str(checkpoint))
+    orch = await start_node(nursery, NodeOptions(role="orchestrator", dashboard="127.0.0.1:0", **opts), lines)
+    nodes = [orch]
+    for k in range(stages if start_stages is None else start_stages):
+        nodes.append(await start_node(nursery, NodeOptions(stage=k, seeds=[orch.addr], **opts), lines))
+    await wait_converged(nodes)
+    return orch
+
+
+async def test_generate_and_completions_match_the_reference(checkpoint):
+    lines: list[str] = []
+    want = generate(checkpoint, "Hello", 8, 0.7, 10, 3)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            orch = await _mesh(nursery, checkpoint, 2, lines)
+            await orch.app.wait_ready(10)
+            assert f"meshd dashboard url={orch.dashboard_url}" in lines
+            async with httpx.AsyncClient(base_url=orch.dashboard_url, timeout=30) as client:
+                body = {"prompt": "Hello", "max_tokens": 8, "temperature": 0.7, "top_k": 10, "seed": 3}
+                r = await client.post("/api/generate", json=body)
+                assert r.status_code == 200, r.text
+                assert r.json()["tokens"] == want["tokens"] and r.json()["text"] == want["text"]
+                assert r.json()["timings"]["tokens_per_s"] > 0
+
+                r = await client.post("/v1/completions", json={**body, "model": "tiny"})
+                assert r.status_code == 200
+                assert r.json()["choices"][0]["text"] == want["text"]
+
+                async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                    assert r.headers["content-type"].startswith("text/event-stream")
+                    events = [line[6:] async for line in r.aiter_lines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            chunks = [json.loads(e) for e in events[:-1]]
+            assert "".join(c["choices"][0]["text"] for c in chunks) == want["text"]
+            assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+            nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        (b"{not json", "not JSON"),
+        (b"[1, 2]", "JSON object"),
+        (json.dumps({"max_tokens": 4}).encode(), "'prompt' must be a string"),
+        (json.dumps({"prompt": "x", "max_tokens": 0}).encode(), "'max_tokens' must be within"),
+        (json.dumps({"prompt": "x", "temperature": "hot"}).encode(), "'temperature' must be float"),
+        (json.dumps({"prompt": "x", "max_tokens": 4000}).encode(), "exceeds the model's context"),
+    ],
+)
+async def test_bad_bodies_get_400_with_a_message(checkpoint, body, message):
+    lines: list[str] = []
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            orch = await _mesh(nursery, checkpoint, 1, lines)
+            await orch.app.wait_ready(10)
+            async with httpx.AsyncClient(base_url=orch.dashboard_url, timeout=30) as client:
+                for path in ("/api/generate", "/v1/completions"):
+                    r = await client.post(path, content=body, headers={"content-type": "application/json"})
+                    assert r.status_code == 400, r.text
+                    assert message in r.json()["error"]
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_mesh_that_is_not_ready_gets_503_naming_the_missing_stage(checkpoint):
+    lines: list[str] = []
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            orch = await _mesh(nursery, checkpoint, 2, lines, start_stages=1)
+            async with httpx.AsyncClient(base_url=orch.dashboard_url, timeout=30) as client:
+                r = await client.post("/api/generate", json={"prompt": "x"})
+            assert r.status_code == 503
+            assert r.json()["missing"] == ["pp-stage-1", "pp-exit"]
+            assert "pp-stage-1 does not resolve" in r.json()["error"]
+            nursery.cancel_scope.cancel()
