@@ -90,9 +90,12 @@ class _App:
     def __init__(self, node: Node) -> None:
         self.node = node
         self._inbox_send, self._inbox = trio.open_memory_channel[tuple[bytes, Message]](1024)
+        self._outboxes: dict[bytes, trio.MemorySendChannel] = {}
+        self._nursery: trio.Nursery | None = None
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
             nursery.start_soon(self._pump)
             task_status.started()
             async for src, msg in self._inbox:
@@ -112,12 +115,30 @@ class _App:
             for msg in packet.messages:
                 await self._inbox_send.send((src, msg))
 
-    async def send(self, dst: bytes, msg: Message) -> str:
-        """To ``dst`` over the data channel (or straight to our own inbox)."""
+    async def send(self, dst: bytes, msg: Message) -> None:
+        """To ``dst`` over the data channel, in order, without waiting for its ack.
+
+        Each destination has its own sender task, so compute never waits on a
+        round trip; a message that cannot be delivered fails its request.
+        """
         if dst == self.node.identity.node_id:
             await self._inbox_send.send((dst, msg))
-            return "local"
-        return await self.node.send_data(dst, encode_app(self.node.identity.node_id, msg), SEND_TIMEOUT_S)
+            return
+        outbox = self._outboxes.get(dst)
+        if outbox is None:
+            outbox, queue = trio.open_memory_channel[Message](1024)
+            self._outboxes[dst] = outbox
+            self._nursery.start_soon(self._sender, dst, queue)
+        await outbox.send(msg)
+
+    async def _sender(self, dst: bytes, queue: trio.MemoryReceiveChannel) -> None:
+        me = self.node.identity.node_id
+        async for msg in queue:
+            try:
+                await self.node.send_data(dst, encode_app(me, msg), SEND_TIMEOUT_S)
+            except DeliveryError as exc:
+                log.warning("%s: %s", self.node.swim.me.name, exc)
+                await self.failed(msg, exc)
 
     def path_to(self, dst: bytes) -> str:
         if dst == self.node.identity.node_id:
@@ -186,7 +207,10 @@ class StageService(_App):
             while len(self.caches) > MAX_CACHED_REQUESTS:
                 self.caches.pop(next(iter(self.caches)))
         t0 = time.perf_counter()
-        out = await trio.to_thread.run_sync(model.forward, hidden, cache, msg.pos)
+        if hidden.shape[0] > 8:  # a prefill: off the event loop, so gossip keeps its timing
+            out = await trio.to_thread.run_sync(model.forward, hidden, cache, msg.pos)
+        else:  # a decode step is shorter than a thread hand-off
+            out = model.forward(hidden, cache, msg.pos)
         logits = model.logits(out[-1:])[0] if self.last else None
         trace = (*trace, Hop("compute", self.name, (time.perf_counter() - t0) * 1000, ""))
         pos = msg.pos + hidden.shape[0]
@@ -210,16 +234,18 @@ class StageService(_App):
         to_origin = Token(msg.req_id, msg.origin, msg.step, token, pos, done, raw, s, time.time(),
                           (*trace, Hop("transit", f"{self.name}->orchestrator", 0.0,
                                        self.path_to(msg.origin))))
-        await self.send(msg.origin, to_origin)
         entry = await resolve(self.node, "pp-stage-0")
         if done:
             self.caches.pop(msg.req_id, None)
             self.samplers.pop(msg.req_id, None)
             if self.stages > 1:
                 await self.send(entry, Release(msg.req_id))
-            return
-        await self.send(entry, Token(msg.req_id, msg.origin, msg.step, token, pos, "", b"", s, time.time(),
-                                     (Hop("transit", f"{self.name}->stage-0", 0.0, self.path_to(entry)),)))
+        else:
+            # The feedback edge first: it is on the critical path of the next token.
+            hop = Hop("transit", f"{self.name}->stage-0", 0.0, self.path_to(entry))
+            await self.send(entry, Token(msg.req_id, msg.origin, msg.step, token, pos, "", b"", s,
+                                         time.time(), (hop,)))
+        await self.send(msg.origin, to_origin)
 
     async def failed(self, msg: Message, exc: Exception) -> None:
         self.counters["errors"] += 1

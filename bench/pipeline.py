@@ -1,0 +1,147 @@
+#!/usr/bin/env python3
+"""Monolithic vs pipelined generation on the `small` preset, side by side in one run.
+
+An orchestrator and N stage nodes run in this process on loopback (real UDP
+gossip, real TCP data streams); the monolithic reference is `generate` with
+the whole model loaded once.  Prints tokens/s for both, for one stream and
+for W concurrent streams, the median per-hop transit overhead, and the ratio
+of single-stream pipelined latency to monolithic latency.
+
+    .venv/bin/python bench/pipeline.py [--stages 3] [--tokens 64] [--streams 4] [--runs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import trio
+
+from meshd.node import NodeOptions
+from meshd.pipeline.checkpoint import init_checkpoint
+from meshd.pipeline.generate import generate
+from meshd.pipeline.model import StageModel
+from meshd.testing.inprocess import start_node, wait_converged
+
+PROMPT = "Once upon a time, in a mesh far away,"
+
+
+async def pipelined(model_dir: str, stages: int, tokens: int, streams: int, runs: int) -> dict:
+    lines: list[str] = []
+    async with trio.open_nursery() as nursery:
+        opts = dict(profile="local", stages=stages, model=model_dir)
+        orch_node = await start_node(nursery, NodeOptions(role="orchestrator", **opts), lines)
+        nodes = [orch_node]
+        for k in range(stages):
+            stage = NodeOptions(stage=k, seeds=[orch_node.addr], **opts)
+            nodes.append(await start_node(nursery, stage, lines))
+        await wait_converged(nodes)
+        orch = orch_node.app
+        await orch.wait_ready(10)
+        await orch.generate(PROMPT, 4)  # warm up: streams dialled, caches allocated
+        single, hops = [], []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            result = await orch.generate(PROMPT, tokens)
+            single.append((time.perf_counter() - t0) / len(result["tokens"]))
+            hops += [h["median_ms"] for h in result["timings"]["hops"] if h["kind"] == "transit"]
+
+        done = []
+
+        async def one(seed: int) -> None:
+            done.append(len((await orch.generate(PROMPT, tokens, 0.8, 20, seed))["tokens"]))
+
+        t0 = time.perf_counter()
+        async with trio.open_nursery() as inner:
+            for seed in range(streams):
+                inner.start_soon(one, seed)
+        concurrent_s = time.perf_counter() - t0
+        nursery.cancel_scope.cancel()
+    return {
+        "s_per_token": statistics.median(single),
+        "concurrent_tokens_per_s": sum(done) / concurrent_s,
+        "hop_ms": statistics.median(hops),
+    }
+
+
+def pipelined_processes(model_dir: str, stages: int, tokens: int, streams: int, runs: int) -> dict:
+    """The same, with each node a `meshd run` process, driven through POST /api/generate."""
+    import concurrent.futures
+
+    import httpx
+
+    from meshd.testing.processes import start_mesh
+
+    procs = start_mesh(stages, extra=["--model", model_dir])
+    try:
+        orch = procs[0]
+        line = orch.wait_for(lambda s: s.startswith("meshd dashboard url="), 20, "dashboard URL")
+        url = line.split("=", 1)[1]
+        with httpx.Client(base_url=url, timeout=60) as client:
+            deadline = time.monotonic() + 30
+            while client.post("/api/generate", json={"prompt": PROMPT, "max_tokens": 4}).status_code == 503:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the process pipeline did not become ready in 30 s")
+                time.sleep(0.2)
+            single, hops = [], []
+            for _ in range(runs):
+                t0 = time.perf_counter()
+                r = client.post("/api/generate", json={"prompt": PROMPT, "max_tokens": tokens}).json()
+                single.append((time.perf_counter() - t0) / len(r["tokens"]))
+                hops += [h["median_ms"] for h in r["timings"]["hops"] if h["kind"] == "transit"]
+
+            def one(seed: int) -> int:
+                body = {"prompt": PROMPT, "max_tokens": tokens, "temperature": 0.8, "top_k": 20, "seed": seed}
+                return len(client.post("/api/generate", json=body).json()["tokens"])
+
+            t0 = time.perf_counter()
+            with concurrent.futures.ThreadPoolExecutor(streams) as pool:
+                n = sum(pool.map(one, range(streams)))
+            concurrent_s = time.perf_counter() - t0
+    finally:
+        for p in procs:
+            p.stop(timeout=5)
+    return {"s_per_token": statistics.median(single), "concurrent_tokens_per_s": n / concurrent_s,
+            "hop_ms": statistics.median(hops)}
+
+
+def report(label: str, stages: int, streams: int, mono_s: float, pipe: dict) -> None:
+    rate = pipe["concurrent_tokens_per_s"]
+    print(f"{label}:")
+    print(f"  pipelined, {stages} stages, 1 stream:  {1 / pipe['s_per_token']:7.1f} tokens/s  "
+          f"({pipe['s_per_token'] * 1000:.2f} ms/token)")
+    print(f"  pipelined, {stages} stages, {streams} streams: {rate:7.1f} tokens/s in all")
+    print(f"  median per-hop transit: {pipe['hop_ms']:.3f} ms")
+    print(f"  single-stream latency ratio pipelined/monolithic: {pipe['s_per_token'] / mono_s:.2f} "
+          "(target <= 1.25)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stages", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--streams", type=int, default=4)
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="meshd-bench-") as tmp:
+        init_checkpoint(tmp, "small", seed=0)
+        model = StageModel.load(tmp)
+        generate(tmp, PROMPT, 4, model=model)  # warm up
+        mono = []
+        for _ in range(args.runs):
+            r = generate(tmp, PROMPT, args.tokens, model=model)
+            mono.append(r["timings"]["total_ms"] / 1000 / len(r["tokens"]))
+        mono_s = statistics.median(mono)
+        pipe = trio.run(pipelined, tmp, args.stages, args.tokens, args.streams, args.runs)
+        procs = pipelined_processes(tmp, args.stages, args.tokens, args.streams, args.runs)
+    print(f"small preset (dim 288, 6 layers, vocab 32000), prompt + {args.tokens} tokens, "
+          f"median of {args.runs}")
+    print(f"monolithic: {1 / mono_s:7.1f} tokens/s  ({mono_s * 1000:.2f} ms/token)")
+    report("nodes in this process (one interpreter for all)", args.stages, args.streams, mono_s, pipe)
+    report("one `meshd run` process per node, over HTTP", args.stages, args.streams, mono_s, procs)
+
+
+if __name__ == "__main__":
+    main()
