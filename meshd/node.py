@@ -265,7 +265,7 @@ class Node:
             now = trio.current_time()
             m = swim.members.get(item.src)
             addr = m.addr if m is not None else f"{RELAY_ADDR_PREFIX}{item.src.hex()[:8]}"
-            sender = swim.receive_datagram(item.payload, addr, now)
+            sender = swim.receive_datagram(item.payload, addr, now, via=RELAY)  # answered the same way
             if sender is not None:
                 if sender != item.src:
                     swim.counters["rx_relay_sender_mismatch"] += 1
