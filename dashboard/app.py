@@ -147,9 +147,11 @@ def create_app(node: Node) -> Starlette:
                 tokens: list[int] = []
                 emitted = ""
 
-                def event(text: str, reason: str | None) -> str:
+                def event(text: str, reason: str | None, token: int | None = None) -> str:
                     chunk = {"id": cid, "object": "text_completion", "created": created, "model": model,
                              "choices": [{"index": 0, "text": text, "finish_reason": reason}]}
+                    if token is not None:  # an extension: the token id, for exact comparisons
+                        chunk["meshd"] = {"token": token, "index": len(tokens) - 1}
                     return f"data: {json.dumps(chunk)}\n\n"
 
                 async def on_token(token: int) -> None:
@@ -158,9 +160,8 @@ def create_app(node: Node) -> Starlette:
                     text = orch.tokenizer.decode(tokens)
                     # Hold back a character whose bytes are not all here yet.
                     stable = text.rstrip("\ufffd")
-                    if len(stable) > len(emitted):
-                        await send.send(event(stable[len(emitted):], None))
-                        emitted = stable
+                    await send.send(event(stable[len(emitted):], None, token))
+                    emitted = max(emitted, stable, key=len)
 
                 try:
                     result = await orch.generate(**params, on_token=on_token)

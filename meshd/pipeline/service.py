@@ -51,10 +51,19 @@ log = logging.getLogger("meshd.pipeline")
 RESOLVE_TIMEOUT_S = 10.0
 SEND_TIMEOUT_S = 30.0
 MAX_CACHED_REQUESTS = 64
+LOST_CHECK_S = 0.2  # how often a waiting request looks for dead stages
 
 
 class PipelineError(Exception):
     """A request failed; the message names the stage and what went wrong."""
+
+
+class StageLost(PipelineError):
+    """A stage died mid-request; ``lost`` reads ``stage-2 (peer 2b91108e dead)``."""
+
+    def __init__(self, lost: str) -> None:
+        super().__init__(f"lost: {lost}")
+        self.lost = lost
 
 
 class NotReady(PipelineError):
@@ -311,13 +320,22 @@ class Orchestrator(_App):
             await self.send(entry, Activation(req.req_id, self.node.identity.node_id, 0, 0, 0, 0, b"",
                                               tuple(ids), sampling, time.time(), (hop,)))
             seen = 0
+            waited = 0.0
             while req.finish_reason is None and req.error is None:
-                with trio.move_on_after(token_timeout) as scope:
+                with trio.move_on_after(LOST_CHECK_S) as scope:
                     await req.changed.wait()
-                req.changed = trio.Event()
                 if scope.cancelled_caught:
-                    raise PipelineError(f"no token {len(req.tokens)} for request {req.req_id} within "
-                                        f"{token_timeout:g}s; stages: {self._stage_states()}")
+                    # A stage the mesh declared dead will never answer: say which, now.
+                    lost = self.lost_stage()
+                    if lost is not None:
+                        raise StageLost(lost)
+                    waited += LOST_CHECK_S
+                    if waited >= token_timeout:
+                        raise PipelineError(f"no token {len(req.tokens)} for request {req.req_id} within "
+                                            f"{token_timeout:g}s; stages: {self._stage_states()}")
+                    continue
+                waited = 0.0
+                req.changed = trio.Event()
                 if on_token is not None:
                     while seen < len(req.tokens):
                         await on_token(req.tokens[seen])
@@ -345,6 +363,18 @@ class Orchestrator(_App):
         self.recent_traces.append({"req_id": req.req_id, "traces": [[h.to_body() for h in t]
                                                                      for t in req.traces[-4:]]})
         return result
+
+    def lost_stage(self) -> str | None:
+        """``stage-2 (peer 2b91108e dead)`` if a stage of this run is dead or gone."""
+        for k in range(self.stages):
+            name = f"stage-{k}"
+            gone = [m for m in self.node.swim.members.values()
+                    if m.name == name and not m.state.live]
+            live = self.node.swim.member_by_name(name)
+            if gone and live is None:
+                m = gone[0]
+                return f"{name} (peer {m.prefix} {m.state.name.lower()})"
+        return None
 
     def _stage_states(self) -> str:
         out = []

@@ -55,6 +55,9 @@ class MeshProcess:
             bufsize=1,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
+        self._start_reader()
+
+    def _start_reader(self) -> None:
         self.lines: list[str] = []
         self._cond = threading.Condition()
         self._reader = threading.Thread(target=self._read, daemon=True)

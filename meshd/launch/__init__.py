@@ -1,0 +1,1 @@
+"""Runs: jobs, providers, statuses, and the smoke run."""
