@@ -1,5 +1,5 @@
 # Two entry points, both self-contained on a fresh clone:
-#   make demo   set up .venv, then start a 3-node mesh on loopback
+#   make demo   set up .venv, then a 3-stage smoke run on loopback
 #   make test   set up .venv with the test extra, then lint and run the tests
 PYTHON ?= python3
 VENV := .venv
@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml $(BIN)/python
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python scripts/demo_mesh.py --nodes 3
+	$(BIN)/meshd smoke-run --stages 3
 
 lint: $(STAMP)
 	$(BIN)/ruff check meshd dashboard tests scripts bench

@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_relay(sub)
     from .sim.cli import add_parser as add_sim
     add_sim(sub)
+    from .launch.smoke import add_parser as add_smoke
+
+    add_smoke(sub)
     from .pipeline.cli import add_parser as add_pipeline
     add_pipeline(sub)
     return parser

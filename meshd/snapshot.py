@@ -43,8 +43,11 @@ def snapshot(swim: Swim, now: float, paths: PathTable | None = None, relay: dict
             continue
         view = member_view(m, now)
         if paths is not None:
-            view.update(paths.view(m.id, now))
-            del view["peer"]
+            path_view = paths.view(m.id, now)
+            del path_view["peer"]
+            if path_view["rtt_ms"] is None:
+                del path_view["rtt_ms"]  # keep the core's last direct RTT
+            view.update(path_view)
         members.append(view)
     members.sort(key=lambda v: stage_sort_key(v["name"]))
     names = {}
