@@ -83,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     from .launch.smoke import add_parser as add_smoke
 
     add_smoke(sub)
+    from .launch.ps import add_parser as add_ps
+    add_ps(sub)
     from .pipeline.cli import add_parser as add_pipeline
     add_pipeline(sub)
     return parser
