@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 
@@ -710,3 +711,42 @@ def test_set_meta_bumps_generation_and_incarnation_and_others_see_an_update():
     seen = b.members[a.id]
     assert (seen.incarnation, seen.meta.version, seen.meta.generation) == (1, "0.2.0", 1)
     assert [(e.kind, e.node) for e in b.events()] == [(EventKind.UPDATE, a.id)]
+
+
+def test_a_relayed_ping_also_confirms_the_direct_ping_that_got_through():
+    """A's direct ping reached B but B's answer was lost: the relayed answer says
+    which direction works, so A keeps A->B direct and names no path failure."""
+    bench = Bench(2)
+    a, b = bench.swims
+    relay_meta = {s.id: replace(s.me.meta, relay_url="ws://relay:1") for s in (a, b)}
+    for s in (a, b):
+        s.set_meta(relay_meta[s.id], 0.0)
+        other = b if s is a else a
+        s.receive(Packet(other.id, (Alive(1, other.id, other.me.addr, relay_meta[other.id]),)),
+                  other.me.addr, 0.0)
+        s.outbox()
+        s.events()
+    t, (ping,) = bench.tick_until(a, Ping, to=b)
+    bench.hand(ping, t)  # B gets it directly; its direct ack is lost (not handed back)
+    t2, outs = bench.tick_until(a, lambda m: isinstance(m, Ping) and m.seq != found(ping, Ping)[0].seq,
+                                to=b)
+    relayed = [o for o in outs if o.via == "relay"]
+    assert relayed, "after the probe timeout A asks again over the relay"
+    b.receive(relayed[0].packet, a.me.addr, t2 + 0.001, via="relay")
+    (answer,) = b.outbox()
+    assert answer.via == "relay"
+    assert [m.seq for m in found(answer, Ack)] == [found(ping, Ping)[0].seq, found(relayed[0], Ping)[0].seq]
+    a.receive(answer.packet, b.me.addr, t2 + 0.002, via="relay")
+    assert [e for e in a.events() if e.kind is EventKind.PATH] == [], "A->B direct works: nothing to report"
+
+    # Had the direct ping not arrived, the relayed answer alone would move A->B to the relay.
+    t3, (ping2,) = bench.tick_until(a, Ping, to=b, limit=t2 + 30)
+    t4, outs = bench.tick_until(a, lambda m: isinstance(m, Ping) and m.seq != found(ping2, Ping)[0].seq,
+                                to=b, limit=t3 + 5)
+    relayed = [o for o in outs if o.via == "relay"]
+    b.receive(relayed[0].packet, a.me.addr, t4 + 0.001, via="relay")
+    (answer,) = b.outbox()
+    assert [m.seq for m in found(answer, Ack)] == [found(relayed[0], Ping)[0].seq]
+    a.receive(answer.packet, b.me.addr, t4 + 0.002, via="relay")
+    paths = [e for e in a.events() if e.kind is EventKind.PATH]
+    assert [(e.node, e.detail["direct"]) for e in paths] == [(b.id, False)]

@@ -112,6 +112,7 @@ class Swim:
         self._relays: dict[int, _Relay] = {}
         self._suspicions: dict[bytes, Suspicion] = {}
         self._my_names: set[str] = set()
+        self._direct_pings: dict[bytes, tuple[int, float]] = {}  # last direct ping per prober: (seq, when)
         self._direct_ok: dict[bytes, bool] = {}  # last probe verdict on our direct path to each member
         self._seq = rng.randrange(1 << 31)
         self._out: list[Outgoing] = []
@@ -263,7 +264,17 @@ class Swim:
         # fallback ping on the same connection: a relayed ping is the prober's
         # question "are you alive when UDP fails?", and a UDP ack would lose
         # the answer as often as the ping it stood in for.
-        self._send(addr, sender, [Ack(msg.seq)], via=self._rx_via)
+        if self._rx_via != "relay":
+            self._direct_pings[sender] = (msg.seq, now)
+            self._send(addr, sender, [Ack(msg.seq)], via=self._rx_via)
+            return
+        acks = [Ack(msg.seq)]
+        direct = self._direct_pings.pop(sender, None)
+        if direct is not None and now - direct[1] <= self.config.probe_interval:
+            # Its direct ping of this probe did reach us; only our answer got lost.
+            # Say so first, over the relay: that direction works.
+            acks.insert(0, Ack(direct[0]))
+        self._send(addr, sender, acks, via="relay")
 
     def _handle_ping_req(self, msg: PingReq, sender: bytes, addr: str, now: float) -> None:
         if msg.target == self.id:
