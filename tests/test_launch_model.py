@@ -9,6 +9,8 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from meshd.launch.model import (
     Exited,
@@ -324,3 +326,65 @@ def test_round_trips_through_a_dict():
     back = run_from_dict(data)
     assert run_to_dict(back) == data
     assert data["jobs"][-1]["status_message"] == "lost: stage-1 (peer 2b91108e dead)"
+
+
+# -- any order of events ----------------------------------------------------------------------
+
+_NAMES = ["orchestrator", "stage-0", "stage-1"]
+_normal = st.one_of(
+    st.builds(Running, st.sampled_from(_NAMES)),
+    st.builds(Finishing, st.sampled_from(_NAMES)),
+    st.builds(Exited, st.sampled_from(_NAMES), st.just(0)),
+)
+_any = st.one_of(
+    _normal,
+    st.builds(Exited, st.sampled_from(_NAMES), st.integers(1, 3)),
+    st.builds(Lost, st.sampled_from(_NAMES), st.just("peer 2b91108e dead")),
+    st.builds(NoPath, st.just("orchestrator"), st.sampled_from(_NAMES[1:])),
+)
+
+
+def _check_history(batches, criteria, order, expect_no_failure):
+    d = Driver(new_run("r", 2, now=0.0, stop_criteria=criteria, startup_order=order), now=0.0)
+    done: dict[str, Reason] = {}
+    for batch in batches:
+        out = d.step(*batch)
+        for a in out:
+            if isinstance(a, Start):
+                assert a.job not in done, f"{a.job} was done and was started again"
+            if isinstance(a, Stop) and expect_no_failure:
+                assert a.reason in (Reason.MASTER_DONE, Reason.RUN_DONE)
+                assert criteria == "master-done" and d.run.master.finishing_normally
+        for job in d.run.jobs:
+            if job.name in done:
+                assert job.status is JobStatus.DONE and job.reason is done[job.name]
+            elif job.status is JobStatus.DONE:
+                done[job.name] = job.reason
+        assert step(d.run, [], d.now) == [], "a second pass with nothing new acted again"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    batches=st.lists(st.lists(_normal, max_size=3), max_size=12),
+    criteria=st.sampled_from(["all-done", "master-done"]),
+    order=st.sampled_from(["any", "master-first", "workers-first"]),
+)
+def test_normal_endings_in_any_order_never_restart_nor_stop_a_sibling(batches, criteria, order):
+    _check_history(batches, criteria, order, expect_no_failure=True)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    batches=st.lists(st.lists(_any, max_size=3), max_size=12),
+    criteria=st.sampled_from(["all-done", "master-done"]),
+    order=st.sampled_from(["any", "master-first", "workers-first"]),
+)
+def test_a_done_job_stays_done_whatever_happens_next(batches, criteria, order):
+    _check_history(batches, criteria, order, expect_no_failure=False)
+
+
+def test_done_at_the_deadline_is_done_not_a_timeout():
+    d = Driver(new_run("r", 1, now=0.0, timeout=10.0), now=0.0)
+    d.bring_up()
+    d.step(Exited("orchestrator", 0), Exited("stage-0", 0), dt=20)
+    assert d.run.status is RunStatus.DONE and d.stops() == []

@@ -491,6 +491,8 @@ def _observe(run: Run, obs: Observation, now: float) -> None:
 
 
 def _observe_exit(job: Job, code: int, now: float) -> None:
+    if job.status is JobStatus.SUBMITTED:
+        return  # never started: not this job's process
     job.live = False
     if job.exit_code is None:
         job.exit_code = code
@@ -542,14 +544,14 @@ def _check_run_end(run: Run, now: float) -> None:
         if job.status is JobStatus.FAILED and not _retryable(run, job):
             _end_run(run, RunReason.JOB_FAILED, failure_message(job), now)
             return
-    if run.timeout is not None and now >= run.submitted_at + run.timeout:
-        _end_run(run, RunReason.TIMEOUT, f"timeout after {run.timeout:g} s", now)
-        return
     if run.stop_criteria is StopCriteria.MASTER_DONE:
         if run.master.finishing_normally:
             _end_run(run, RunReason.ALL_DONE, None, now)
     elif all(job.finishing_normally for job in run.main_jobs):
         _end_run(run, RunReason.ALL_DONE, None, now)
+    # Done at the deadline is done, not a timeout.
+    if run.timeout is not None and now >= run.submitted_at + run.timeout:
+        _end_run(run, RunReason.TIMEOUT, f"timeout after {run.timeout:g} s", now)
 
 
 def _retryable(run: Run, job: Job) -> bool:
