@@ -1,0 +1,95 @@
+"""`meshd smoke-run` end to end: real processes on loopback, one JSON object at the end."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from meshd.swim import LOCAL
+
+pytestmark = pytest.mark.processes
+
+
+def smoke(*args: str, timeout: float = 180) -> tuple[int, dict]:
+    r = subprocess.run([sys.executable, "-m", "meshd", "smoke-run", "--json", "--max-tokens", "12", *args],
+                       capture_output=True, text=True, timeout=timeout)
+    assert r.stdout.strip(), r.stderr
+    return r.returncode, json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def meshd_children() -> list[str]:
+    """`meshd run` / `meshd relay` processes still alive on this machine (ours, in tests)."""
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if " -m meshd run " in line or " -m meshd relay " in line]
+
+
+@pytest.mark.parametrize("stages", [2, 3, 5])
+def test_smoke_run_passes_and_matches_the_reference(stages):
+    rc, out = smoke("--stages", str(stages))
+    assert rc == 0, out
+    assert out["ok"] and out["status"] == "done" and out["matches_reference"]
+    assert out["tokens"] == out["reference_tokens"] and len(out["tokens"]) == 12
+    names = ["orchestrator", *(f"stage-{k}" for k in range(stages))]
+    assert sorted(out["stage_map"].values()) == sorted(names)
+    assert len(out["paths"]) == (stages + 1) * stages  # every ordered pair
+    assert out["leftovers"] == 0 and out["asymmetric"] == []
+    assert out["timings"]["tokens_per_s"] > 0
+    assert meshd_children() == []
+
+
+@pytest.mark.parametrize("fault, pair", [
+    ("drop:stage-0->orchestrator", ("orchestrator", "stage-0")),
+    ("drop:stage-2->stage-0", ("stage-0", "stage-2")),  # the feedback edge
+])
+def test_one_way_drop_passes_and_reports_the_asymmetric_pair(fault, pair):
+    rc, out = smoke("--stages", "3", "--fault", fault)
+    assert rc == 0, out
+    assert out["matches_reference"] and out["leftovers"] == 0
+    a, b = fault[5:].split("->")
+    paths = {(p["from"], p["to"]): p for p in out["paths"]}
+    # The dropped direction cannot be direct; its data went over the relay.
+    assert paths[(a, b)]["data"] in ("relay", None) and paths[(a, b)]["path"] in ("relay", "direct")
+    assert {(x["from"], x["to"]) for x in out["asymmetric"]} == {pair}, out["asymmetric"]
+    assert f"{a}→{b}: relay" in out["asymmetric"][0]["detail"]
+
+
+def test_a_killed_stage_fails_the_run_naming_it():
+    t0 = time.monotonic()
+    rc, out = smoke("--stages", "3", "--fault", "kill:stage-1@token-3")
+    took = time.monotonic() - t0
+    assert rc == 1
+    assert out["status"].startswith("lost: stage-1 (peer ") and out["status"].endswith(" dead)")
+    assert out["leftovers"] == 0 and meshd_children() == []
+    assert took < 60 + LOCAL.suspicion_bounds(4)[1]
+
+
+def test_sigterm_mid_generation_leaves_no_process_behind(tmp_path):
+    argv = [sys.executable, "-m", "meshd", "smoke-run", "--stages", "3", "--max-tokens", "200", "--json"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(meshd_children()) < 4:  # relay + orchestrator + stages up
+        assert time.monotonic() < deadline, "the run never started"
+        time.sleep(0.2)
+    time.sleep(3)  # into the generation
+    os.kill(proc.pid, signal.SIGTERM)
+    stdout, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 130
+    out = json.loads(stdout.strip().splitlines()[-1])
+    assert out["status"] == "stopped" and out["leftovers"] == 0
+    time.sleep(0.5)
+    assert meshd_children() == []
+
+
+def test_bad_fault_is_one_line():
+    r = subprocess.run([sys.executable, "-m", "meshd", "smoke-run", "--stages", "2", "--stub", "--json",
+                        "--fault", "drop:stage-7->orchestrator"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert "no node named 'stage-7'" in out["reason"] and out["leftovers"] == 0
+    assert "Traceback" not in r.stderr
