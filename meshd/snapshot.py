@@ -42,6 +42,7 @@ def snapshot(swim: Swim, now: float, paths: PathTable | None = None, relay: dict
         if m.id == swim.id:
             continue
         view = member_view(m, now)
+        view["path_checks"] = swim.path_checks.get(m.id, 0)
         if paths is not None:
             path_view = paths.view(m.id, now)
             del path_view["peer"]

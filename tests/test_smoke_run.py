@@ -16,6 +16,13 @@ from meshd.swim import LOCAL
 pytestmark = pytest.mark.processes
 
 
+@pytest.fixture(autouse=True)
+def run_dir(tmp_path, monkeypatch):
+    """Run state goes to the test's tmp dir, not the user's state dir."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    return tmp_path / "state" / "meshd" / "runs"
+
+
 def smoke(*args: str, timeout: float = 180) -> tuple[int, dict]:
     r = subprocess.run([sys.executable, "-m", "meshd", "smoke-run", "--json", "--max-tokens", "12", *args],
                        capture_output=True, text=True, timeout=timeout)
@@ -41,6 +48,9 @@ def test_smoke_run_passes_and_matches_the_reference(stages):
     assert out["leftovers"] == 0 and out["asymmetric"] == []
     assert out["timings"]["tokens_per_s"] > 0
     assert meshd_children() == []
+    # dstack's semantics: master-done stops the workers, and every job reads exited (0).
+    assert out["run_status"] == "done"
+    assert set(out["jobs"].values()) == {"exited (0)"}
 
 
 @pytest.mark.parametrize("fault, pair", [
@@ -59,6 +69,20 @@ def test_one_way_drop_passes_and_reports_the_asymmetric_pair(fault, pair):
     assert f"{a}→{b}: relay" in out["asymmetric"][0]["detail"]
 
 
+def test_ps_shows_the_run_from_another_process(run_dir):
+    rc, out = smoke("--stages", "2", "--stub", "--startup-order", "workers-first",
+                    "--stop-criteria", "all-done")
+    assert rc == 0, out
+    r = subprocess.run([sys.executable, "-m", "meshd", "ps", "--json"], capture_output=True, text=True,
+                       timeout=30, env={**os.environ, "XDG_STATE_HOME": str(run_dir.parent.parent)})
+    runs = json.loads(r.stdout)["runs"]
+    assert [run["name"] for run in runs] == [out["run"]]
+    jobs = {j["name"]: j for j in runs[0]["jobs"]}
+    assert set(jobs) == {"relay", "orchestrator", "stage-0", "stage-1"}
+    assert {j["status_message"] for j in jobs.values()} == {"exited (0)"}
+    assert (run_dir / f"{out['run']}.hosts").read_text().count("\n") == 3  # orchestrator + 2 stages
+
+
 def test_a_killed_stage_fails_the_run_naming_it():
     t0 = time.monotonic()
     rc, out = smoke("--stages", "3", "--fault", "kill:stage-1@token-3")
@@ -66,6 +90,7 @@ def test_a_killed_stage_fails_the_run_naming_it():
     assert rc == 1
     assert out["status"].startswith("lost: stage-1 (peer ") and out["status"].endswith(" dead)")
     assert out["leftovers"] == 0 and meshd_children() == []
+    assert out["run_status"] == "failed" and out["jobs"]["stage-1"] == out["status"]
     assert took < 60 + LOCAL.suspicion_bounds(4)[1]
 
 

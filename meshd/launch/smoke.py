@@ -8,6 +8,7 @@ carried out here (``kill:X@token-T``, ``relay-down@S``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
@@ -115,6 +116,98 @@ def _snapshot(client, url: str) -> dict:
     return r.json()
 
 
+
+class Driver:
+    """Carries out the run model's actions on local processes and saves the run after each step."""
+
+    def __init__(self, run, run_dir: Path, argvs: dict[str, list[str]], envs: dict[str, dict[str, str]],
+                 progress: Progress) -> None:
+        self.run, self.run_dir, self.argvs, self.envs = run, run_dir, argvs, envs
+        self.progress = progress
+        self.procs: dict[str, LocalProcess] = {}
+        self._exited: set[str] = set()
+        self._running: set[str] = set()
+
+    def observe(self, *observations) -> None:
+        from .model import Kill, Start, Started, Stop, step
+        from .state import save_run
+
+        pending = list(observations)
+        while True:
+            actions = step(self.run, pending, time.time())
+            pending = []
+            for action in actions:
+                if isinstance(action, Start):
+                    self.progress.update(f"starting {action.job}")
+                    proc = LocalProcess(action.job, self.argvs[action.job], self.envs.get(action.job))
+                    self.procs[action.job] = proc
+                    pending.append(Started(action.job, proc.proc.pid))
+                elif isinstance(action, Stop) and action.job in self.procs:
+                    self.procs[action.job].signal(signal.SIGTERM)
+                elif isinstance(action, Kill) and action.job in self.procs:
+                    self.procs[action.job].signal(signal.SIGKILL)
+            save_run(self.run, self.run_dir)
+            if not pending:
+                return
+
+    def poll(self) -> None:
+        """Report processes that came up or went away since the last look."""
+        from .model import Exited, Running
+
+        seen = []
+        for name, proc in self.procs.items():
+            if name not in self._running and name != "relay" and proc.boot is None:
+                with contextlib.suppress(TimeoutError, RuntimeError):
+                    proc.wait_boot(0.01)
+            if name not in self._running and (proc.boot is not None or (name == "relay" and proc.lines)):
+                self._running.add(name)
+                peer = proc.boot.prefix if proc.boot is not None else None
+                address = proc.boot.addr if proc.boot is not None else None
+                seen.append(Running(name, address, peer))
+            if name not in self._exited and not proc.alive():
+                self._exited.add(name)
+                seen.append(Exited(name, proc.proc.returncode))
+        if seen:
+            self.observe(*seen)
+
+    def wait_started(self, names: list[str], timeout: float) -> None:
+        """Drive the startup order until every named job is up; raise SmokeError naming a laggard."""
+        deadline = time.monotonic() + timeout
+        while not all(n in self._running for n in names):
+            self.poll()
+            for n, proc in self.procs.items():
+                if not proc.alive():
+                    raise SmokeError(f"exited ({proc.proc.returncode})",
+                                     f"{n} exited while starting: {' | '.join(proc.lines[-3:])}")
+            if time.monotonic() > deadline:
+                late = [n for n in names if n not in self._running]
+                raise SmokeError("timeout", f"not started within {timeout:g}s: {', '.join(late)}")
+            time.sleep(0.05)
+
+    def finish(self, timeout: float = 8.0) -> int:
+        """Let every job end (per the stop criteria), then make sure; returns processes left alive."""
+        from .model import Finishing, StopJob
+
+        master = self.procs.get("orchestrator")
+        if master is not None and master.alive() and not self.run.reason:
+            # The master's work is done: it finishes normally (master-done stops the workers).
+            self.observe(Finishing("orchestrator"))
+            master.signal(signal.SIGTERM)
+            if self.run.stop_criteria == "all-done":
+                for job in self.run.workers:
+                    if job.name in self.procs and self.procs[job.name].alive():
+                        self.observe(Finishing(job.name))
+                        self.procs[job.name].signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and any(p.alive() for p in self.procs.values()):
+            self.poll()
+            if not self.run.reason and all(not p.alive() for n, p in self.procs.items() if n != "relay"):
+                self.observe(StopJob("relay"))
+            time.sleep(0.05)
+        left = stop_all(list(self.procs.values()))
+        self.poll()
+        return left
+
 def run_smoke(args) -> int:
     import httpx
 
@@ -128,6 +221,7 @@ def run_smoke(args) -> int:
     procs: list[LocalProcess] = []
     result: dict = {"ok": False, "status": "failed", "reason": None, "stages": stages}
     handlers = {}
+    driver: Driver | None = None
 
     def interrupted(signum, frame):
         raise Interrupted(signal.Signals(signum).name)
@@ -154,29 +248,32 @@ def run_smoke(args) -> int:
         except ValueError as exc:
             raise SmokeError("error", str(exc)) from None
 
-        progress.update("starting the relay")
-        relay = LocalProcess("relay", ["relay", "--bind", f"127.0.0.1:{ports[0]}"])
-        procs.append(relay)
-        relay_url = _url_line(relay, "meshd relay url=", 20)
+        from .env import prepare_env
+        from .model import new_run
+        from .state import default_run_dir, next_run_name
+
+        run_dir = Path(args.run_dir) if args.run_dir else default_run_dir()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        run = new_run(next_run_name(run_dir), stages, now=time.time(), relay=True,
+                      startup_order=args.startup_order, stop_criteria=args.stop_criteria)
+        result["run"] = run.name
+        relay_url = f"ws://127.0.0.1:{ports[0]}"
         common = ["--stages", str(stages), "--relay", relay_url, "--model", model, "--profile", "local",
                   "--snapshot-dir", str(tmp / "snapshots"), "--snapshot-interval", "1"]
-        order = names if args.startup_order != "workers-first" else [*names[1:], names[0]]
-        for name in order:
+        argvs = {"relay": ["relay", "--bind", f"127.0.0.1:{ports[0]}"]}
+        for name in names:
             role = ["--role", "orchestrator"] if name == "orchestrator" else ["--role", "stage", "--stage",
                                                                                 name.split("-")[1]]
             seeds = [f"--seed={addrs[n]}" for n in names if n != name]
             faults = [f"--fault={f}" for f in plan.node_faults.get(name, [])]
-            progress.update(f"starting {name}")
-            argv = ["run", *role, "--bind", addrs[name], "--dashboard", "127.0.0.1:0",
-                    *seeds, *faults, *common]
-            procs.append(LocalProcess(name, argv))
-            if args.startup_order == "master-first" and name == "orchestrator":
-                procs[-1].wait_boot(30)
-        by_name = {p.name: p for p in procs}
-        urls = {}
-        for name in names:
-            by_name[name].wait_boot(30)
-            urls[name] = _url_line(by_name[name], "meshd dashboard url=", 30)
+            argvs[name] = ["run", *role, "--bind", addrs[name], "--dashboard", "127.0.0.1:0",
+                           *seeds, *faults, *common]
+        driver = Driver(run, run_dir, argvs, prepare_env(run, run_dir, addrs), progress)
+        driver.observe()
+        driver.wait_started(["relay", *names], args.timeout)
+        by_name = driver.procs
+        procs = list(by_name.values())
+        urls = {name: _url_line(by_name[name], "meshd dashboard url=", 30) for name in names}
         prefixes = {by_name[n].boot.prefix: n for n in names}
 
         progress.update("converging")
@@ -187,8 +284,10 @@ def run_smoke(args) -> int:
             while True:
                 snaps = {n: _snapshot(client, urls[n]) for n in names}
                 live = all(sum(m["state"] == "alive" for m in s["members"]) == stages for s in snaps.values())
+                # Every direction probed at least once, so the paths reported are measured, not assumed.
+                probed = all(m["path_checks"] > 0 for s in snaps.values() for m in s["members"])
                 orch_names = snaps["orchestrator"]["names"]
-                if live and all(orch_names.get(n, {}).get("resolves") for n in want):
+                if live and probed and all(orch_names.get(n, {}).get("resolves") for n in want):
                     break
                 for p in procs:
                     if not p.alive():
@@ -204,6 +303,7 @@ def run_smoke(args) -> int:
                          + " ".join(f"{p}={n}" for p, n in prefixes.items()))
 
             if plan.relay_down_s is not None:
+                relay = by_name["relay"]
                 threading.Timer(plan.relay_down_s, lambda: relay.signal(signal.SIGKILL)).start()
             progress.update("generating")
             tokens, first_token_s, t_gen = [], None, time.monotonic()
@@ -245,6 +345,8 @@ def run_smoke(args) -> int:
         text = load_tokenizer(model, config.bos_token_id, config.eos_token_ids).decode(tokens)
         paths, asymmetric = _paths(final, prefixes)
         matches = tokens == ref["tokens"]
+        if not matches:
+            _record_failure(driver, SmokeError("failed", "output differs from meshd generate"))
         result.update({
             "ok": matches,
             "status": "done" if matches else "failed",
@@ -258,19 +360,30 @@ def run_smoke(args) -> int:
         })
     except SmokeError as exc:
         result.update(status=exc.status, reason=exc.reason)
+        _record_failure(driver, exc)
     except Interrupted as exc:
         result.update(status="stopped", reason=f"interrupted by {exc}")
+        if driver is not None:
+            from .model import RunReason, StopRun
+
+            driver.observe(StopRun(RunReason.INTERRUPTED))
     except (TimeoutError, RuntimeError, OSError) as exc:
         result.update(status="error", reason=str(exc))
+        _record_failure(driver, SmokeError("error", str(exc)))
     finally:
         progress.update("tearing down")
-        leftovers = stop_all(procs)
+        leftovers = driver.finish() if driver is not None else stop_all(procs)
         shutil.rmtree(tmp, ignore_errors=True)
         leftovers += int(tmp.exists())
         for sig, old in handlers.items():
             signal.signal(sig, old)
         progress.stop()
     result["leftovers"] = leftovers
+    if driver is not None:
+        from .model import job_status_message
+
+        result["run_status"] = str(driver.run.status)
+        result["jobs"] = {j.name: job_status_message(j) for j in driver.run.jobs}
     result["ok"] = bool(result["ok"]) and leftovers == 0
     if "timings" in result:
         result["timings"]["total_s"] = round(time.monotonic() - t_start, 3)
@@ -283,6 +396,19 @@ def run_smoke(args) -> int:
     return 0 if result["ok"] else 1
 
 
+def _record_failure(driver: Driver | None, exc: SmokeError) -> None:
+    """Tell the run model what went wrong, so statuses and `meshd ps` say it."""
+    if driver is None:
+        return
+    from .model import Lost, RunReason, StopRun
+
+    m = re.match(r"^lost: (?P<job>[\w-]+) \((?P<detail>.*)\)$", exc.status)
+    if m and m["job"] in driver.procs:
+        driver.observe(Lost(m["job"], m["detail"]))
+    else:
+        driver.observe(StopRun(RunReason.STOPPED_BY_USER))
+
+
 def _paths(snaps: dict[str, dict], prefixes: dict[str, str]) -> tuple[list[dict], list[dict]]:
     """Each ordered pair's path, from each node's own outbound view; and the asymmetric pairs."""
     table: dict[tuple[str, str], dict] = {}
@@ -292,7 +418,8 @@ def _paths(snaps: dict[str, dict], prefixes: dict[str, str]) -> tuple[list[dict]
             if other is None:
                 continue
             table[(name, other)] = m
-    paths = [{"from": a, "to": b, "path": m["path_out"], "data": m.get("data_out"),
+    paths = [{"from": a, "to": b, "path": "relay" if _uses_relay(m) else m["path_out"],
+              "datagrams": m["path_out"], "data": m.get("data_out"),
               "rtt_ms": m.get("rtt_ms"), "why": m.get("last_failure"), "relay_ok": m.get("relay_ok"),
               "direct_failures": m.get("direct_failures")}
              for (a, b), m in sorted(table.items())]
@@ -301,19 +428,25 @@ def _paths(snaps: dict[str, dict], prefixes: dict[str, str]) -> tuple[list[dict]
         back = table.get((b, a))
         if back is None or a > b:
             continue
-        if m["path_out"] != back["path_out"] or (
-            m.get("data_out") and back.get("data_out") and m["data_out"] != back["data_out"]
-        ):
+        if m["path_out"] != back["path_out"] or _uses_relay(m) != _uses_relay(back):
             asymmetric.append({"from": a, "to": b, "detail": f"{_side(a, b, m)}; {_side(b, a, back)}"})
     return paths, asymmetric
 
 
+def _uses_relay(m: dict) -> bool:
+    """Either layer of this direction (datagrams, or the data stream) goes via the relay."""
+    return "relay" in (m["path_out"], m.get("data_out"))
+
+
 def _side(a: str, b: str, m: dict) -> str:
-    if m["path_out"] == "direct":
+    """One direction in a line: ``stage-2→stage-0: relay (why)`` or ``…: direct, 0.4 ms``."""
+    if not _uses_relay(m):
         rtt = f", {m['rtt_ms']:.1f} ms" if m.get("rtt_ms") is not None else ""
         return f"{a}→{b}: direct{rtt}"
-    why = f" ({m['last_failure']})" if m.get("last_failure") else ""
-    return f"{a}→{b}: {m['path_out']}{why}"
+    why = m.get("data_last_failure") if m.get("data_out") == "relay" else None
+    why = why or m.get("last_failure")
+    layer = "" if m["path_out"] == "relay" else " (data; datagrams direct)"
+    return f"{a}→{b}: relay{layer}" + (f", because {why}" if why else "")
 
 
 def _summary(result: dict) -> None:

@@ -112,6 +112,8 @@ class Swim:
         self._relays: dict[int, _Relay] = {}
         self._suspicions: dict[bytes, Suspicion] = {}
         self._my_names: set[str] = set()
+        # Probes the target itself answered, per member: how often we tested our path to it.
+        self.path_checks: dict[bytes, int] = {}
         self._direct_pings: dict[bytes, tuple[int, float]] = {}  # last direct ping per prober: (seq, when)
         self._direct_ok: dict[bytes, bool] = {}  # last probe verdict on our direct path to each member
         self._seq = rng.randrange(1 << 31)
@@ -300,6 +302,8 @@ class Swim:
             rtt = now - probe.sent_at
             if direct:
                 self.members[probe.target].rtt = rtt
+            if from_target:
+                self.path_checks[probe.target] = self.path_checks.get(probe.target, 0) + 1
             if from_target and self._direct_ok.get(probe.target, True) != direct:
                 # Only the relayed ping was answered (or direct works again): a path
                 # fact, not a failure of the member.
