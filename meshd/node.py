@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import random
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -31,6 +32,10 @@ RELAY_ADDR_PREFIX = "relay:"
 
 # After a leave, how long to keep answering and re-sending before we go.
 LEAVE_LINGER_S = 0.3
+
+# Our outbound path summary is gossiped when a path changes, and at least this often.
+PATH_SUMMARY_CHECK_S = 0.5
+PATH_SUMMARY_REFRESH_S = 5.0
 
 
 @dataclass
@@ -170,6 +175,7 @@ class Node:
                     self.out(f"meshd dashboard url={self.dashboard_url}")
                 nursery.start_soon(self._receive_loop)
                 nursery.start_soon(self._timer_loop)
+                nursery.start_soon(self._path_summary_loop)
                 if self._snapshots is not None:
                     nursery.start_soon(self._snapshot_loop)
                 task_status.started(self.addr)
@@ -205,6 +211,12 @@ class Node:
         Raises DeliveryError naming the peer and the paths tried.
         """
         return await self.data.send(node, data, timeout)
+
+    def join(self, addrs: list[str]) -> None:
+        """Join (again) through ``addrs`` (HOST:PORT each): the dashboard's add-peer."""
+        assert self.swim is not None
+        self.swim.join(list(addrs), trio.current_time())
+        self._wake.set()
 
     def describe(self, node: bytes) -> str:
         """``stage-2 (2b91108e)``: how logs and errors name a peer."""
@@ -282,6 +294,20 @@ class Node:
             swim.tick(trio.current_time())
             self._after(wake=False)  # waking ourselves would spin this loop
             await self._flush()
+
+    async def _path_summary_loop(self) -> None:
+        """Gossip our outbound paths, so any node can draw the whole mesh."""
+        swim, version, last, last_at = self.swim, time.time_ns() // 1000, None, -PATH_SUMMARY_REFRESH_S
+        while True:
+            now = trio.current_time()
+            peers = [(m.id, m.rtt) for m in swim.members.values() if m.id != swim.id and m.state.live]
+            shape = [(node, self.paths.out_path(node)) for node, _ in peers]
+            if shape != last or now - last_at >= PATH_SUMMARY_REFRESH_S:
+                # Wall-clock versions: a restarted node's summaries still supersede its old ones.
+                version = max(version + 1, time.time_ns() // 1000)
+                swim.publish_paths(self.paths.summary(swim.id, version, peers), now)
+                last, last_at = shape, now
+            await trio.sleep(PATH_SUMMARY_CHECK_S)
 
     async def _snapshot_loop(self) -> None:
         while True:

@@ -65,9 +65,25 @@ def snapshot(swim: Swim, now: float, paths: PathTable | None = None, relay: dict
         "members": members,
         "names": names,
         "relay": relay,
+        "path_summaries": path_summaries(swim, now),
         "awareness": swim.awareness.score,
         "counters": dict(sorted(swim.counters.items())),
     }
+
+
+def path_summaries(swim: Swim, now: float) -> dict:
+    """Every node's gossiped outbound paths (ours included), by full node id."""
+    out = {}
+    for node, (summary, at) in swim.path_summaries.items():
+        out[node.hex()] = {
+            "version": summary.version,
+            "age_s": round(now - at, 3),
+            "entries": [{"to": e.peer.hex(), "path": e.path,
+                         "rtt_ms": round(e.rtt_us / 1000, 3) if e.rtt_us else None,
+                         "direct_failures": e.direct_failures, "reason": e.reason or None}
+                        for e in summary.entries],
+        }
+    return out
 
 
 def stage_sort_key(name: str) -> tuple:

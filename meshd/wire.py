@@ -408,10 +408,52 @@ class StageError(Message):
     _fields_ = (_str, _str, _str)
 
 
+# --- path summaries: each node's own outbound view, gossiped for the topology ---
+
+MAX_PATH_ENTRIES = 64
+MAX_REASON_CHARS = 48
+
+
+def _path_name(value: Any) -> str:
+    if value not in ("direct", "relay", "none"):
+        raise WireError("expected a path: direct, relay or none")
+    return value
+
+
+def _reason(value: Any) -> str:
+    if type(value) is not str or len(value) > MAX_REASON_CHARS:
+        raise WireError(f"expected a reason of at most {MAX_REASON_CHARS} characters")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class PathEntry(_Record):
+    """How ``node`` reaches ``peer``: the path, the last RTT (microseconds, 0 = unknown),
+    direct probes that went unanswered, and why the last one failed ("" if none)."""
+
+    peer: bytes
+    path: str
+    rtt_us: int
+    direct_failures: int
+    reason: str
+    _fields_ = (_node_id, _path_name, _uint, _uint, _reason)
+
+
+@dataclass(frozen=True, slots=True)
+class PathSummary(Message):
+    """``node``'s outbound paths; a higher ``version`` from the same node replaces a lower."""
+
+    TAG = 16
+    node: bytes
+    version: int
+    entries: tuple[PathEntry, ...]
+    _fields_ = (_node_id, _uint, _tuple_of(_nested(PathEntry), MAX_PATH_ENTRIES))
+
+
 MESSAGE_TYPES: dict[int, type[Message]] = {
     cls.TAG: cls
     for cls in (Ping, PingReq, Ack, Nack, Alive, Suspect, Dead, PushPull, NameClaim, DataChunk, DataAck,
-                Activation, Token, Release, StageError)
+                Activation, Token, Release, StageError, PathSummary)
 }
 
 

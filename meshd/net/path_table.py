@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..identity import prefix
+from ..wire import MAX_PATH_ENTRIES, MAX_REASON_CHARS, PathEntry, PathSummary
 
 DIRECT, RELAY, NONE = "direct", "relay", "none"
 
@@ -111,3 +112,19 @@ class PathTable:
             "rtt_ms": None if out.rtt is None else round(out.rtt * 1000, 3),
             "last_failure": out.last_failure,
         }
+
+    def summary(self, me: bytes, version: int, peers: list[tuple[bytes, float | None]]) -> PathSummary:
+        """Our outbound view of ``peers`` ((node, core's last RTT)), compact enough to gossip.
+
+        A failure reason rides along only when the path is not direct: it is what
+        explains an asymmetric pair, and it keeps a healthy mesh's summary small.
+        """
+        entries = []
+        for node, core_rtt in peers[:MAX_PATH_ENTRIES]:
+            peer = self.peers.get(node)
+            out = peer.out if peer is not None else Outbound()
+            rtt = out.rtt if out.rtt is not None else core_rtt
+            reason = "" if out.path == DIRECT else (out.last_failure or "")[:MAX_REASON_CHARS]
+            entries.append(PathEntry(node, out.path, 0 if rtt is None else max(0, round(rtt * 1e6)),
+                                     out.direct_failures, reason))
+        return PathSummary(me, version, tuple(entries))

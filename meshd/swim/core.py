@@ -34,6 +34,7 @@ from ..wire import (
     Nack,
     NameClaim,
     Packet,
+    PathSummary,
     Ping,
     PingReq,
     PushPull,
@@ -102,6 +103,8 @@ class Swim:
         self.broadcasts = BroadcastQueue()
         self.counters: Counter[str] = Counter()
         self.leaving = False
+        # Each node's latest summary of its own outbound paths, and when we took it in.
+        self.path_summaries: dict[bytes, tuple[PathSummary, float]] = {}
 
         self._live: list[bytes] = []  # other members alive or suspect, for random picks
         self._live_index: dict[bytes, int] = {}
@@ -173,6 +176,10 @@ class Swim:
         me.incarnation = self.incarnation
         self.broadcasts.queue(self.id, self._alive_self())
         self._emit(EventKind.UPDATE, self.id, now)
+
+    def publish_paths(self, summary: PathSummary, now: float) -> None:
+        """Gossip our own outbound path summary; a newer one replaces any still queued."""
+        self._on_path_summary(summary, now)
 
     def register_name(self, name: str, now: float) -> None:
         claim = self.registry.claim(name, self.id)
@@ -355,6 +362,16 @@ class Swim:
         if self.live_count() > 1:
             self._next_join = INF
 
+    def _handle_path_summary(self, msg: PathSummary, sender: bytes, addr: str, now: float) -> None:
+        self._on_path_summary(msg, now)
+
+    def _on_path_summary(self, msg: PathSummary, now: float) -> None:
+        held = self.path_summaries.get(msg.node)
+        if held is not None and held[0].version >= msg.version:
+            return  # old news: neither kept nor passed on
+        self.path_summaries[msg.node] = (msg, now)
+        self.broadcasts.queue(("paths", msg.node), msg)
+
     _handlers = {
         Ping: _handle_ping,
         PingReq: _handle_ping_req,
@@ -365,6 +382,7 @@ class Swim:
         Dead: _handle_dead,
         NameClaim: _handle_name,
         PushPull: _handle_push_pull,
+        PathSummary: _handle_path_summary,
     }
 
     # -------------------------------------------------------- state changes

@@ -1,0 +1,56 @@
+"""Path summaries: each node gossips its own outbound paths; every node keeps the newest."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from meshd import wire
+from meshd.swim import LOCAL, Swim
+from meshd.wire import Meta, Packet, PathEntry, PathSummary
+
+NODE_A = b"\xaa" * 32
+NODE_B = b"\xbb" * 32
+NODE_C = b"\xcc" * 32
+
+
+def _swim(node: bytes) -> Swim:
+    return Swim(node, f"10.0.0.{node[0] % 200}:7946", Meta(), LOCAL, random.Random(1), 0.0)
+
+
+def _summary(version: int, path: str = "relay") -> PathSummary:
+    return PathSummary(NODE_A, version, (PathEntry(NODE_B, path, 1500, 2, "direct ping unanswered"),))
+
+
+def test_a_newer_summary_replaces_an_older_one_and_an_older_is_ignored():
+    s = _swim(NODE_C)
+    s.receive(Packet(NODE_A, (_summary(2),)), "10.0.0.1:1", 1.0)
+    assert s.path_summaries[NODE_A] == (_summary(2), 1.0)
+    s.receive(Packet(NODE_A, (_summary(1, "direct"),)), "10.0.0.1:1", 2.0)
+    assert s.path_summaries[NODE_A] == (_summary(2), 1.0), "an older version must not win"
+    s.receive(Packet(NODE_B, (_summary(3, "none"),)), "10.0.0.2:1", 3.0)  # relayed by B
+    assert s.path_summaries[NODE_A][0].entries[0].path == "none"
+
+
+def test_a_summary_is_gossiped_on_until_the_retransmit_limit():
+    a, b = _swim(NODE_A), _swim(NODE_B)
+    a.publish_paths(_summary(1), 0.0)
+    assert a.path_summaries[NODE_A][0] == _summary(1)
+    taken = a.broadcasts.take(10_000, 5)
+    assert _summary(1) in taken
+    b.receive(Packet(NODE_A, tuple(taken)), "10.0.0.1:1", 0.5)
+    assert b.path_summaries[NODE_A][0] == _summary(1)
+    assert _summary(1) in b.broadcasts.take(10_000, 5), "B passes A's summary on"
+
+
+@pytest.mark.parametrize("bad", [
+    [NODE_A, 1, [[NODE_B, "carrier-pigeon", 0, 0, ""]]],
+    [NODE_A, 1, [[NODE_B, "direct", -1, 0, ""]]],
+    [NODE_A, 1, [[NODE_B, "relay", 0, 0, "x" * 49]]],
+    [NODE_A, 1, [[NODE_B, "relay", 0, 0, ""]] * 65],
+    [b"short", 1, []],
+])
+def test_malformed_summaries_are_wire_errors(bad):
+    with pytest.raises(wire.WireError):
+        PathSummary.from_body(bad)
