@@ -1,29 +1,42 @@
 """The node's Starlette app.
 
-It reads node state only through ``node.snapshot()`` and drives generation
-only through the orchestrator's public ``generate``.  Today it serves the
-orchestrator API (``/api/generate``, ``/v1/completions``) and the snapshot;
-the peers table and topology page grow here.
+It reads node state only through ``node.snapshot()``, joins only through
+``node.join`` and drives generation only through the orchestrator's public
+``generate``.  It serves the page (``/``), the dashboard API (``/api/peers``,
+``/api/peers/add``, ``/api/topology``, ``/api/snapshot``, ``/api/traces``,
+``/metrics``) and, on the orchestrator, ``/api/generate`` and ``/v1/completions``.
+
+Bound beyond loopback, mutating endpoints need the node's token (printed at
+boot) as ``Authorization: Bearer TOKEN``, ``X-Meshd-Token`` or ``?token=``.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import logging
 import math
+import secrets
 import time
 import uuid
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import trio
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 if TYPE_CHECKING:
     from meshd.node import Node
 
+from . import views
+
+log = logging.getLogger("meshd.dashboard")
+
 MAX_BODY_BYTES = 1 << 20
+STATIC = Path(__file__).parent / "static"
 
 
 class BadRequest(ValueError):
@@ -73,7 +86,65 @@ def _sampling(body: dict, prompt_key: str) -> dict:
     }
 
 
-def create_app(node: Node) -> Starlette:
+def parse_peer_addr(value: Any) -> str:
+    """A join address: ``IP:PORT`` (or ``localhost:PORT``); BadRequest says what is wrong."""
+    from meshd.net.udp import AddressError, format_addr, parse_addr
+
+    if not isinstance(value, str) or not value or len(value) > 64:
+        raise BadRequest("'addr' must be a string HOST:PORT")
+    try:
+        host, port = parse_addr(value)
+    except AddressError as exc:
+        raise BadRequest(str(exc)) from None
+    if host == "localhost":
+        host = "127.0.0.1"
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        raise BadRequest(f"{value!r}: host {host!r} is not an IP address") from None
+    if ip.is_multicast or ip.is_unspecified:
+        raise BadRequest(f"{value!r}: {host} cannot be a peer")
+    return format_addr(str(ip), port)
+
+
+def is_loopback_bind(bind: str) -> bool:
+    host = bind.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _traces(node: Node) -> list[dict]:
+    """The orchestrator's recent request traces (hops as dicts), newest last."""
+    traces = getattr(node.app, "recent_traces", None)
+    if traces is None:
+        return []
+    out = []
+    for item in list(traces)[-32:]:
+        hops = [[{"kind": h[0], "name": h[1], "ms": h[2], "path": h[3]} for h in trace]
+                for trace in item.get("traces", [])]
+        out.append({"req_id": item.get("req_id"), "traces": hops})
+    return out
+
+
+def token_breakdown(traces: list[dict]) -> list[dict]:
+    """Where one token's time goes: mean ms per hop over the recent traces, in pipeline order."""
+    sums: dict[str, list] = {}
+    for item in traces:
+        for trace in item["traces"]:
+            for hop in trace:
+                entry = sums.setdefault(hop["name"], [hop["kind"], hop["path"], 0.0, 0])
+                entry[1] = hop["path"] or entry[1]
+                entry[2] += hop["ms"]
+                entry[3] += 1
+    return [{"name": name, "kind": k, "path": path, "ms": round(total / n, 3)}
+            for name, (k, path, total, n) in sums.items()]
+
+
+def create_app(node: Node, token: str | None = None) -> Starlette:
     def orchestrator():
         from meshd.pipeline.service import Orchestrator
 
@@ -184,11 +255,61 @@ def create_app(node: Node) -> Starlette:
     async def api_snapshot(request: Request):
         return JSONResponse(node.snapshot())
 
+    def authorized(request: Request) -> bool:
+        if token is None:
+            return True
+        given = (request.headers.get("x-meshd-token") or request.query_params.get("token")
+                 or request.headers.get("authorization", "").removeprefix("Bearer ").strip())
+        return secrets.compare_digest(given.encode(), token.encode())
+
+    async def api_peers(request: Request):
+        return JSONResponse(views.peers(node.snapshot()))
+
+    async def api_peers_add(request: Request):
+        if not authorized(request):
+            return error(401, "this dashboard is bound beyond loopback: send the node's token "
+                              "(printed at boot) as 'Authorization: Bearer TOKEN'")
+        try:
+            body = await _json_body(request)
+            addr = parse_peer_addr(body.get("addr"))
+        except BadRequest as exc:
+            return error(400, str(exc))
+        node.join([addr])
+        return JSONResponse({"joining": addr}, status_code=202)
+
+    async def api_topology(request: Request):
+        return JSONResponse(views.topology(node.snapshot()))
+
+    async def api_traces(request: Request):
+        traces = _traces(node)
+        return JSONResponse({"orchestrator": hasattr(node.app, "recent_traces"), "requests": traces,
+                             "per_token": token_breakdown(traces)})
+
+    async def metrics(request: Request):
+        from .metrics import render
+
+        body, content_type = render(node.snapshot())
+        return Response(body, media_type=content_type)
+
+    async def page(request: Request):
+        return HTMLResponse((STATIC / "index.html").read_text(encoding="utf-8"))
+
+    async def crashed(request: Request, exc: Exception):
+        # An endpoint's bug is a 500 for that request, never a crash of the node.
+        log.exception("dashboard %s %s failed", request.method, request.url.path)
+        return error(500, f"internal error: {type(exc).__name__}")
+
     return Starlette(routes=[
+        Route("/", page, methods=["GET"]),
+        Route("/api/peers", api_peers, methods=["GET"]),
+        Route("/api/peers/add", api_peers_add, methods=["POST"]),
+        Route("/api/topology", api_topology, methods=["GET"]),
+        Route("/api/traces", api_traces, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
         Route("/api/generate", api_generate, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/api/snapshot", api_snapshot, methods=["GET"]),
-    ])
+    ], exception_handlers={Exception: crashed})
 
 
 async def serve_dashboard(node: Node, bind: str, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -200,7 +321,9 @@ async def serve_dashboard(node: Node, bind: str, *, task_status=trio.TASK_STATUS
     config.bind = [bind]
     config.accesslog = None
     config.errorlog = None
-    app = create_app(node)
+    token = None if is_loopback_bind(bind) else secrets.token_urlsafe(24)
+    node.dashboard_token = token
+    app = create_app(node, token)
 
     async def run(*, task_status=trio.TASK_STATUS_IGNORED):
         await serve(app, config, task_status=task_status)

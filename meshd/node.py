@@ -172,7 +172,9 @@ class Node:
                     from dashboard.app import serve_dashboard
 
                     self.dashboard_url = await nursery.start(serve_dashboard, self, opts.dashboard)
-                    self.out(f"meshd dashboard url={self.dashboard_url}")
+                    token = getattr(self, "dashboard_token", None)  # set beyond loopback only
+                    self.out(f"meshd dashboard url={self.dashboard_url}"
+                             + (f" token={token}" if token else ""))
                 nursery.start_soon(self._receive_loop)
                 nursery.start_soon(self._timer_loop)
                 nursery.start_soon(self._path_summary_loop)

@@ -1,0 +1,162 @@
+"""What the dashboard, `meshd peers` and `meshd doctor` show, computed from a snapshot.
+
+Pure functions of the snapshot dict (``Node.snapshot()`` or ``GET /api/snapshot``):
+no protocol objects, so the terminal commands and the page cannot disagree.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+LIVE = ("alive", "suspect")
+
+
+def _name(view: dict) -> str:
+    return view.get("name") or view.get("prefix") or "?"
+
+
+def peer_view(m: dict, *, me: bool = False) -> dict:
+    """One PEER as in CONTRACT.md (plus ``name``)."""
+    return {
+        "id": m["id"],
+        "prefix": m["prefix"],
+        "name": _name(m),
+        "role": m.get("role"),
+        "stage": m.get("stage"),
+        "state": m.get("state"),
+        "incarnation": m.get("incarnation"),
+        "addr": m.get("addr"),
+        "relay_url": m.get("relay_url"),
+        "path_out": None if me else m.get("path_out", "direct"),
+        "path_in": None if me else m.get("path_in", "none"),
+        "rtt_ms": None if me else m.get("rtt_ms"),
+        "out_ok": None if me else m.get("path_checks", 0),
+        "out_fail": None if me else m.get("direct_failures", 0),
+        "in_seen": None if me else m.get("in_seen", {"direct": 0, "relay": 0}),
+        "last_seen_s": None if me else m.get("last_seen_s"),
+        "last_failure": None if me else m.get("last_failure"),
+    }
+
+
+def peers(snap: dict) -> dict:
+    return {"self": peer_view(snap["self"], me=True),
+            "peers": [peer_view(m) for m in snap.get("members", [])]}
+
+
+def _direction(frm: dict, to: dict, edge: dict) -> str:
+    """``direct, 0.4 ms`` / ``direct fails (timeout ×3), via relay ws://…`` / ``no path (…)``."""
+    head = f"{frm['name']}→{to['name']}"
+    path, rtt = edge["path"], edge.get("rtt_ms")
+    reason = edge.get("reason") or "unanswered"
+    fails = edge.get("direct_failures") or 0
+    times = f" ×{fails}" if fails else ""
+    if path == "direct":
+        return f"{head}: direct" + (f", {rtt:.1f} ms" if rtt is not None else "")
+    if path == "relay":
+        via = frm.get("relay_url") or "the relay"
+        return f"{head}: direct fails ({reason}{times}), via relay {via}" + (
+            f", {rtt:.1f} ms" if rtt is not None else "")
+    if path == "none":
+        return f"{head}: no path ({reason}{times})"
+    return f"{head}: not reported yet"
+
+
+_RANK = {"direct": 0, "relay": 1, "none": 2, "unknown": -1}
+
+
+def topology(snap: dict) -> dict:
+    """The directed view of the whole mesh, from every node's gossiped outbound summary.
+
+    Our own outbound edges come from our own path table (fresher than our summary).
+    """
+    me = snap["self"]
+    by_id: dict[str, dict] = {me["id"]: me}
+    for m in snap.get("members", []):
+        by_id[m["id"]] = m
+    live = [v for v in by_id.values() if v.get("state") in LIVE]
+    live_ids = {v["id"] for v in live}
+    summaries = snap.get("path_summaries", {})
+    mine = {m["id"]: m for m in snap.get("members", [])}
+
+    def edge(a: dict, b: dict) -> dict:
+        if a["id"] == me["id"]:
+            m = mine.get(b["id"], {})
+            e = {"path": m.get("path_out", "direct"), "rtt_ms": m.get("rtt_ms"),
+                 "direct_failures": m.get("direct_failures", 0),
+                 "reason": m.get("last_failure") if m.get("path_out", "direct") != "direct" else None}
+        else:
+            entries = {x["to"]: x for x in summaries.get(a["id"], {}).get("entries", [])}
+            x = entries.get(b["id"])
+            e = ({"path": "unknown", "rtt_ms": None, "direct_failures": 0, "reason": None} if x is None
+                 else {k: x[k] for k in ("path", "rtt_ms", "direct_failures", "reason")})
+        ok = None if e["path"] == "unknown" else e["path"] != "none"
+        return {"from": a["id"], "to": b["id"], "from_name": _name(a), "to_name": _name(b),
+                "path": e["path"], "ok": ok, "rtt_ms": e["rtt_ms"],
+                "direct_failures": e["direct_failures"], "reason": e["reason"]}
+
+    order = sorted(live, key=lambda v: _sort_key(_name(v)))
+    edges = [edge(a, b) for a in order for b in order if a["id"] != b["id"]]
+    index = {(e["from"], e["to"]): e for e in edges}
+    asymmetric = []
+    for i, a in enumerate(order):
+        for b in order[i + 1:]:
+            ab, ba = index[(a["id"], b["id"])], index[(b["id"], a["id"])]
+            if "unknown" in (ab["path"], ba["path"]) or ab["path"] == ba["path"]:
+                continue
+            # Name the worse direction first: that is the one to look at.
+            worse, better = (ab, ba) if _RANK[ab["path"]] >= _RANK[ba["path"]] else (ba, ab)
+            fa, fb = by_id[worse["from"]], by_id[worse["to"]]
+            fa, fb = {**fa, "name": _name(fa)}, {**fb, "name": _name(fb)}
+            detail = f"{_direction(fa, fb, worse)}; {_direction(fb, fa, better)}"
+            asymmetric.append({"a": _name(fa), "b": _name(fb), "a_id": fa["id"], "b_id": fb["id"],
+                               "a_to_b": worse["path"], "b_to_a": better["path"], "detail": detail})
+    nodes = [{"id": v["id"], "prefix": v["prefix"], "name": _name(v), "role": v.get("role"),
+              "stage": v.get("stage"), "state": v.get("state"), "self": v["id"] == me["id"]}
+             for v in order]
+    return {"nodes": nodes, "edges": edges, "asymmetric": asymmetric,
+            "reported": sorted(k for k in summaries if k in live_ids)}
+
+
+def _sort_key(name: str) -> tuple:
+    if name.startswith("stage-") and name[6:].isdigit():
+        return (1, int(name[6:]), name)
+    return (0 if name == "orchestrator" else 2, 0, name)
+
+
+def problems(snap: dict, topo: dict | None = None) -> list[dict[str, Any]]:
+    """What `meshd doctor` reports: each problem by stage and direction, and what to check."""
+    topo = topo or topology(snap)
+    out: list[dict[str, Any]] = []
+    for a in topo["asymmetric"]:
+        out.append({"kind": "asymmetric", "where": f"{a['a']}→{a['b']}", "detail": a["detail"],
+                    "check": f"a firewall or NAT rule dropping {a['a']}'s packets to {a['b']} "
+                             f"(UDP and TCP on {a['b']}'s port); {a['b']}→{a['a']} works, so it is "
+                             f"one-way: look at {a['b']}'s input rules or {a['a']}'s egress"})
+    for e in topo["edges"]:
+        if e["path"] == "none":
+            out.append({"kind": "no-path", "where": f"{e['from_name']}→{e['to_name']}",
+                        "detail": e.get("reason") or "neither direct nor relay answered",
+                        "check": f"is {e['to_name']} up, and do both reach the relay?"})
+        elif e["path"] == "unknown" and e["from"] != snap["self"]["id"]:
+            out.append({"kind": "unreported", "where": f"{e['from_name']}→{e['to_name']}",
+                        "detail": f"no path summary from {e['from_name']} yet",
+                        "check": f"wait a few seconds; if it persists, {e['from_name']}'s gossip "
+                                 "does not reach us"})
+    for m in snap.get("members", []):
+        if m.get("state") in ("dead", "suspect"):
+            out.append({"kind": m["state"], "where": _name(m),
+                        "detail": f"{_name(m)} ({m['prefix']}) is {m['state']}",
+                        "check": f"is {_name(m)}'s process running at {m.get('addr')}? its log, "
+                                 "and the network between us"})
+    relay = snap.get("relay")
+    if isinstance(relay, dict) and relay.get("connected") is False:
+        out.append({"kind": "relay", "where": _name(snap["self"]),
+                    "detail": f"not connected to the relay {relay.get('url', '')}".strip(),
+                    "check": "is the relay running and reachable over TCP (WebSocket)?"})
+    names = snap.get("names", {})
+    for name, claim in sorted(names.items()):
+        if not claim.get("tombstone") and not claim.get("resolves"):
+            out.append({"kind": "unresolved", "where": name,
+                        "detail": f"{name} does not resolve to a live node",
+                        "check": f"start {name}, or check why its node is not alive"})
+    return out

@@ -1,0 +1,40 @@
+"""A small in-process mesh with a relay and a one-way drop, for dashboard tests."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import trio
+
+from ..net.faults import Faults
+from ..node import Node, NodeOptions
+from ..relay.server import Relay, serve_relay
+from .inprocess import start_node, wait_converged
+
+
+async def start_one_way_drop_mesh(nursery: trio.Nursery, lines: list[str], *,
+                                  dashboard: str = "127.0.0.1:0") -> dict[str, Node]:
+    """orchestrator, stage-0 and stage-1 with a relay; stage-1's direct packets to the
+    orchestrator are lost (``drop:stage-1->orchestrator``).  Every node serves a dashboard."""
+    relay = Relay()
+    host, port = await nursery.start(partial(serve_relay, relay=relay), "127.0.0.1", 0)
+    opts = dict(profile="local", relay=f"ws://{host}:{port}", stages=2, dashboard=dashboard)
+    orch = await start_node(nursery, NodeOptions(role="orchestrator", **opts), lines)
+    s0 = await start_node(nursery, NodeOptions(stage=0, seeds=[orch.addr], **opts), lines)
+    s1 = await start_node(nursery, NodeOptions(stage=1, seeds=[s0.addr],
+                                               faults=Faults.parse([f"drop:{orch.addr}"]), **opts), lines)
+    nodes = {"orchestrator": orch, "stage-0": s0, "stage-1": s1}
+    await wait_converged(list(nodes.values()))
+    return nodes
+
+
+async def wait_asymmetric(node: Node, timeout: float = 30.0) -> dict:
+    """Until ``node``'s topology shows an asymmetric pair and every pair reported; returns it."""
+    from dashboard.views import topology
+
+    with trio.fail_after(timeout):
+        while True:
+            topo = topology(node.snapshot())
+            if topo["asymmetric"] and all(e["path"] != "unknown" for e in topo["edges"]):
+                return topo
+            await trio.sleep(0.1)
