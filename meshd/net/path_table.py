@@ -124,7 +124,7 @@ class PathTable:
             peer = self.peers.get(node)
             out = peer.out if peer is not None else Outbound()
             rtt = out.rtt if out.rtt is not None else core_rtt
-            reason = "" if out.path == DIRECT else (out.last_failure or "")[:MAX_REASON_CHARS]
+            reason = "" if out.path == DIRECT else (out.last_failure or "")[:MAX_REASON_CHARS].rstrip(" ;,.")
             entries.append(PathEntry(node, out.path, 0 if rtt is None else max(0, round(rtt * 1e6)),
                                      out.direct_failures, reason))
         return PathSummary(me, version, tuple(entries))
