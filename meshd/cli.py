@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_ps(sub)
     from .pipeline.cli import add_parser as add_pipeline
     add_pipeline(sub)
+    from dashboard.cli import add_parser as add_dashboard
+    add_dashboard(sub)
     return parser
 
 

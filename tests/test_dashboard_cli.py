@@ -1,0 +1,75 @@
+"""``meshd peers`` and ``meshd doctor`` against a live mesh with a one-way drop."""
+
+from __future__ import annotations
+
+import json
+
+import trio
+
+from meshd.cli import main
+from meshd.testing.mesh import start_one_way_drop_mesh, wait_asymmetric
+
+
+async def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    code = await trio.to_thread.run_sync(main, list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+async def test_peers_and_doctor_name_the_broken_direction(capsys):
+    lines: list[str] = []
+    with trio.fail_after(90):
+        async with trio.open_nursery() as nursery:
+            nodes = await start_one_way_drop_mesh(nursery, lines)
+            await wait_asymmetric(nodes["orchestrator"])
+            url = nodes["orchestrator"].dashboard_url
+
+            code, out, _ = await _run(capsys, "peers", url, "--json")
+            data = json.loads(out)
+            assert code == 0 and data["self"]["name"] == "orchestrator"
+            assert sorted(p["name"] for p in data["peers"]) == ["stage-0", "stage-1"]
+            assert [(a["a"], a["b"]) for a in data["asymmetric"]] == [("stage-1", "orchestrator")]
+
+            code, out, _ = await _run(capsys, "peers", url)
+            assert code == 0
+            assert "stage-1" in out and "asymmetric stage-1→orchestrator: direct fails" in out
+
+            code, out, _ = await _run(capsys, "doctor", url, "--json")
+            report = json.loads(out)
+            assert code == 1 and report["ok"] is False
+            [problem] = report["problems"]
+            assert problem["kind"] == "asymmetric" and problem["where"] == "stage-1→orchestrator"
+            assert "stage-1's packets to orchestrator" in problem["check"]
+            assert {"from": "orchestrator", "to": "stage-1", "path": "direct"} in report["paths"]
+
+            code, out, _ = await _run(capsys, "doctor", url)
+            assert code == 1 and "stage-1→orchestrator" in out and "firewall" in out
+
+            code, out, _ = await _run(capsys, "doctor", nodes["stage-0"].dashboard_url, "--json")
+            assert code == 1 and json.loads(out)["problems"][0]["where"] == "stage-1→orchestrator", \
+                "a third node diagnoses the pair from the gossip"
+            nursery.cancel_scope.cancel()
+
+
+async def test_doctor_says_ok_on_a_healthy_mesh_and_2_when_unreachable(capsys):
+    from meshd.node import NodeOptions
+    from meshd.testing.inprocess import start_node, wait_converged
+
+    lines: list[str] = []
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            opts = dict(profile="local", stages=1, dashboard="127.0.0.1:0")
+            a = await start_node(nursery, NodeOptions(role="orchestrator", **opts), lines)
+            b = await start_node(nursery, NodeOptions(stage=0, seeds=[a.addr], **opts), lines)
+            await wait_converged([a, b])
+            with trio.fail_after(10):
+                while True:
+                    code, out, _ = await _run(capsys, "doctor", a.dashboard_url)
+                    if code == 0:
+                        break
+                    await trio.sleep(0.2)  # until stage-0's first summary arrives
+            assert out.startswith("ok: 2 live nodes (orchestrator, stage-0)")
+            nursery.cancel_scope.cancel()
+    code, _, err = await _run(capsys, "doctor", "http://127.0.0.1:1", "--json")
+    assert code == 2 and "meshd doctor: cannot read http://127.0.0.1:1/api/snapshot" in err
