@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -30,14 +31,25 @@ def smoke(*args: str, timeout: float = 180) -> tuple[int, dict]:
     return r.returncode, json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def meshd_children() -> list[str]:
-    """`meshd run` / `meshd relay` processes still alive on this machine (ours, in tests)."""
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if " -m meshd run " in line or " -m meshd relay " in line]
+def meshd_children(run_dir) -> list[str]:
+    """This test's `meshd run` / `meshd relay` processes still alive: every job of a run
+    carries MESHD_HOSTFILE in the run dir, so other runs on the machine do not count."""
+    alive = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            environ = (proc / "environ").read_bytes()
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if f"MESHD_HOSTFILE={run_dir}".encode() in environ and " -m meshd " in cmdline:
+            alive.append(f"{proc.name} {cmdline}")
+    return alive
 
 
 @pytest.mark.parametrize("stages", [2, 3, 5])
-def test_smoke_run_passes_and_matches_the_reference(stages):
+def test_smoke_run_passes_and_matches_the_reference(stages, run_dir):
     rc, out = smoke("--stages", str(stages))
     assert rc == 0, out
     assert out["ok"] and out["status"] == "done" and out["matches_reference"]
@@ -47,7 +59,7 @@ def test_smoke_run_passes_and_matches_the_reference(stages):
     assert len(out["paths"]) == (stages + 1) * stages  # every ordered pair
     assert out["leftovers"] == 0 and out["asymmetric"] == []
     assert out["timings"]["tokens_per_s"] > 0
-    assert meshd_children() == []
+    assert meshd_children(run_dir) == []
     # dstack's semantics: master-done stops the workers, and every job reads exited (0).
     assert out["run_status"] == "done"
     assert set(out["jobs"].values()) == {"exited (0)"}
@@ -83,22 +95,22 @@ def test_ps_shows_the_run_from_another_process(run_dir):
     assert (run_dir / f"{out['run']}.hosts").read_text().count("\n") == 3  # orchestrator + 2 stages
 
 
-def test_a_killed_stage_fails_the_run_naming_it():
+def test_a_killed_stage_fails_the_run_naming_it(run_dir):
     t0 = time.monotonic()
     rc, out = smoke("--stages", "3", "--fault", "kill:stage-1@token-3")
     took = time.monotonic() - t0
     assert rc == 1
     assert out["status"].startswith("lost: stage-1 (peer ") and out["status"].endswith(" dead)")
-    assert out["leftovers"] == 0 and meshd_children() == []
+    assert out["leftovers"] == 0 and meshd_children(run_dir) == []
     assert out["run_status"] == "failed" and out["jobs"]["stage-1"] == out["status"]
     assert took < 60 + LOCAL.suspicion_bounds(4)[1]
 
 
-def test_sigterm_mid_generation_leaves_no_process_behind(tmp_path):
+def test_sigterm_mid_generation_leaves_no_process_behind(run_dir):
     argv = [sys.executable, "-m", "meshd", "smoke-run", "--stages", "3", "--max-tokens", "200", "--json"]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
-    while len(meshd_children()) < 4:  # relay + orchestrator + stages up
+    while len(meshd_children(run_dir)) < 4:  # relay + orchestrator + stages up
         assert time.monotonic() < deadline, "the run never started"
         time.sleep(0.2)
     time.sleep(3)  # into the generation
@@ -108,7 +120,7 @@ def test_sigterm_mid_generation_leaves_no_process_behind(tmp_path):
     out = json.loads(stdout.strip().splitlines()[-1])
     assert out["status"] == "stopped" and out["leftovers"] == 0
     time.sleep(0.5)
-    assert meshd_children() == []
+    assert meshd_children(run_dir) == []
 
 
 def test_bad_fault_is_one_line():
