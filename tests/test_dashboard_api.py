@@ -176,3 +176,56 @@ def test_fuzzed_add_peer_never_gives_a_500(client, body):
     assert r.status_code in (202, 400), r.text
     if r.status_code == 202:
         assert parse_peer_addr(json.loads(body)["addr"]) == r.json()["joining"]
+
+
+async def test_the_orchestrator_shows_where_one_tokens_time_goes(tmp_path):
+    from meshd.node import NodeOptions
+    from meshd.pipeline.checkpoint import init_checkpoint
+    from meshd.testing.inprocess import start_node, wait_converged
+
+    init_checkpoint(tmp_path, "tiny", seed=0)
+    lines: list[str] = []
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            opts = dict(profile="local", stages=2, model=str(tmp_path), dashboard="127.0.0.1:0")
+            orch = await start_node(nursery, NodeOptions(role="orchestrator", **opts), lines)
+            stages = [await start_node(nursery, NodeOptions(stage=k, seeds=[orch.addr], **opts), lines)
+                      for k in range(2)]
+            await wait_converged([orch, *stages])
+            await orch.app.wait_ready(10)
+            async with httpx.AsyncClient(base_url=orch.dashboard_url, timeout=30) as client:
+                assert (await client.get("/api/traces")).json()["per_token"] == []
+                r = await client.post("/api/generate", json={"prompt": "Hello", "max_tokens": 4})
+                assert r.status_code == 200, r.text
+                traces = (await client.get("/api/traces")).json()
+            assert traces["orchestrator"] is True and len(traces["requests"]) == 1
+            hops = {h["name"]: h for h in traces["per_token"]}
+            assert {"stage-0", "stage-1"} <= set(hops), hops
+            assert hops["stage-0"]["kind"] == "compute" and hops["stage-0"]["ms"] > 0
+            transit = [h for h in traces["per_token"] if h["kind"] == "transit"]
+            assert transit and all(h["path"] in ("direct", "relay") for h in transit)
+            async with httpx.AsyncClient(base_url=stages[0].dashboard_url, timeout=10) as client:
+                assert (await client.get("/api/traces")).json() == {
+                    "orchestrator": False, "requests": [], "per_token": []}
+            nursery.cancel_scope.cancel()
+
+
+async def test_beyond_loopback_the_boot_line_carries_the_token():
+    from meshd.node import NodeOptions
+    from meshd.testing.inprocess import start_node
+
+    lines: list[str] = []
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            node = await start_node(nursery, NodeOptions(profile="local", dashboard="0.0.0.0:0"), lines)
+            [line] = [x for x in lines if x.startswith("meshd dashboard ")]
+            token = line.rsplit(" token=", 1)[1]
+            assert len(token) >= 24 and token == node.dashboard_token
+            port = node.dashboard_url.rsplit(":", 1)[1]
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
+                body = {"addr": "127.0.0.1:9"}
+                assert (await client.post("/api/peers/add", json=body)).status_code == 401
+                auth = {"Authorization": f"Bearer {token}"}
+                r = await client.post("/api/peers/add", json=body, headers=auth)
+                assert r.status_code == 202
+            nursery.cancel_scope.cancel()
