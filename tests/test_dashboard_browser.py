@@ -82,3 +82,47 @@ async def test_the_page_draws_the_asymmetric_edge_with_stage_names_and_direction
     keep = os.environ.get("MESHD_SCREENSHOT_DIR")
     if keep:
         shutil.copy(shot, Path(keep) / shot.name)
+
+
+def _token_bar(url: str, shot: Path) -> list[str]:
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 800})
+            page.goto(url)
+            page.wait_for_selector("#token-bar div", timeout=20_000)
+            bars = page.eval_on_selector_all("#token-bar div", "els => els.map(e => e.title)")
+            page.screenshot(path=str(shot))
+            return bars
+        finally:
+            browser.close()
+
+
+async def test_the_orchestrator_page_draws_where_one_tokens_time_goes(tmp_path):
+    import httpx
+
+    from meshd.node import NodeOptions
+    from meshd.pipeline.checkpoint import init_checkpoint
+    from meshd.testing.inprocess import start_node, wait_converged
+
+    model = tmp_path / "tiny"
+    init_checkpoint(model, "tiny", seed=0)
+    lines: list[str] = []
+    with trio.fail_after(90):
+        async with trio.open_nursery() as nursery:
+            opts = dict(profile="local", stages=2, model=str(model), dashboard="127.0.0.1:0")
+            orch = await start_node(nursery, NodeOptions(role="orchestrator", **opts), lines)
+            stages = [await start_node(nursery, NodeOptions(stage=k, seeds=[orch.addr], **opts), lines)
+                      for k in range(2)]
+            await wait_converged([orch, *stages])
+            await orch.app.wait_ready(10)
+            async with httpx.AsyncClient(base_url=orch.dashboard_url, timeout=30) as client:
+                r = await client.post("/api/generate", json={"prompt": "Hello", "max_tokens": 4})
+                assert r.status_code == 200, r.text
+            bars = await trio.to_thread.run_sync(_token_bar, orch.dashboard_url, tmp_path / "token.png")
+            nursery.cancel_scope.cancel()
+    assert any(b.startswith("stage-0 (compute)") for b in bars), bars
+    assert any(b.startswith("stage-1 (compute)") for b in bars), bars
+    assert any("(transit, direct)" in b for b in bars), bars
