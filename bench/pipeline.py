@@ -41,12 +41,17 @@ async def pipelined(model_dir: str, stages: int, tokens: int, streams: int, runs
         orch = orch_node.app
         await orch.wait_ready(10)
         await orch.generate(PROMPT, 4)  # warm up: streams dialled, caches allocated
-        single, hops = [], []
+        single, hops, compute, transit = [], [], [], []
         for _ in range(runs):
             t0 = time.perf_counter()
             result = await orch.generate(PROMPT, tokens)
             single.append((time.perf_counter() - t0) / len(result["tokens"]))
             hops += [h["median_ms"] for h in result["timings"]["hops"] if h["kind"] == "transit"]
+            compute.append(sum(h["median_ms"] for h in result["timings"]["hops"] if h["kind"] == "compute"))
+            # The loop a token travels: stage 0 -> ... -> last -> stage 0 (not the copy to us).
+            loop = [h for h in result["timings"]["hops"] if h["kind"] == "transit"
+                    and not h["name"].endswith("orchestrator") and "orchestrator->" not in h["name"]]
+            transit.append(sum(h["median_ms"] for h in loop))
 
         done = []
 
@@ -63,6 +68,8 @@ async def pipelined(model_dir: str, stages: int, tokens: int, streams: int, runs
         "s_per_token": statistics.median(single),
         "concurrent_tokens_per_s": sum(done) / concurrent_s,
         "hop_ms": statistics.median(hops),
+        "compute_ms": statistics.median(compute),
+        "loop_transit_ms": statistics.median(transit),
     }
 
 
@@ -114,6 +121,11 @@ def report(label: str, stages: int, streams: int, mono_s: float, pipe: dict) -> 
           f"({pipe['s_per_token'] * 1000:.2f} ms/token)")
     print(f"  pipelined, {stages} stages, {streams} streams: {rate:7.1f} tokens/s in all")
     print(f"  median per-hop transit: {pipe['hop_ms']:.3f} ms")
+    if "compute_ms" in pipe:
+        per_token = pipe["s_per_token"] * 1000
+        other = per_token - pipe["compute_ms"] - pipe["loop_transit_ms"]
+        print(f"  per token: stage compute {pipe['compute_ms']:.2f} ms + hops {pipe['loop_transit_ms']:.2f} "
+              f"ms + the rest {other:.2f} ms (event loop, (de)serialising, sampling)")
     print(f"  single-stream latency ratio pipelined/monolithic: {pipe['s_per_token'] / mono_s:.2f} "
           "(target <= 1.25)")
 
