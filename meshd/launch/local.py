@@ -55,11 +55,12 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
 class LocalProcess(MeshProcess):
     """A `meshd` child that dies with us."""
 
-    def __init__(self, name: str, args: list[str], env: dict | None = None) -> None:
+    def __init__(self, name: str, args: list[str], env: dict | None = None,
+                 prefix: list[str] | None = None) -> None:
         self.name = name
         self.args = args
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "meshd", *args],
+        self.proc = subprocess.Popen(  # prefix: e.g. `ip netns exec NS`, which execs (same pid)
+            [*(prefix or []), sys.executable, "-m", "meshd", *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

@@ -121,8 +121,9 @@ class Driver:
     """Carries out the run model's actions on local processes and saves the run after each step."""
 
     def __init__(self, run, run_dir: Path, argvs: dict[str, list[str]], envs: dict[str, dict[str, str]],
-                 progress: Progress) -> None:
+                 progress: Progress, spawn=LocalProcess) -> None:
         self.run, self.run_dir, self.argvs, self.envs = run, run_dir, argvs, envs
+        self.spawn = spawn  # (name, argv, env) -> LocalProcess; the provider's way of starting a job
         self.progress = progress
         self.procs: dict[str, LocalProcess] = {}
         self._exited: set[str] = set()
@@ -139,7 +140,7 @@ class Driver:
             for action in actions:
                 if isinstance(action, Start):
                     self.progress.update(f"starting {action.job}")
-                    proc = LocalProcess(action.job, self.argvs[action.job], self.envs.get(action.job))
+                    proc = self.spawn(action.job, self.argvs[action.job], self.envs.get(action.job))
                     self.procs[action.job] = proc
                     pending.append(Started(action.job, proc.proc.pid))
                 elif isinstance(action, Stop) and action.job in self.procs:
@@ -222,6 +223,7 @@ def run_smoke(args) -> int:
     result: dict = {"ok": False, "status": "failed", "reason": None, "stages": stages}
     handlers = {}
     driver: Driver | None = None
+    provider = None  # None: the local provider (loopback); else e.g. NetnsProvider
 
     def interrupted(signum, frame):
         raise Interrupted(signal.Signals(signum).name)
@@ -241,12 +243,30 @@ def run_smoke(args) -> int:
             model = str(tmp / "model")
             init_checkpoint(model, "small", seed=0)
         names = ["orchestrator", *(f"stage-{k}" for k in range(stages))]
-        ports = free_ports(len(names) + 1)
-        addrs = {n: f"127.0.0.1:{p}" for n, p in zip(names, ports[1:], strict=True)}
-        try:
-            plan = plan_faults(args.fault, stages, {**addrs, "relay": f"127.0.0.1:{ports[0]}"})
-        except ValueError as exc:
-            raise SmokeError("error", str(exc)) from None
+        if args.provider == "netns":
+            from .netns import NetnsError, NetnsProvider
+
+            progress.update("building the netns testbed")
+            try:
+                provider = NetnsProvider(["relay", *names])
+                net_specs = [s for s in args.fault if provider.handles(s)]
+                plan = plan_faults([s for s in args.fault if not provider.handles(s)], stages,
+                                   provider.addresses())
+                provider.setup(net_specs)  # validates the specs before building anything
+            except (NetnsError, ValueError) as exc:
+                raise SmokeError("error", str(exc)) from None
+            result["testbed"] = provider.describe()
+            every = provider.addresses()
+            relay_bind = every["relay"]
+            addrs = {n: every[n] for n in names}
+        else:
+            ports = free_ports(len(names) + 1)
+            relay_bind = f"127.0.0.1:{ports[0]}"
+            addrs = {n: f"127.0.0.1:{p}" for n, p in zip(names, ports[1:], strict=True)}
+            try:
+                plan = plan_faults(args.fault, stages, {**addrs, "relay": relay_bind})
+            except ValueError as exc:
+                raise SmokeError("error", str(exc)) from None
 
         from .env import prepare_env
         from .model import new_run
@@ -257,18 +277,20 @@ def run_smoke(args) -> int:
         run = new_run(next_run_name(run_dir), stages, now=time.time(), relay=True,
                       startup_order=args.startup_order, stop_criteria=args.stop_criteria)
         result["run"] = run.name
-        relay_url = f"ws://127.0.0.1:{ports[0]}"
+        relay_url = f"ws://{relay_bind}"
         common = ["--stages", str(stages), "--relay", relay_url, "--model", model, "--profile", "local",
                   "--snapshot-dir", str(tmp / "snapshots"), "--snapshot-interval", "1"]
-        argvs = {"relay": ["relay", "--bind", f"127.0.0.1:{ports[0]}"]}
+        argvs = {"relay": ["relay", "--bind", relay_bind]}
         for name in names:
             role = ["--role", "orchestrator"] if name == "orchestrator" else ["--role", "stage", "--stage",
                                                                                 name.split("-")[1]]
             seeds = [f"--seed={addrs[n]}" for n in names if n != name]
             faults = [f"--fault={f}" for f in plan.node_faults.get(name, [])]
-            argvs[name] = ["run", *role, "--bind", addrs[name], "--dashboard", "127.0.0.1:0",
+            dashboard = provider.dashboard_bind(name) if provider else "127.0.0.1:0"
+            argvs[name] = ["run", *role, "--bind", addrs[name], "--dashboard", dashboard,
                            *seeds, *faults, *common]
-        driver = Driver(run, run_dir, argvs, prepare_env(run, run_dir, addrs), progress)
+        driver = Driver(run, run_dir, argvs, prepare_env(run, run_dir, addrs), progress,
+                        spawn=provider.spawn if provider else LocalProcess)
         driver.observe()
         driver.wait_started(["relay", *names], args.timeout)
         by_name = driver.procs
@@ -295,8 +317,10 @@ def run_smoke(args) -> int:
                                          f"{p.name} exited while converging: {p.lines[-3:]}")
                 if time.monotonic() > deadline:
                     missing = [n for n in want if not orch_names.get(n, {}).get("resolves")]
-                    raise SmokeError("timeout", f"not converged within {args.timeout:g}s; "
-                                                f"unresolved: {', '.join(missing) or 'none'}")
+                    cut_off = _cut_off(snaps, prefixes)
+                    raise SmokeError(f"unreachable: {', '.join(cut_off)}" if cut_off else "timeout",
+                                     f"not converged within {args.timeout:g}s; "
+                                     f"unresolved: {', '.join(missing) or 'none'}")
                 time.sleep(0.2)
             converge_s = time.monotonic() - t_conv
             progress.log(f"converged in {converge_s:.1f}s: "
@@ -373,6 +397,10 @@ def run_smoke(args) -> int:
     finally:
         progress.update("tearing down")
         leftovers = driver.finish() if driver is not None else stop_all(procs)
+        if provider is not None:
+            for sig in handlers:  # a second ^C must not leave half a testbed behind
+                signal.signal(sig, signal.SIG_IGN)
+            leftovers += provider.teardown()
         shutil.rmtree(tmp, ignore_errors=True)
         leftovers += int(tmp.exists())
         for sig, old in handlers.items():
@@ -394,6 +422,18 @@ def run_smoke(args) -> int:
     if result["status"] == "stopped":
         return 130
     return 0 if result["ok"] else 1
+
+
+def _cut_off(snaps: dict[str, dict], prefixes: dict[str, str]) -> list[str]:
+    """Nodes that most of the others do not see alive (e.g. an isolated one), by run name."""
+    names = list(snaps)
+    seen = {n: 0 for n in names}
+    for snap in snaps.values():
+        for m in snap["members"]:
+            other = prefixes.get(m["prefix"])
+            if other in seen and m["state"] == "alive":
+                seen[other] += 1
+    return [n for n in names if seen[n] * 2 < len(names) - 1]
 
 
 def _record_failure(driver: Driver | None, exc: SmokeError) -> None:
@@ -481,9 +521,12 @@ def add_parser(sub) -> None:
     model.add_argument("--stub", action="store_true", help="the tiny built-in model")
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
     p.add_argument("--max-tokens", type=_positive_int, default=32, metavar="K")
-    p.add_argument("--provider", choices=["local"], default="local")
+    p.add_argument("--provider", choices=["local", "netns"], default="local",
+                   help="local: loopback processes; netns: a namespace per node, faults as nftables/tc "
+                        "(root only)")
     p.add_argument("--fault", action="append", default=[], metavar="SPEC",
-                   help="drop:A->B, isolate:X, loss:P, delay:MS, kill:X@token-T, relay-down@SECONDS")
+                   help="drop:A->B, isolate:X, loss:P, delay:MS, kill:X@token-T, relay-down@SECONDS, "
+                        "nat:X (netns)")
     p.add_argument("--startup-order", choices=["any", "master-first", "workers-first"], default="any")
     p.add_argument("--stop-criteria", choices=["all-done", "master-done"], default="master-done")
     p.add_argument("--timeout", type=float, default=60.0, metavar="S", help="for convergence and generation")

@@ -1,0 +1,29 @@
+"""The netns provider's refusals, without root: one line a person can act on."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshd.launch import netns
+
+
+def test_not_root_is_one_clear_line(monkeypatch):
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+    with pytest.raises(netns.NetnsError) as exc:
+        netns.check_available()
+    assert str(exc.value) == "--provider netns needs root (network namespaces and nftables)"
+
+
+def test_missing_tools_are_named_with_the_fix(monkeypatch):
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(netns.shutil, "which", lambda tool: None if tool == "nft" else f"/usr/sbin/{tool}")
+    with pytest.raises(netns.NetnsError) as exc:
+        netns.check_available()
+    assert str(exc.value) == "--provider netns needs nft: apt-get install -y iproute2 nftables"
+    assert "\n" not in str(exc.value)
+
+
+def test_the_provider_handles_only_network_faults():
+    p = netns.NetnsProvider.__new__(netns.NetnsProvider)
+    assert all(p.handles(s) for s in ["drop:a->b", "isolate:x", "loss:0.1", "delay:5", "nat:x"])
+    assert not any(p.handles(s) for s in ["kill:stage-1@token-3", "relay-down@2"])
