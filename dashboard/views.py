@@ -52,12 +52,14 @@ def _direction(frm: dict, to: dict, edge: dict) -> str:
     times = f" ×{fails}" if fails else ""
     if path == "direct":
         return f"{head}: direct" + (f", {rtt:.1f} ms" if rtt is not None else "")
+    since = edge.get("since_s")
+    for_ = f", for {since:.0f} s" if since is not None else ""
     if path == "relay":
         via = frm.get("relay_url") or "the relay"
         return f"{head}: direct fails ({reason}{times}), via relay {via}" + (
-            f", {rtt:.1f} ms" if rtt is not None else "")
+            f", {rtt:.1f} ms" if rtt is not None else "") + for_
     if path == "none":
-        return f"{head}: no path ({reason}{times})"
+        return f"{head}: no path ({reason}{times}){for_}"
     return f"{head}: not reported yet"
 
 
@@ -83,16 +85,18 @@ def topology(snap: dict) -> dict:
             m = mine.get(b["id"], {})
             e = {"path": m.get("path_out", "direct"), "rtt_ms": m.get("rtt_ms"),
                  "direct_failures": m.get("direct_failures", 0),
-                 "reason": m.get("last_failure") if m.get("path_out", "direct") != "direct" else None}
+                 "reason": m.get("last_failure") if m.get("path_out", "direct") != "direct" else None,
+                 "since_s": m.get("path_out_since_s")}
         else:
             entries = {x["to"]: x for x in summaries.get(a["id"], {}).get("entries", [])}
             x = entries.get(b["id"])
-            e = ({"path": "unknown", "rtt_ms": None, "direct_failures": 0, "reason": None} if x is None
-                 else {k: x[k] for k in ("path", "rtt_ms", "direct_failures", "reason")})
+            e = ({"path": "unknown", "rtt_ms": None, "direct_failures": 0, "reason": None, "since_s": None}
+                 if x is None else {k: x.get(k) for k in ("path", "rtt_ms", "direct_failures", "reason",
+                                                          "since_s")})
         ok = None if e["path"] == "unknown" else e["path"] != "none"
         return {"from": a["id"], "to": b["id"], "from_name": _name(a), "to_name": _name(b),
                 "path": e["path"], "ok": ok, "rtt_ms": e["rtt_ms"],
-                "direct_failures": e["direct_failures"], "reason": e["reason"]}
+                "direct_failures": e["direct_failures"], "reason": e["reason"], "since_s": e["since_s"]}
 
     order = sorted(live, key=lambda v: _sort_key(_name(v)))
     edges = [edge(a, b) for a in order for b in order if a["id"] != b["id"]]

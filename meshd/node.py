@@ -307,7 +307,7 @@ class Node:
             if shape != last or now - last_at >= PATH_SUMMARY_REFRESH_S:
                 # Wall-clock versions: a restarted node's summaries still supersede its old ones.
                 version = max(version + 1, time.time_ns() // 1000)
-                swim.publish_paths(self.paths.summary(swim.id, version, peers), now)
+                swim.publish_paths(self.paths.summary(swim.id, version, peers, now), now)
                 last, last_at = shape, now
             await trio.sleep(PATH_SUMMARY_CHECK_S)
 

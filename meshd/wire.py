@@ -429,14 +429,16 @@ def _reason(value: Any) -> str:
 @dataclass(frozen=True, slots=True)
 class PathEntry(_Record):
     """How ``node`` reaches ``peer``: the path, the last RTT (microseconds, 0 = unknown),
-    direct probes that went unanswered, and why the last one failed ("" if none)."""
+    direct probes that went unanswered, why the last one failed ("" if none), and for how
+    long this path has carried the direction (milliseconds when the summary was made)."""
 
     peer: bytes
     path: str
     rtt_us: int
     direct_failures: int
     reason: str
-    _fields_ = (_node_id, _path_name, _uint, _uint, _reason)
+    since_ms: int
+    _fields_ = (_node_id, _path_name, _uint, _uint, _reason, _uint)
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,6 +39,9 @@ async def test_any_node_sees_the_whole_mesh_and_the_one_way_drop():
                 assert (asym["a"], asym["b"]) == ("stage-1", "orchestrator")
                 assert asym["detail"].startswith("stage-1→orchestrator: direct fails (")
                 assert f"via relay {s1.options.relay}" in asym["detail"]
+                assert " s; orchestrator→stage-1" in asym["detail"], "and since when"
+                relayed = next(e for e in topo["edges"] if e["path"] == "relay")
+                assert relayed["since_s"] is not None and relayed["since_s"] >= 0
                 assert "; orchestrator→stage-1: direct" in asym["detail"]
                 for e in topo["edges"]:
                     assert set(e) >= {"from", "to", "path", "ok", "rtt_ms"}

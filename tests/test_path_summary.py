@@ -20,7 +20,7 @@ def _swim(node: bytes) -> Swim:
 
 
 def _summary(version: int, path: str = "relay") -> PathSummary:
-    return PathSummary(NODE_A, version, (PathEntry(NODE_B, path, 1500, 2, "direct ping unanswered"),))
+    return PathSummary(NODE_A, version, (PathEntry(NODE_B, path, 1500, 2, "direct ping unanswered", 3000),))
 
 
 def test_a_newer_summary_replaces_an_older_one_and_an_older_is_ignored():
@@ -45,10 +45,11 @@ def test_a_summary_is_gossiped_on_until_the_retransmit_limit():
 
 
 @pytest.mark.parametrize("bad", [
-    [NODE_A, 1, [[NODE_B, "carrier-pigeon", 0, 0, ""]]],
-    [NODE_A, 1, [[NODE_B, "direct", -1, 0, ""]]],
-    [NODE_A, 1, [[NODE_B, "relay", 0, 0, "x" * 49]]],
-    [NODE_A, 1, [[NODE_B, "relay", 0, 0, ""]] * 65],
+    [NODE_A, 1, [[NODE_B, "carrier-pigeon", 0, 0, "", 0]]],
+    [NODE_A, 1, [[NODE_B, "direct", -1, 0, "", 0]]],
+    [NODE_A, 1, [[NODE_B, "relay", 0, 0, "x" * 49, 0]]],
+    [NODE_A, 1, [[NODE_B, "relay", 0, 0, "", 0]] * 65],
+    [NODE_A, 1, [[NODE_B, "relay", 0, 0, ""]]],
     [b"short", 1, []],
 ])
 def test_malformed_summaries_are_wire_errors(bad):

@@ -92,8 +92,8 @@ EXAMPLES: dict[int, wire.Message] = {
     wire.Release.TAG: wire.Release(req_id="r1"),
     wire.StageError.TAG: wire.StageError(req_id="r1", stage="stage-2", message="out of memory"),
     wire.PathSummary.TAG: wire.PathSummary(node=NODE_A, version=7, entries=(
-        wire.PathEntry(NODE_B, "relay", 400, 3, "direct ping unanswered"),
-        wire.PathEntry(SENDER, "direct", 0, 0, ""),
+        wire.PathEntry(NODE_B, "relay", 400, 3, "direct ping unanswered", 12_000),
+        wire.PathEntry(SENDER, "direct", 0, 0, "", 0),
     )),
 }
 

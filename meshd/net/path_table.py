@@ -113,7 +113,8 @@ class PathTable:
             "last_failure": out.last_failure,
         }
 
-    def summary(self, me: bytes, version: int, peers: list[tuple[bytes, float | None]]) -> PathSummary:
+    def summary(self, me: bytes, version: int, peers: list[tuple[bytes, float | None]],
+                now: float) -> PathSummary:
         """Our outbound view of ``peers`` ((node, core's last RTT)), compact enough to gossip.
 
         A failure reason rides along only when the path is not direct: it is what
@@ -126,5 +127,6 @@ class PathTable:
             rtt = out.rtt if out.rtt is not None else core_rtt
             reason = "" if out.path == DIRECT else (out.last_failure or "")[:MAX_REASON_CHARS].rstrip(" ;,.")
             entries.append(PathEntry(node, out.path, 0 if rtt is None else max(0, round(rtt * 1e6)),
-                                     out.direct_failures, reason))
+                                     out.direct_failures, reason,
+                                     max(0, round((now - out.since) * 1000)) if out.since else 0))
         return PathSummary(me, version, tuple(entries))
