@@ -55,3 +55,18 @@ def test_a_summary_is_gossiped_on_until_the_retransmit_limit():
 def test_malformed_summaries_are_wire_errors(bad):
     with pytest.raises(wire.WireError):
         PathSummary.from_body(bad)
+
+
+def test_a_big_meshs_summary_still_fits_one_gossip_packet_with_the_broken_paths_first():
+    from meshd.net.path_table import MAX_SUMMARY_BYTES, PathTable
+
+    table = PathTable()
+    peers = [(bytes([i]) * 32, 0.001) for i in range(1, 60)]
+    broken = peers[-1][0]
+    table.probe_verdict(broken, False, 0.2, 10.0, "direct ping unanswered within the probe timeout; x")
+    summary = table.summary(NODE_A, 1, peers, 12.0)
+    assert wire.encoded_size(summary) <= MAX_SUMMARY_BYTES
+    assert summary.entries[0].peer == broken and summary.entries[0].path == "relay"
+    assert summary.entries[0].reason == "direct ping unanswered within the probe timeout"
+    assert summary.entries[0].since_ms == 2000
+    assert 10 < len(summary.entries) < len(peers)

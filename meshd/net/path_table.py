@@ -12,7 +12,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..identity import prefix
-from ..wire import MAX_PATH_ENTRIES, MAX_REASON_CHARS, PathEntry, PathSummary
+from ..wire import (
+    GOSSIP_BUDGET_BYTES,
+    MAX_PATH_ENTRIES,
+    MAX_REASON_CHARS,
+    PACKET_OVERHEAD,
+    PathEntry,
+    PathSummary,
+    encoded_size,
+)
+
+# A summary must fit one gossip packet, or the broadcast queue would never send it.
+MAX_SUMMARY_BYTES = GOSSIP_BUDGET_BYTES - PACKET_OVERHEAD - 64
 
 DIRECT, RELAY, NONE = "direct", "relay", "none"
 
@@ -118,7 +129,9 @@ class PathTable:
         """Our outbound view of ``peers`` ((node, core's last RTT)), compact enough to gossip.
 
         A failure reason rides along only when the path is not direct: it is what
-        explains an asymmetric pair, and it keeps a healthy mesh's summary small.
+        explains an asymmetric pair, and it keeps a healthy mesh's summary small.  In a
+        mesh too big for one packet, relay and none entries go first; the direct ones
+        that do not fit are left out (the topology shows them as not reported).
         """
         entries = []
         for node, core_rtt in peers[:MAX_PATH_ENTRIES]:
@@ -129,4 +142,9 @@ class PathTable:
             entries.append(PathEntry(node, out.path, 0 if rtt is None else max(0, round(rtt * 1e6)),
                                      out.direct_failures, reason,
                                      max(0, round((now - out.since) * 1000)) if out.since else 0))
-        return PathSummary(me, version, tuple(entries))
+        entries.sort(key=lambda e: e.path == DIRECT)  # stable: keeps the callers' order within
+        summary = PathSummary(me, version, tuple(entries))
+        while entries and encoded_size(summary) > MAX_SUMMARY_BYTES:
+            del entries[-max(1, len(entries) // 8):]
+            summary = PathSummary(me, version, tuple(entries))
+        return summary
