@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from . import __version__
@@ -50,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run one node (one per host)",
                          description="Run one mesh node: SWIM membership over UDP on --bind.")
-    run.add_argument("--role", choices=["orchestrator", "stage"], default="stage")
+    run.add_argument("--role", choices=["orchestrator", "stage"], default=None,
+                     help="default stage; under dstack, from DSTACK_NODE_RANK (see launch/dstack_env.py)")
     run.add_argument("--stage", type=int, metavar="K", help="this node's stage (role stage)")
     run.add_argument("--stages", type=int, metavar="N", help="how many stages the run has")
     run.add_argument("--bind", type=_addr, default="127.0.0.1:0", metavar="HOST:PORT",
@@ -95,8 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import trio
 
+    from .launch import dstack_env
     from .node import NodeOptions, run_node
 
+    try:  # flags absent: role, stage count and seed from DSTACK_NODE_RANK/NODES_NUM/MASTER_NODE_IP
+        dstack_env.apply(args, os.environ)
+    except ValueError as exc:
+        parser.error(f"run: {exc}")
     if args.role == "stage":
         if args.stage is None or args.stages is None:
             parser.error("run: --role stage needs --stage K and --stages N")
