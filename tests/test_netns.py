@@ -1,0 +1,125 @@
+"""`meshd smoke-run --provider netns`: a namespace per node, faults as real packet filters.
+
+Root only; skipped (with the reason) when not root or `ip`/`nft` are missing. `.ci/run`
+installs iproute2 and nftables when it runs as root.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [
+    pytest.mark.processes,
+    pytest.mark.skipif(os.geteuid() != 0, reason="netns provider needs root"),
+    pytest.mark.skipif(shutil.which("ip") is None or shutil.which("nft") is None,
+                       reason="netns provider needs `ip` (iproute2) and `nft` (nftables)"),
+]
+
+
+@pytest.fixture(autouse=True)
+def run_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+
+
+def netns_smoke(*args: str, timeout: float = 180) -> tuple[int, dict]:
+    r = subprocess.run([sys.executable, "-m", "meshd", "smoke-run", "--provider", "netns", "--json",
+                        "--max-tokens", "8", *args], capture_output=True, text=True, timeout=timeout)
+    assert r.stdout.strip(), r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert_nothing_left(out)
+    return r.returncode, out
+
+
+def assert_nothing_left(out: dict) -> None:
+    """`ip netns list` and `nft list ruleset` hold nothing of the run; no host leg is left."""
+    assert out["leftovers"] == 0, out
+    spaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    ruleset = subprocess.run(["nft", "list", "ruleset"], capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    testbed = out.get("testbed")
+    if testbed is not None:
+        x = testbed["subnet"].split(".")[2]
+        assert f"meshd-{x}-" not in spaces, spaces
+        assert f"m{x}-host" not in links
+        assert f"10.213.{x}." not in ruleset and "meshd" not in ruleset, ruleset
+        procs = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+        assert f"10.213.{x}." not in procs, procs  # no node of this run (they bind its subnet)
+
+
+@pytest.mark.parametrize("stages", [3, 5])
+def test_netns_smoke_run_passes(stages):
+    rc, out = netns_smoke("--stages", str(stages))
+    assert rc == 0, out
+    assert out["ok"] and out["matches_reference"] and out["asymmetric"] == []
+    assert len(out["testbed"]["namespaces"]) == stages + 3  # switch, relay, orchestrator, stages
+    assert len(out["paths"]) == (stages + 1) * stages
+    assert {p["path"] for p in out["paths"]} == {"direct"}
+
+
+@pytest.mark.parametrize("fault, pair", [
+    ("drop:stage-0->orchestrator", ("orchestrator", "stage-0")),
+    ("drop:stage-2->stage-0", ("stage-0", "stage-2")),  # the feedback edge
+])
+def test_a_kernel_one_way_drop_passes_and_reports_the_pair(fault, pair):
+    rc, out = netns_smoke("--stages", "3", "--fault", fault)
+    assert rc == 0, out
+    assert out["matches_reference"]
+    a, b = fault[5:].split("->")
+    paths = {(p["from"], p["to"]): p for p in out["paths"]}
+    assert paths[(a, b)]["path"] == "relay" or paths[(a, b)]["data"] == "relay", paths[(a, b)]
+    assert {(x["from"], x["to"]) for x in out["asymmetric"]} == {pair}, out["asymmetric"]
+    assert f"{a}→{b}: relay" in out["asymmetric"][0]["detail"]
+
+
+def test_an_orchestrator_behind_nat_dials_out_and_is_reached_over_the_relay():
+    rc, out = netns_smoke("--stages", "3", "--fault", "nat:orchestrator")
+    assert rc == 0, out
+    assert out["matches_reference"]
+    assert out["testbed"]["nat"] == {"orchestrator": out["testbed"]["nat"]["orchestrator"]}
+    paths = {(p["from"], p["to"]): p for p in out["paths"]}
+    for k in range(3):
+        # Out of the NAT: direct. Into it: nobody can dial, so the relay carries it.
+        assert paths[("orchestrator", f"stage-{k}")]["path"] == "direct"
+        assert paths[(f"stage-{k}", "orchestrator")]["path"] == "relay"
+    assert {(x["from"], x["to"]) for x in out["asymmetric"]} == {("orchestrator", f"stage-{k}")
+                                                                  for k in range(3)}
+
+
+def test_an_isolated_stage_fails_the_run_naming_it():
+    rc, out = netns_smoke("--stages", "3", "--fault", "isolate:stage-1", "--timeout", "15")
+    assert rc == 1
+    assert out["status"] == "unreachable: stage-1", out
+
+
+def test_a_bad_fault_is_refused_before_anything_is_built():
+    rc, out = netns_smoke("--stages", "2", "--stub", "--fault", "nat:stage-9")
+    assert rc == 1 and "no node named 'stage-9'" in out["reason"]
+
+
+def test_sigterm_mid_generation_removes_the_testbed_and_a_second_run_passes():
+    import signal
+    import time
+
+    argv = [sys.executable, "-m", "meshd", "smoke-run", "--provider", "netns", "--stages", "3",
+            "--max-tokens", "200", "--json"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while "-orchestrator" not in subprocess.run(["ip", "netns", "list"], capture_output=True,
+                                                text=True).stdout:
+        assert proc.poll() is None and time.monotonic() < deadline, "the testbed never came up"
+        time.sleep(0.1)
+    time.sleep(6)  # into convergence or the generation
+    proc.send_signal(signal.SIGTERM)
+    stdout, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    out = json.loads(stdout.strip().splitlines()[-1])
+    assert out["status"] == "stopped"
+    assert_nothing_left(out)
+    rc, again = netns_smoke("--stages", "3")
+    assert rc == 0, again
