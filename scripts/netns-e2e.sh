@@ -12,6 +12,6 @@ if [[ $# -lt 1 || ! $1 =~ ^[0-9]+$ ]]; then
 fi
 n=$1
 shift
-meshd=.venv/bin/meshd
-[[ -x $meshd ]] || meshd=meshd
-exec "$meshd" smoke-run --provider netns --stages "$n" --max-tokens "${MAX_TOKENS:-16}" "$@"
+python=.venv/bin/python
+[[ -x $python ]] || python=python3
+exec "$python" -m meshd smoke-run --provider netns --stages "$n" --max-tokens "${MAX_TOKENS:-16}" "$@"
