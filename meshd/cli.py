@@ -8,6 +8,7 @@ import os
 import sys
 
 from . import __version__
+from .argtypes import positive_float
 from .identity import Identity, IdentityError, load_or_create
 from .net.faults import Faults, FaultSpecError
 from .net.udp import AddressError, BindError, parse_addr
@@ -28,16 +29,6 @@ def _seed_addr(text: str) -> str:
     except AddressError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be greater than 0")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--profile", choices=sorted(PROFILES), default="lan",
                      help="protocol timings, as memberlist's profiles (default %(default)s)")
     run.add_argument("--snapshot-dir", metavar="DIR", help="append JSON-line snapshots to DIR/<prefix>.jsonl")
-    run.add_argument("--snapshot-interval", type=_positive_float, default=5.0, metavar="SECONDS")
+    run.add_argument("--snapshot-interval", type=positive_float, default=5.0, metavar="SECONDS")
     model = run.add_mutually_exclusive_group()
     model.add_argument("--model", metavar="DIR", help="checkpoint folder (config.json + model.safetensors)")
     model.add_argument("--stub", action="store_true", help="serve the tiny built-in model")

@@ -7,6 +7,7 @@ import signal
 import sys
 from functools import partial
 
+from ..argtypes import positive_float
 from ..net.udp import AddressError, format_addr, parse_addr
 
 
@@ -17,16 +18,6 @@ def _bind(text: str) -> tuple[str, int]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be greater than 0")
-    return value
-
-
 def add_parser(sub: argparse._SubParsersAction) -> None:
     relay = sub.add_parser(
         "relay", help="run a relay: WebSocket frames between nodes, STUN over UDP on the same port",
@@ -35,13 +26,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "over UDP on the same port.")
     relay.add_argument("--bind", type=_bind, default=("127.0.0.1", 0), metavar="HOST:PORT",
                        help="TCP (WebSocket) and UDP (STUN) port; 0 picks one (default 127.0.0.1:0)")
-    relay.add_argument("--rate", type=_positive, default=8 * 1024 * 1024, metavar="BYTES_PER_S",
+    relay.add_argument("--rate", type=positive_float, default=8 * 1024 * 1024, metavar="BYTES_PER_S",
                        help="per-client forwarding rate (default %(default)d)")
-    relay.add_argument("--burst", type=_positive, default=16 * 1024 * 1024, metavar="BYTES",
+    relay.add_argument("--burst", type=positive_float, default=16 * 1024 * 1024, metavar="BYTES",
                        help="per-client burst above the rate (default %(default)d)")
-    relay.add_argument("--ping-interval", type=_positive, default=15.0, metavar="SECONDS",
+    relay.add_argument("--ping-interval", type=positive_float, default=15.0, metavar="SECONDS",
                        help="ping a client this long after its last message (default %(default)g)")
-    relay.add_argument("--ping-timeout", type=_positive, default=10.0, metavar="SECONDS",
+    relay.add_argument("--ping-timeout", type=positive_float, default=10.0, metavar="SECONDS",
                        help="drop a client whose pong takes longer (default %(default)g)")
     relay.set_defaults(func=_cmd_relay)
 

@@ -1,0 +1,15 @@
+"""argparse value types shared by the subcommands: one clear line for bad input."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be greater than 0")
+    return value
