@@ -164,8 +164,9 @@ def create_app(node: Node, token: str | None = None) -> Starlette:
             return None, error(400, str(exc))
         missing = orch.missing()
         if missing:
-            text = ", ".join(f"{n} does not resolve" for n in missing)
-            return None, error(503, f"pipeline not ready: {text}", missing=missing)
+            from meshd.pipeline.service import NotReady
+
+            return None, error(503, str(NotReady(missing)), missing=missing)
         return (orch, params), None
 
     async def api_generate(request: Request):

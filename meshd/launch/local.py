@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import os
 import signal
 import socket
 import subprocess
-import sys
 
 from ..testing.processes import MeshProcess
 
@@ -57,19 +55,7 @@ class LocalProcess(MeshProcess):
 
     def __init__(self, name: str, args: list[str], env: dict | None = None,
                  prefix: list[str] | None = None) -> None:
-        self.name = name
-        self.args = args
-        self.proc = subprocess.Popen(  # prefix: e.g. `ip netns exec NS`, which execs (same pid)
-            [*(prefix or []), sys.executable, "-m", "meshd", *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            text=True,
-            bufsize=1,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-            preexec_fn=_die_with_parent,
-        )
-        self._start_reader()
+        super().__init__(name, args, env, prefix=prefix, preexec_fn=_die_with_parent)
 
     def alive(self) -> bool:
         return self.proc.poll() is None

@@ -43,17 +43,20 @@ class Boot:
 
 
 class MeshProcess:
-    def __init__(self, name: str, args: list[str], env: dict | None = None) -> None:
+    def __init__(self, name: str, args: list[str], env: dict | None = None, *,
+                 prefix: list[str] | None = None, preexec_fn=None) -> None:
+        """``prefix`` runs the command through e.g. ``ip netns exec NS`` (which execs: same pid)."""
         self.name = name
         self.args = args
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "meshd", *args],
+            [*(prefix or []), sys.executable, "-m", "meshd", *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             text=True,
             bufsize=1,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            preexec_fn=preexec_fn,
         )
         self._start_reader()
 
