@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from cryptography.exceptions import InvalidSignature
@@ -30,7 +31,7 @@ def prefix(node_id: bytes) -> str:
 class Identity:
     private_key: Ed25519PrivateKey
 
-    @property
+    @cached_property
     def node_id(self) -> bytes:
         return self.private_key.public_key().public_bytes(
             serialization.Encoding.Raw, serialization.PublicFormat.Raw

@@ -14,8 +14,10 @@ again for a backoff (doubling, with jitter) while the relay carries the data.
 from __future__ import annotations
 
 import logging
+import os
 import random
 import struct
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -31,7 +33,31 @@ log = logging.getLogger("meshd.channel")
 # path line up with those already received.  It fits one relay frame.
 CHUNK_BYTES = 63 * 1024
 RELAY_DATA = b"D"  # first byte of a relay payload that carries the data channel
+ACKS_PER_PACKET = 256
+ACK_DELAY = 0.025  # seconds an ack may wait to share a frame with others
 _LEN = struct.Struct("!I")
+
+
+async def _write(lock: trio.Lock, stream: trio.SocketStream, data: bytes) -> None:
+    """Write ``data`` whole to ``stream``; at once when no other writer holds ``lock``.
+
+    A small frame on an idle stream goes straight into the socket buffer,
+    without a trip through the scheduler: on a pipeline's critical path every
+    such trip is a wait behind whatever else is runnable.  The rest, if the
+    buffer is full, goes the usual way, under the lock.
+    """
+    if not lock.locked():
+        try:
+            sent = os.write(stream.socket.fileno(), data)
+        except BlockingIOError:
+            sent = 0
+        except OSError as exc:  # reset, broken pipe, or closed under us (fd -1)
+            raise trio.BrokenResourceError(f"write failed: {exc.strerror or exc}") from None
+        if sent == len(data):
+            return
+        data = data[sent:]
+    async with lock:
+        await stream.send_all(data)
 
 
 class DeliveryError(Exception):
@@ -53,12 +79,31 @@ class ChannelConfig:
 
 
 @dataclass
+class Outgoing:
+    """One message on its way: written at once where it can be, then watched until acked."""
+
+    msg_id: int
+    data: bytes
+    timeout: float
+    deadline: float
+    on_error: Callable[[DeliveryError], Awaitable[None]] | None = None
+    acked: trio.Event = field(default_factory=trio.Event)
+    done: trio.Event = field(default_factory=trio.Event)
+    written: str | None = None  # the path it was already written to, not yet acked
+    path: str | None = None  # the path that delivered it
+    error: DeliveryError | None = None
+
+
+@dataclass
 class _Peer:
     next_id: int = 1
     stream: trio.SocketStream | None = None
     stream_lock: trio.Lock = field(default_factory=trio.Lock)  # whole frames, one at a time
     dial_lock: trio.Lock = field(default_factory=trio.Lock)
     acks: dict[int, trio.Event] = field(default_factory=dict)
+    queue: deque[Outgoing] = field(default_factory=deque)  # unacked, oldest first
+    supervised: bool = False  # a task is watching the queue
+    retrying: bool = False  # the head of the queue failed a path: no writes ahead of it
     direct_retry_at: float = 0.0
     dialing: bool = False  # a background re-probe of the direct path is under way
     backoff: float = 0.0
@@ -91,6 +136,8 @@ class DataChannel:
             self.config.receive_queue
         )
         self._nursery: trio.Nursery | None = None
+        self._backlog: deque[bytes] = deque()  # sends to ourselves that found the queue full
+        self._owed: dict[tuple[bytes, trio.SocketStream | None], list[DataAck]] = {}
         self._relay_budget_at = 0.0
         self.counters: dict[str, int] = {
             "sent": 0, "delivered": 0, "resent": 0, "bad_frames": 0, "streams_in": 0,
@@ -112,7 +159,11 @@ class DataChannel:
             await self._read_stream(stream, None)
 
     async def _read_stream(self, stream: trio.SocketStream, expect: bytes | None) -> None:
-        """Read frames until the stream ends; acks go back on the same stream."""
+        """Read frames until the stream ends; acks go back on the same stream.
+
+        Every frame that one read brings is handled, its messages delivered,
+        and then one packet acknowledges all of them.
+        """
         buf = bytearray()
         while True:
             try:
@@ -122,6 +173,7 @@ class DataChannel:
             if not data:
                 return
             buf += data
+            acks: dict[bytes, list[DataAck]] = {}
             while len(buf) >= _LEN.size:
                 (n,) = _LEN.unpack_from(buf)
                 if n > MAX_FRAME_BYTES:
@@ -144,7 +196,10 @@ class DataChannel:
                     # A filter on this link would have stopped the handshake.
                     self.counters["streams_refused"] += 1
                     return
-                await self._on_packet(packet, stream)
+                await self._on_packet(packet, acks.setdefault(packet.sender, []))
+            for node, pending in acks.items():
+                if pending:
+                    await self._owe_acks(node, pending, stream)
 
     async def on_relay_payload(self, src: bytes, payload: bytes) -> None:
         """A relay frame whose first byte is RELAY_DATA."""
@@ -156,9 +211,13 @@ class DataChannel:
         if packet.sender != src:
             self.counters["bad_frames"] += 1  # the relay vouches for src, not for the claim
             return
-        await self._on_packet(packet, None)
+        acks: list[DataAck] = []
+        await self._on_packet(packet, acks)
+        if acks:
+            await self._owe_acks(src, acks, None)
 
-    async def _on_packet(self, packet: Packet, stream: trio.SocketStream | None) -> None:
+    async def _on_packet(self, packet: Packet, acks: list[DataAck]) -> None:
+        """Take acks and chunks; delivers whole messages, and adds the acks we owe to ``acks``."""
         sender = packet.sender
         for msg in packet.messages:
             if isinstance(msg, DataAck):
@@ -175,70 +234,173 @@ class DataChannel:
                     log.warning("data from %s refused: %s", self.describe(sender), exc)
                     return
                 if ack:
-                    await self._send_ack(sender, msg.session, msg.msg_id, stream)
+                    acks.append(DataAck(msg.session, msg.msg_id))
                 for data in ready:
                     self.counters["delivered"] += 1
                     await self._recv_send.send((sender, data))
 
-    async def _send_ack(
-        self, node: bytes, session: int, msg_id: int, stream: trio.SocketStream | None
-    ) -> None:
-        frame = encode(Packet(self.id, (DataAck(session, msg_id),)))
-        try:
-            if stream is not None:
-                async with self._peer(node).stream_lock:
-                    await stream.send_all(_LEN.pack(len(frame)) + frame)
-            elif self.relay_send is not None and not self.faults.relay_blocked():
-                await self.relay_send(node, RELAY_DATA + frame)
-        except Exception as exc:  # the sender resends; its copy will be acked again
-            log.debug("ack %d to %s lost: %s", msg_id, self.describe(node), exc)
+    async def _owe_acks(self, node: bytes, acks: list[DataAck], stream: trio.SocketStream | None) -> None:
+        """Acknowledge within ACK_DELAY, so that acks for a burst share one frame.
+
+        Senders never wait for acks before writing more, so the delay costs no
+        latency; it only postpones the resend of a message that was lost.
+        """
+        if self._nursery is None:
+            await self._send_acks(node, acks, stream)
+            return
+        key = (node, stream)
+        owed = self._owed.get(key)
+        if owed is None:
+            owed = self._owed[key] = []
+            self._nursery.start_soon(self._flush_acks, key)
+        owed.extend(acks)
+        if len(owed) >= ACKS_PER_PACKET:
+            await self._send_acks(node, self._owed.pop(key), stream)
+
+    async def _flush_acks(self, key: tuple[bytes, trio.SocketStream | None]) -> None:
+        await trio.sleep(ACK_DELAY)
+        acks = self._owed.pop(key, None)
+        if acks:
+            await self._send_acks(key[0], acks, key[1])
+
+    async def _send_acks(self, node: bytes, acks: list[DataAck], stream: trio.SocketStream | None) -> None:
+        for start in range(0, len(acks), ACKS_PER_PACKET):
+            frame = encode(Packet(self.id, tuple(acks[start:start + ACKS_PER_PACKET])))
+            try:
+                if stream is not None:
+                    await _write(self._peer(node).stream_lock, stream, _LEN.pack(len(frame)) + frame)
+                elif self.relay_send is not None and not self.faults.relay_blocked():
+                    await self.relay_send(node, RELAY_DATA + frame)
+            except Exception as exc:  # the sender resends; its copy will be acked again
+                log.debug("acks %d.. to %s lost: %s", acks[start].msg_id, self.describe(node), exc)
+                return
+
+    async def loopback(self, data: bytes) -> None:
+        """Deliver ``data`` to our own reader, as if we had sent it to ourselves."""
+        self.counters["delivered"] += 1
+        if not self._backlog:
+            try:
+                self._recv_send.send_nowait((self.id, data))
+                return
+            except trio.WouldBlock:
+                pass
+        # The reader may be the caller: never wait on ourselves; a task drains, in order.
+        self._backlog.append(data)
+        if len(self._backlog) == 1:
+            if self._nursery is None:
+                raise RuntimeError("the data channel is not serving")
+            self._nursery.start_soon(self._drain_backlog)
+
+    async def _drain_backlog(self) -> None:
+        while self._backlog:
+            await self._recv_send.send((self.id, self._backlog[0]))
+            self._backlog.popleft()
 
     # ------------------------------------------------------------- sending
 
     async def send(self, node: bytes, data: bytes, timeout: float = 30.0) -> str:
         """Deliver ``data`` to ``node`` exactly once, in order; returns the path that did it."""
+        item = await self.post(node, data, timeout)
+        await item.done.wait()
+        if item.error is not None:
+            raise item.error
+        assert item.path is not None
+        return item.path
+
+    async def post(
+        self,
+        node: bytes,
+        data: bytes,
+        timeout: float = 30.0,
+        on_error: Callable[[DeliveryError], Awaitable[None]] | None = None,
+    ) -> Outgoing:
+        """Send ``data`` to ``node`` without waiting for its ack.
+
+        Over an open direct stream the frames are written before this returns,
+        so nothing stands between a stage's compute and the socket.  A task per
+        peer then waits for the acks, oldest first, and resends over whatever
+        path works; a message not acked by its deadline fails with a
+        DeliveryError, given to ``on_error`` and kept on the returned item.
+        """
         peer = self._peer(node)
         msg_id = peer.next_id
         peer.next_id += 1
-        acked = peer.acks[msg_id] = trio.Event()
-        tried: list[str] = []
-        deadline = trio.current_time() + timeout
-        path = None
+        item = Outgoing(msg_id, data, timeout, trio.current_time() + timeout, on_error)
+        peer.acks[msg_id] = item.acked
+        peer.queue.append(item)
+        stream = peer.stream
+        if stream is not None and peer.path == "direct" and not peer.retrying:
+            try:
+                await self._write_frames(peer, stream, msg_id, data)
+                item.written = "direct"
+            except PathFailed:
+                pass  # the supervisor finds it unacked and resends
+        if not peer.supervised:
+            peer.supervised = True
+            if self._nursery is not None:
+                self._nursery.start_soon(self._supervise, node, peer)
+            else:  # no serve(): deliver in the caller's task
+                await self._supervise(node, peer)
+        return item
+
+    async def _supervise(self, node: bytes, peer: _Peer) -> None:
+        """See each queued message acked, or failed at its deadline, oldest first."""
         try:
-            with trio.move_on_at(deadline):
-                while True:
+            while peer.queue:
+                item = peer.queue[0]
+                try:
+                    item.path = await self._deliver(node, peer, item)
+                    peer.path = item.path
+                    peer.sent += 1
+                    self.counters["sent"] += 1
+                except DeliveryError as exc:
+                    item.error = exc
+                finally:
+                    peer.queue.popleft()
+                    peer.acks.pop(item.msg_id, None)
+                    peer.retrying = False
+                item.done.set()
+                if item.error is not None and item.on_error is not None:
+                    await item.on_error(item.error)
+        finally:
+            peer.supervised = False
+
+    async def _deliver(self, node: bytes, peer: _Peer, item: Outgoing) -> str:
+        tried: list[str] = []
+        path = None
+        with trio.move_on_at(item.deadline):
+            while True:
+                if item.acked.is_set():
+                    return item.written or peer.path
+                if item.written is not None:
+                    path = item.written  # already on the wire: just wait for its ack
+                else:
                     path = self._choose(node, peer)
                     if tried:
                         self.counters["resent"] += 1
                     try:
-                        with trio.move_on_at(deadline):
-                            if path == "direct":
-                                await self._send_direct(node, peer, msg_id, data)
-                            else:
-                                await self._send_relay(node, msg_id, data)
+                        if path == "direct":
+                            await self._send_direct(node, peer, item.msg_id, item.data)
+                        else:
+                            await self._send_relay(node, item.msg_id, item.data)
                     except PathFailed as exc:
                         tried.append(f"{path}: {exc}")
                         self._path_failed(node, peer, path, str(exc))
                         if path == "relay" and not self._direct_due(peer):
                             await trio.sleep(0.2)  # both down: don't spin
                         continue
-                    with trio.move_on_after(self.config.ack_timeout):
-                        await acked.wait()
-                    if acked.is_set():
-                        peer.path = path
-                        peer.sent += 1
-                        self.counters["sent"] += 1
-                        return path
-                    reason = f"no ack within {self.config.ack_timeout:g}s"
-                    tried.append(f"{path}: {reason}")
-                    self._path_failed(node, peer, path, reason)
-        finally:
-            peer.acks.pop(msg_id, None)
+                with trio.move_on_after(self.config.ack_timeout):
+                    await item.acked.wait()
+                if item.acked.is_set():
+                    return path
+                reason = f"no ack within {self.config.ack_timeout:g}s"
+                tried.append(f"{path}: {reason}")
+                self._path_failed(node, peer, path, reason)
         if path is not None and not (tried and tried[-1].startswith(path)):
             tried.append(f"{path}: no ack before the deadline")
         raise DeliveryError(
-            f"could not deliver message {msg_id} ({len(data)} bytes) to {self.describe(node)} "
-            f"within {timeout:g}s; tried: {'; '.join(tried[-6:]) or 'nothing (no path available)'}"
+            f"could not deliver message {item.msg_id} ({len(item.data)} bytes) to {self.describe(node)} "
+            f"within {item.timeout:g}s; tried: {'; '.join(tried[-6:]) or 'nothing (no path available)'}"
         )
 
     def _choose(self, node: bytes, peer: _Peer) -> str:
@@ -269,6 +431,10 @@ class DataChannel:
         peer.last_failure = f"{path}: {reason}"
         if path == "direct":
             self._drop_stream(peer)
+            peer.retrying = True
+            for item in peer.queue:
+                if item.written == "direct":
+                    item.written = None
             cfg = self.config
             peer.backoff = min(cfg.direct_backoff_max, max(cfg.direct_backoff, peer.backoff * 2))
             peer.direct_retry_at = trio.current_time() + peer.backoff * random.uniform(0.8, 1.2)
@@ -313,14 +479,18 @@ class DataChannel:
         await self._read_stream(stream, node)
         if peer.stream is stream:
             peer.stream = None
+            for item in peer.queue:  # unacked on a stream that is gone: resend
+                if item.written == "direct":
+                    item.written = None
         await stream.aclose()
 
     async def _send_direct(self, node: bytes, peer: _Peer, msg_id: int, data: bytes) -> None:
-        stream = await self._stream(node, peer)
+        await self._write_frames(peer, await self._stream(node, peer), msg_id, data)
+
+    async def _write_frames(self, peer: _Peer, stream: trio.SocketStream, msg_id: int, data: bytes) -> None:
         try:
             for frame in self._frames(msg_id, data):
-                async with peer.stream_lock:
-                    await stream.send_all(_LEN.pack(len(frame)) + frame)
+                await _write(peer.stream_lock, stream, _LEN.pack(len(frame)) + frame)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             raise PathFailed(f"stream broke while sending ({exc.__class__.__name__})") from None
 

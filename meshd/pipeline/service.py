@@ -94,27 +94,19 @@ async def resolve(node: Node, name: str, timeout: float = RESOLVE_TIMEOUT_S) -> 
 
 
 class _App:
-    """Shared plumbing: one inbox, fed by the data channel and by sends to ourselves."""
+    """Shared plumbing: messages in from the data channel, out through it.
+
+    The serve loop decodes and handles each message as it is delivered (no
+    queue in between), and a send writes to the peer's stream before it
+    returns; the channel's per-peer task waits for acks and resends, so
+    compute never waits on a round trip.
+    """
 
     def __init__(self, node: Node) -> None:
         self.node = node
-        self._inbox_send, self._inbox = trio.open_memory_channel[tuple[bytes, Message]](1024)
-        self._outboxes: dict[bytes, trio.MemorySendChannel] = {}
-        self._nursery: trio.Nursery | None = None
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            nursery.start_soon(self._pump)
-            task_status.started()
-            async for src, msg in self._inbox:
-                try:
-                    await self.on_message(src, msg)
-                except Exception as exc:  # one bad request must not stop the stage
-                    log.exception("%s: %s failed", self.node.swim.me.name, type(msg).__name__)
-                    await self.failed(msg, exc)
-
-    async def _pump(self) -> None:
+        task_status.started()
         async for src, data in self.node.data.received:
             try:
                 packet = decode_app(data)
@@ -122,32 +114,27 @@ class _App:
                 log.warning("bad pipeline message from %s: %s", self.node.describe(src), exc)
                 continue
             for msg in packet.messages:
-                await self._inbox_send.send((src, msg))
+                try:
+                    await self.on_message(src, msg)
+                except Exception as exc:  # one bad request must not stop the stage
+                    log.exception("%s: %s failed", self.node.swim.me.name, type(msg).__name__)
+                    await self.failed(msg, exc)
 
     async def send(self, dst: bytes, msg: Message) -> None:
         """To ``dst`` over the data channel, in order, without waiting for its ack.
 
-        Each destination has its own sender task, so compute never waits on a
-        round trip; a message that cannot be delivered fails its request.
+        A message that cannot be delivered fails its request (``failed``).
         """
+        data = encode_app(self.node.identity.node_id, msg)
         if dst == self.node.identity.node_id:
-            await self._inbox_send.send((dst, msg))
+            await self.node.data.loopback(data)
             return
-        outbox = self._outboxes.get(dst)
-        if outbox is None:
-            outbox, queue = trio.open_memory_channel[Message](1024)
-            self._outboxes[dst] = outbox
-            self._nursery.start_soon(self._sender, dst, queue)
-        await outbox.send(msg)
 
-    async def _sender(self, dst: bytes, queue: trio.MemoryReceiveChannel) -> None:
-        me = self.node.identity.node_id
-        async for msg in queue:
-            try:
-                await self.node.send_data(dst, encode_app(me, msg), SEND_TIMEOUT_S)
-            except DeliveryError as exc:
-                log.warning("%s: %s", self.node.swim.me.name, exc)
-                await self.failed(msg, exc)
+        async def undelivered(exc: DeliveryError) -> None:
+            log.warning("%s: %s", self.node.swim.me.name, exc)
+            await self.failed(msg, exc)
+
+        await self.node.data.post(dst, data, SEND_TIMEOUT_S, undelivered)
 
     def path_to(self, dst: bytes) -> str:
         if dst == self.node.identity.node_id:
