@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: DataChunk.ack_now
 
 # A UDP datagram carries at most 65507 bytes of payload; we stay below it.
 MAX_PACKET_BYTES = 60_000
@@ -309,7 +309,8 @@ class DataChunk(Message):
     total: int  # bytes in the whole message
     offset: int
     chunk: bytes
-    _fields_ = (_uint, _uint, _data_total, _data_total, _chunk)
+    ack_now: bool = False  # someone waits on this message: acknowledge without delay
+    _fields_ = (_uint, _uint, _data_total, _data_total, _chunk, _bool)
 
 
 @dataclass(frozen=True, slots=True)

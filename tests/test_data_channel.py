@@ -156,3 +156,32 @@ async def test_relayed_pair_recovers_after_the_relay_restarts():
             assert c.relay.counters["connects"] >= 2
             assert mesh.dead_lines() == []
             nursery.cancel_scope.cancel()
+
+
+async def test_messages_written_ahead_of_their_acks_survive_a_broken_stream_exactly_once():
+    """post() writes without waiting for acks; a stream that breaks under unacked messages costs
+    resends over another path, never a loss, a duplicate or a reordering."""
+    count = 300
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            mesh = Mesh(nursery, nursery)
+            await mesh.start([])
+            b, d = mesh.b, mesh.d
+            dst = d.identity.node_id
+            got: list = []
+            items = []
+            async with trio.open_nursery() as inner:
+                inner.start_soon(_collect, d, count, got)
+                for i in range(count):
+                    items.append(await b.data.post(dst, struct.pack("!I", i) + b"y" * 500, timeout=30))
+                    if i == count // 2:
+                        peer = b.data._peers[dst]
+                        assert peer.queue, "the first half should still wait for acks"
+                        await peer.stream.aclose()  # the stream goes away under them
+                for item in items:
+                    await item.done.wait()
+            assert [item.error for item in items] == [None] * count
+            assert [src for src, _ in got] == [b.identity.node_id] * count
+            assert [struct.unpack("!I", data[:4])[0] for _, data in got] == list(range(count))
+            assert b.data.counters["resent"] > 0
+            nursery.cancel_scope.cancel()

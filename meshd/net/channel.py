@@ -13,6 +13,7 @@ again for a backoff (doubling, with jitter) while the relay carries the data.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import random
@@ -34,7 +35,7 @@ log = logging.getLogger("meshd.channel")
 CHUNK_BYTES = 63 * 1024
 RELAY_DATA = b"D"  # first byte of a relay payload that carries the data channel
 ACKS_PER_PACKET = 256
-ACK_DELAY = 0.025  # seconds an ack may wait to share a frame with others
+WINDOW = 256  # messages written ahead of the oldest unacked one
 _LEN = struct.Struct("!I")
 
 
@@ -76,6 +77,10 @@ class ChannelConfig:
     direct_backoff_max: float = 30.0
     relay_rate: float = 6 * 1024 * 1024  # bytes/s we put on the relay (below its limit)
     receive_queue: int = 256
+    # How long a receiver may hold an ack so that a burst's acks share a frame.
+    # Writers never wait on acks, so this costs no latency; a chunk marked
+    # ack_now (send(), resends) is acknowledged at once.
+    ack_delay: float = 0.025
 
 
 @dataclass
@@ -87,6 +92,7 @@ class Outgoing:
     timeout: float
     deadline: float
     on_error: Callable[[DeliveryError], Awaitable[None]] | None = None
+    urgent: bool = False  # the sender waits on it: ask for the ack at once
     acked: trio.Event = field(default_factory=trio.Event)
     done: trio.Event = field(default_factory=trio.Event)
     written: str | None = None  # the path it was already written to, not yet acked
@@ -174,6 +180,7 @@ class DataChannel:
                 return
             buf += data
             acks: dict[bytes, list[DataAck]] = {}
+            urgent: set[bytes] = set()
             while len(buf) >= _LEN.size:
                 (n,) = _LEN.unpack_from(buf)
                 if n > MAX_FRAME_BYTES:
@@ -196,10 +203,11 @@ class DataChannel:
                     # A filter on this link would have stopped the handshake.
                     self.counters["streams_refused"] += 1
                     return
-                await self._on_packet(packet, acks.setdefault(packet.sender, []))
+                if await self._on_packet(packet, acks.setdefault(packet.sender, [])):
+                    urgent.add(packet.sender)
             for node, pending in acks.items():
                 if pending:
-                    await self._owe_acks(node, pending, stream)
+                    await self._owe_acks(node, pending, stream, node in urgent)
 
     async def on_relay_payload(self, src: bytes, payload: bytes) -> None:
         """A relay frame whose first byte is RELAY_DATA."""
@@ -212,13 +220,17 @@ class DataChannel:
             self.counters["bad_frames"] += 1  # the relay vouches for src, not for the claim
             return
         acks: list[DataAck] = []
-        await self._on_packet(packet, acks)
+        urgent = await self._on_packet(packet, acks)
         if acks:
-            await self._owe_acks(src, acks, None)
+            await self._owe_acks(src, acks, None, urgent)
 
-    async def _on_packet(self, packet: Packet, acks: list[DataAck]) -> None:
-        """Take acks and chunks; delivers whole messages, and adds the acks we owe to ``acks``."""
+    async def _on_packet(self, packet: Packet, acks: list[DataAck]) -> bool:
+        """Take acks and chunks; delivers whole messages, and adds the acks we owe to ``acks``.
+
+        True when one of those acks is asked for at once.
+        """
         sender = packet.sender
+        urgent = False
         for msg in packet.messages:
             if isinstance(msg, DataAck):
                 if msg.session != self.session:
@@ -232,33 +244,33 @@ class DataChannel:
                 except ChunkError as exc:
                     self.counters["bad_frames"] += 1
                     log.warning("data from %s refused: %s", self.describe(sender), exc)
-                    return
+                    return urgent
                 if ack:
                     acks.append(DataAck(msg.session, msg.msg_id))
+                    if msg.ack_now:
+                        urgent = True
                 for data in ready:
                     self.counters["delivered"] += 1
                     await self._recv_send.send((sender, data))
+        return urgent
 
-    async def _owe_acks(self, node: bytes, acks: list[DataAck], stream: trio.SocketStream | None) -> None:
-        """Acknowledge within ACK_DELAY, so that acks for a burst share one frame.
-
-        Senders never wait for acks before writing more, so the delay costs no
-        latency; it only postpones the resend of a message that was lost.
-        """
-        if self._nursery is None:
-            await self._send_acks(node, acks, stream)
-            return
+    async def _owe_acks(
+        self, node: bytes, acks: list[DataAck], stream: trio.SocketStream | None, now: bool
+    ) -> None:
+        """Acknowledge within ``ack_delay`` (so a burst's acks share a frame), or at once."""
         key = (node, stream)
+        delay = self.config.ack_delay
+        if now or delay <= 0 or self._nursery is None:
+            await self._send_acks(node, self._owed.pop(key, []) + acks, stream)
+            return
         owed = self._owed.get(key)
         if owed is None:
             owed = self._owed[key] = []
-            self._nursery.start_soon(self._flush_acks, key)
+            self._nursery.start_soon(self._flush_acks, key, delay)
         owed.extend(acks)
-        if len(owed) >= ACKS_PER_PACKET:
-            await self._send_acks(node, self._owed.pop(key), stream)
 
-    async def _flush_acks(self, key: tuple[bytes, trio.SocketStream | None]) -> None:
-        await trio.sleep(ACK_DELAY)
+    async def _flush_acks(self, key: tuple[bytes, trio.SocketStream | None], delay: float) -> None:
+        await trio.sleep(delay)
         acks = self._owed.pop(key, None)
         if acks:
             await self._send_acks(key[0], acks, key[1])
@@ -300,7 +312,7 @@ class DataChannel:
 
     async def send(self, node: bytes, data: bytes, timeout: float = 30.0) -> str:
         """Deliver ``data`` to ``node`` exactly once, in order; returns the path that did it."""
-        item = await self.post(node, data, timeout)
+        item = await self.post(node, data, timeout, urgent=True)
         await item.done.wait()
         if item.error is not None:
             raise item.error
@@ -313,34 +325,43 @@ class DataChannel:
         data: bytes,
         timeout: float = 30.0,
         on_error: Callable[[DeliveryError], Awaitable[None]] | None = None,
+        *,
+        urgent: bool = False,
     ) -> Outgoing:
         """Send ``data`` to ``node`` without waiting for its ack.
 
-        Over an open direct stream the frames are written before this returns,
-        so nothing stands between a stage's compute and the socket.  A task per
-        peer then waits for the acks, oldest first, and resends over whatever
-        path works; a message not acked by its deadline fails with a
+        On a working path (an open direct stream, or the relay while direct is
+        backed off) the frames are written before this returns, so nothing
+        stands between a stage's compute and the socket.  A task per peer then
+        waits for the acks, oldest first, and sends again over whatever path
+        works; a message not acked by its deadline fails with a
         DeliveryError, given to ``on_error`` and kept on the returned item.
         """
         peer = self._peer(node)
         msg_id = peer.next_id
         peer.next_id += 1
-        item = Outgoing(msg_id, data, timeout, trio.current_time() + timeout, on_error)
+        item = Outgoing(msg_id, data, timeout, trio.current_time() + timeout, on_error, urgent)
         peer.acks[msg_id] = item.acked
         peer.queue.append(item)
-        stream = peer.stream
-        if stream is not None and peer.path == "direct" and not peer.retrying:
+        if not peer.retrying and len(peer.queue) <= WINDOW:
+            path, stream = self._choose(node, peer), peer.stream
             try:
-                await self._write_frames(peer, stream, msg_id, data)
-                item.written = "direct"
+                if path == "direct" and stream is not None:
+                    await self._write_frames(peer, stream, item)
+                    item.written = path
+                elif path == "relay":
+                    await self._send_relay(node, item)
+                    item.written = path
             except PathFailed:
-                pass  # the supervisor finds it unacked and resends
+                pass  # the supervisor finds it unwritten and sends it again
         if not peer.supervised:
             peer.supervised = True
             if self._nursery is not None:
                 self._nursery.start_soon(self._supervise, node, peer)
             else:  # no serve(): deliver in the caller's task
                 await self._supervise(node, peer)
+        # The frames are out; now let the rest of the node run (acks, the supervisor).
+        await trio.lowlevel.checkpoint()
         return item
 
     async def _supervise(self, node: bytes, peer: _Peer) -> None:
@@ -373,16 +394,21 @@ class DataChannel:
                 if item.acked.is_set():
                     return item.written or peer.path
                 if item.written is not None:
-                    path = item.written  # already on the wire: just wait for its ack
+                    path = item.written  # on the wire: wait for its ack
                 else:
                     path = self._choose(node, peer)
                     if tried:
                         self.counters["resent"] += 1
                     try:
-                        if path == "direct":
-                            await self._send_direct(node, peer, item.msg_id, item.data)
-                        else:
-                            await self._send_relay(node, item.msg_id, item.data)
+                        for ahead in list(itertools.islice(peer.queue, WINDOW)):
+                            if ahead.written is not None or ahead.acked.is_set():
+                                continue
+                            ahead.urgent = True  # a resend: learn soon whether this path works
+                            if path == "direct":
+                                await self._send_direct(node, peer, ahead)
+                            else:
+                                await self._send_relay(node, ahead)
+                            ahead.written = path
                     except PathFailed as exc:
                         tried.append(f"{path}: {exc}")
                         self._path_failed(node, peer, path, str(exc))
@@ -429,12 +455,12 @@ class DataChannel:
 
     def _path_failed(self, node: bytes, peer: _Peer, path: str, reason: str) -> None:
         peer.last_failure = f"{path}: {reason}"
+        peer.retrying = True
+        for item in peer.queue:
+            if item.written == path:
+                item.written = None
         if path == "direct":
             self._drop_stream(peer)
-            peer.retrying = True
-            for item in peer.queue:
-                if item.written == "direct":
-                    item.written = None
             cfg = self.config
             peer.backoff = min(cfg.direct_backoff_max, max(cfg.direct_backoff, peer.backoff * 2))
             peer.direct_retry_at = trio.current_time() + peer.backoff * random.uniform(0.8, 1.2)
@@ -484,22 +510,22 @@ class DataChannel:
                     item.written = None
         await stream.aclose()
 
-    async def _send_direct(self, node: bytes, peer: _Peer, msg_id: int, data: bytes) -> None:
-        await self._write_frames(peer, await self._stream(node, peer), msg_id, data)
+    async def _send_direct(self, node: bytes, peer: _Peer, item: Outgoing) -> None:
+        await self._write_frames(peer, await self._stream(node, peer), item)
 
-    async def _write_frames(self, peer: _Peer, stream: trio.SocketStream, msg_id: int, data: bytes) -> None:
+    async def _write_frames(self, peer: _Peer, stream: trio.SocketStream, item: Outgoing) -> None:
         try:
-            for frame in self._frames(msg_id, data):
+            for frame in self._frames(item):
                 await _write(peer.stream_lock, stream, _LEN.pack(len(frame)) + frame)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             raise PathFailed(f"stream broke while sending ({exc.__class__.__name__})") from None
 
-    async def _send_relay(self, node: bytes, msg_id: int, data: bytes) -> None:
+    async def _send_relay(self, node: bytes, item: Outgoing) -> None:
         if self.relay_send is None:
             raise PathFailed("no relay configured")
         if self.faults.relay_blocked():
             raise PathFailed("relay unreachable (isolated)")
-        for frame in self._frames(msg_id, data):
+        for frame in self._frames(item):
             await self._pace(len(frame))
             try:
                 await self.relay_send(node, RELAY_DATA + frame)
@@ -514,12 +540,12 @@ class DataChannel:
         if ahead > 0.25:  # let a burst through, then keep to the rate
             await trio.sleep(ahead - 0.25)
 
-    def _frames(self, msg_id: int, data: bytes):
-        total = len(data)
-        view = memoryview(data)
+    def _frames(self, item: Outgoing):
+        total = len(item.data)
+        view = memoryview(item.data)
         for offset in range(0, max(total, 1), CHUNK_BYTES):
             chunk = bytes(view[offset:offset + CHUNK_BYTES])
-            msg = DataChunk(self.session, msg_id, total, offset, chunk)
+            msg = DataChunk(self.session, item.msg_id, total, offset, chunk, item.urgent)
             yield encode(Packet(self.id, (msg,)), MAX_FRAME_BYTES)
 
     def _peer(self, node: bytes) -> _Peer:
