@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -82,7 +83,7 @@ def _node_id(value: Any) -> bytes:
 
 
 def _float(value: Any) -> float:
-    if type(value) is not float or value != value or value in (float("inf"), float("-inf")):
+    if type(value) is not float or not math.isfinite(value):
         raise WireError("expected a finite float")
     return value
 
@@ -110,7 +111,7 @@ def _tuple_of(check: Callable[[Any], Any], limit: int) -> Callable[[Any], tuple]
     def checker(value: Any) -> tuple:
         if type(value) is not list or len(value) > limit:
             raise WireError(f"expected a list of at most {limit} items")
-        return tuple(check(item) for item in value)
+        return tuple([check(item) for item in value])
 
     return checker
 
@@ -135,9 +136,10 @@ class _Record:
 
     @classmethod
     def from_body(cls, body: Any):
-        if type(body) is not list or len(body) != len(cls._fields_):
-            raise WireError(f"{cls.__name__}: expected {len(cls._fields_)} fields")
-        return cls(*(check(value) for check, value in zip(cls._fields_, body, strict=True)))
+        fields = cls._fields_
+        if type(body) is not list or len(body) != len(fields):
+            raise WireError(f"{cls.__name__}: expected {len(fields)} fields")
+        return cls(*[check(value) for check, value in zip(fields, body)])  # noqa: B905 (lengths checked)
 
 
 def _plain(value: Any) -> Any:
