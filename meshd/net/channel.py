@@ -18,7 +18,7 @@ import logging
 import os
 import random
 import struct
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -143,6 +143,8 @@ class DataChannel:
         )
         self._nursery: trio.Nursery | None = None
         self._backlog: deque[bytes] = deque()  # sends to ourselves that found the queue full
+        self._handler: Callable[[bytes, bytes], Awaitable[None]] | None = None
+        self._queued: Counter[bytes] = Counter()  # per sender: on `received`, not yet handled
         self._owed: dict[tuple[bytes, trio.SocketStream | None], list[DataAck]] = {}
         self._relay_budget_at = 0.0
         self.counters: dict[str, int] = {
@@ -203,7 +205,7 @@ class DataChannel:
                     # A filter on this link would have stopped the handshake.
                     self.counters["streams_refused"] += 1
                     return
-                if await self._on_packet(packet, acks.setdefault(packet.sender, [])):
+                if await self._on_packet(packet, acks.setdefault(packet.sender, []), inline=True):
                     urgent.add(packet.sender)
             for node, pending in acks.items():
                 if pending:
@@ -220,11 +222,11 @@ class DataChannel:
             self.counters["bad_frames"] += 1  # the relay vouches for src, not for the claim
             return
         acks: list[DataAck] = []
-        urgent = await self._on_packet(packet, acks)
+        urgent = await self._on_packet(packet, acks, inline=False)  # never hold up the relay's loop
         if acks:
             await self._owe_acks(src, acks, None, urgent)
 
-    async def _on_packet(self, packet: Packet, acks: list[DataAck]) -> bool:
+    async def _on_packet(self, packet: Packet, acks: list[DataAck], *, inline: bool) -> bool:
         """Take acks and chunks; delivers whole messages, and adds the acks we owe to ``acks``.
 
         True when one of those acks is asked for at once.
@@ -250,9 +252,45 @@ class DataChannel:
                     if msg.ack_now:
                         urgent = True
                 for data in ready:
-                    self.counters["delivered"] += 1
-                    await self._recv_send.send((sender, data))
+                    await self._hand_over(sender, data, inline)
         return urgent
+
+    async def _hand_over(self, sender: bytes, data: bytes, inline: bool) -> None:
+        self.counters["delivered"] += 1
+        handler = self._handler
+        if handler is not None and inline and not self._queued[sender]:
+            try:
+                await handler(sender, data)
+            except Exception:  # a handler's failure must not end the stream
+                log.exception("handling a message from %s failed", self.describe(sender))
+            return
+        if handler is not None:
+            self._queued[sender] += 1
+        await self._recv_send.send((sender, data))
+
+    async def dispatch(self, handler: Callable[[bytes, bytes], Awaitable[None]]) -> None:
+        """Hand every delivered message to ``handler``, in order per sender, until cancelled.
+
+        A message from a direct stream is handled in that stream's reader, with
+        no queue in between: on a pipeline's critical path each queue costs a
+        trip through the scheduler per hop.  Relayed messages and sends to
+        ourselves go through ``received`` and are handled here, so the relay's
+        receive loop never waits on a handler; while a sender has messages on
+        that queue, its next ones queue behind them, so its order holds.
+        """
+        self._handler = handler
+        try:
+            async for src, data in self.received:
+                try:
+                    await handler(src, data)
+                except Exception:
+                    log.exception("handling a message from %s failed", self.describe(src))
+                finally:
+                    self._queued[src] -= 1
+                    if self._queued[src] <= 0:
+                        del self._queued[src]
+        finally:
+            self._handler = None
 
     async def _owe_acks(
         self, node: bytes, acks: list[DataAck], stream: trio.SocketStream | None, now: bool
@@ -290,6 +328,8 @@ class DataChannel:
     async def loopback(self, data: bytes) -> None:
         """Deliver ``data`` to our own reader, as if we had sent it to ourselves."""
         self.counters["delivered"] += 1
+        if self._handler is not None:
+            self._queued[self.id] += 1
         if not self._backlog:
             try:
                 self._recv_send.send_nowait((self.id, data))

@@ -96,9 +96,9 @@ async def resolve(node: Node, name: str, timeout: float = RESOLVE_TIMEOUT_S) -> 
 class _App:
     """Shared plumbing: messages in from the data channel, out through it.
 
-    The serve loop decodes and handles each message as it is delivered (no
-    queue in between), and a send writes to the peer's stream before it
-    returns; the channel's per-peer task waits for acks and resends, so
+    Each message is decoded and handled as the channel delivers it (see
+    ``DataChannel.dispatch``), and a send writes to the peer's stream before
+    it returns; the channel's per-peer task waits for acks and resends, so
     compute never waits on a round trip.
     """
 
@@ -107,18 +107,20 @@ class _App:
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
-        async for src, data in self.node.data.received:
+        await self.node.data.dispatch(self._handle)
+
+    async def _handle(self, src: bytes, data: bytes) -> None:
+        try:
+            packet = decode_app(data)
+        except WireError as exc:
+            log.warning("bad pipeline message from %s: %s", self.node.describe(src), exc)
+            return
+        for msg in packet.messages:
             try:
-                packet = decode_app(data)
-            except WireError as exc:
-                log.warning("bad pipeline message from %s: %s", self.node.describe(src), exc)
-                continue
-            for msg in packet.messages:
-                try:
-                    await self.on_message(src, msg)
-                except Exception as exc:  # one bad request must not stop the stage
-                    log.exception("%s: %s failed", self.node.swim.me.name, type(msg).__name__)
-                    await self.failed(msg, exc)
+                await self.on_message(src, msg)
+            except Exception as exc:  # one bad request must not stop the stage
+                log.exception("%s: %s failed", self.node.swim.me.name, type(msg).__name__)
+                await self.failed(msg, exc)
 
     async def send(self, dst: bytes, msg: Message) -> None:
         """To ``dst`` over the data channel, in order, without waiting for its ack.
