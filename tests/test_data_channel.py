@@ -185,3 +185,38 @@ async def test_messages_written_ahead_of_their_acks_survive_a_broken_stream_exac
             assert [struct.unpack("!I", data[:4])[0] for _, data in got] == list(range(count))
             assert b.data.counters["resent"] > 0
             nursery.cancel_scope.cancel()
+
+
+async def test_dispatch_keeps_a_senders_order_when_its_path_moves_from_the_relay_to_direct():
+    """dispatch() handles direct messages in the stream's reader and relayed ones from a queue;
+    a sender whose earlier messages are still queued must not be overtaken by its later ones."""
+    count = 400
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            mesh = Mesh(nursery, nursery)
+            await mesh.start(["drop:{a}"])  # C's direct packets to A are lost: C -> A goes by relay
+            a, c = mesh.a, mesh.c
+            got: list[int] = []
+            all_in = trio.Event()
+
+            async def handler(src: bytes, data: bytes) -> None:
+                assert src == c.identity.node_id
+                got.append(struct.unpack("!I", data[:4])[0])
+                await trio.sleep(0.02)  # a slow handler: relayed messages pile up on the queue
+                if len(got) == count:
+                    all_in.set()
+
+            nursery.start_soon(a.data.dispatch, handler)
+            items = []
+            for i in range(count):
+                if i == count // 4:
+                    c.options.faults.drop_to.discard(a.addr)  # the direct path works again
+                items.append(await c.data.post(a.identity.node_id, struct.pack("!I", i), timeout=60))
+                await trio.sleep(0.008)
+            await all_in.wait()
+            assert got == list(range(count))
+            for item in items:
+                await item.done.wait()
+            paths = {item.path for item in items}
+            assert paths == {"relay", "direct"}, paths  # both paths carried some of them
+            nursery.cancel_scope.cancel()
