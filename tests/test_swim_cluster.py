@@ -15,7 +15,7 @@ import pytest
 
 from meshd.swim import EventKind, State
 from meshd.testing.memnet import MemNet, RelayPath, SimNode
-from meshd.wire import Alive, Meta, Packet, Suspect
+from meshd.wire import Alive, Meta, Packet, Ping, Suspect
 
 SEED = 1
 
@@ -302,6 +302,42 @@ def test_the_same_seed_gives_the_same_run_in_another_process():
         runs.append(done.stdout)
     assert runs[0] == runs[1] == repr(scenario_log(3)) + "\n"
 
+
+
+def test_a_refutation_goes_out_before_relayed_news():
+    """Only a member can refute a suspicion of itself, and its news rides mostly on
+    probe traffic: its own Alive goes before everything it relays, even facts
+    sent fewer times (here forty strangers it just heard of)."""
+    net, nodes = cluster(3)
+    a, b = nodes[0], nodes[1]
+    swim, now = a.swim, net.now
+    swim.outbox()
+    swim.receive(Packet(b.id, (Suspect(swim.incarnation, a.id, b.id),)), b.addr, now)
+    assert swim.incarnation == 1
+    swim.receive(Packet(b.id, (Ping(1, a.id),)), b.addr, now)
+    (ack,) = [o for o in swim.outbox() if o.node == b.id]
+    assert ack.packet.messages[1] == swim._alive_self()  # sent once, right after the Ack
+    strangers = [bytes([0x80 + i]) * 32 for i in range(40)]
+    swim.receive(Packet(b.id, tuple(Alive(0, g, f"10.9.0.{i}:7946", Meta(stage=i))
+                                    for i, g in enumerate(strangers))), b.addr, now)
+    swim.receive(Packet(b.id, (Ping(2, a.id),)), b.addr, now)
+    (ack,) = [o for o in swim.outbox() if o.node == b.id]
+    assert ack.packet.messages[1] == swim._alive_self()
+
+
+def test_dedicated_gossip_stays_within_its_budget_however_busy_the_cluster():
+    """Fresh facts go out at once while the token bucket lasts; beyond that the
+    gossip rate is gossip_per_period, and the rest rides on probe traffic."""
+    net, nodes = cluster(20)
+    cfg = net.config
+    before = {n.id: n.swim.counters["tx_gossip"] for n in nodes}
+    net.set_loss(0.2)  # plenty of suspicions and refutations to tell
+    periods = 60
+    net.run_periods(periods)
+    for n in nodes:
+        sent = n.swim.counters["tx_gossip"] - before[n.id]
+        assert sent <= cfg.gossip_burst + cfg.gossip_per_period * periods * 1.05, n.prefix
+    assert sum(n.swim.counters["tx_gossip"] - before[n.id] for n in nodes) > 0
 
 # -------------------------------------------------------------- the harness
 

@@ -88,7 +88,8 @@ def plot_dissemination(results: list[Result], directory: str) -> tuple[str, tupl
 
 
 def plot_load(results: list[Result], directory: str, others: dict[float, list[Result]] | None = None) -> str:
-    """Messages per member per period vs N, against memberlist's steady probe + gossip rate.
+    """Messages per member per period vs N, against memberlist's steady probe + gossip rate
+    and meshd's probe + gossip budget.
 
     ``others`` adds one line per other loss rate (the same sweep, loss -> results).
     """
@@ -110,6 +111,10 @@ def plot_load(results: list[Result], directory: str, others: dict[float, list[Re
     ceiling = 2 + cfg.gossip_nodes * cfg.probe_interval / cfg.gossip_interval
     ax.axhline(ceiling, color="tab:red", lw=1,
                label=f"memberlist probe + full gossip: 2 + {cfg.gossip_nodes}/gossip interval = {ceiling:g}"
+               " (ping-req, relay, push-pull on top)")
+    budget = 2 + cfg.gossip_per_period
+    ax.axhline(budget, color="tab:purple", lw=1, ls="--",
+               label=f"meshd probe + gossip budget: 2 + {cfg.gossip_per_period:g} = {budget:g}"
                " (ping-req, relay, push-pull on top)")
     ax2 = ax.twinx()
     ax2.plot(ns, kb, "s--", color="tab:gray", label=f"kB per member per period, loss {loss:g}")

@@ -2,7 +2,11 @@
 
 Like memberlist's TransmitLimitedQueue: a newer fact about a node (or a name)
 replaces the older one still queued, and each fact is dropped after
-``retransmit_limit`` transmissions.
+``retransmit_limit`` transmissions.  One difference: facts about the owner
+itself (its refutations, its own Alive, its leave) go before everything else.
+Only the member can refute a suspicion of itself, and with dissemination riding
+mostly on probe traffic a refutation must not wait behind relayed news (a new
+member's queue holds the whole membership it just learned by push-pull).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from ..wire import Message, encoded_size
 
 @dataclass(slots=True)
 class _Item:
+    rank: int  # 0 for facts about the queue's owner, 1 for the rest
     transmits: int
     neg_order: int  # newer first among equals
     key: object = field(compare=False)
@@ -22,12 +27,13 @@ class _Item:
     size: int = field(compare=False)
 
 
-# Sort by (transmits, neg_order) as C tuples: a dataclass __lt__ is slow in this hot loop.
-_priority = attrgetter("transmits", "neg_order")
+# Sort by (rank, transmits, neg_order) as C tuples: a dataclass __lt__ is slow in this hot loop.
+_priority = attrgetter("rank", "transmits", "neg_order")
 
 
 class BroadcastQueue:
-    def __init__(self) -> None:
+    def __init__(self, own: object = None) -> None:
+        self._own = own
         self._items: dict[object, _Item] = {}
         self._order = 0
 
@@ -37,7 +43,13 @@ class BroadcastQueue:
     def queue(self, key: object, msg: Message) -> None:
         """Queue ``msg``; it replaces any queued fact with the same key."""
         self._order += 1
-        self._items[key] = _Item(0, -self._order, key, msg, encoded_size(msg))
+        self._items[key] = _Item(0 if key == self._own else 1, 0, -self._order, key, msg, encoded_size(msg))
+
+    def fewest_transmits(self) -> int | None:
+        """How often the least-sent queued fact has gone out; None when empty."""
+        if not self._items:
+            return None
+        return min(item.transmits for item in self._items.values())
 
     def take(self, budget: int, limit: int) -> list[Message]:
         """Messages that fit in ``budget`` bytes, fewest-transmitted first."""

@@ -23,6 +23,14 @@ class Config:
     gossip_nodes: int = 3
     gossip_to_the_dead_time: float = 30.0
     awareness_max_multiplier: int = 8
+    # meshd's own, not memberlist's (see Swim._gossip): a gossip tick sends only
+    # while some queued fact has gone out fewer than gossip_fresh_transmits times,
+    # and each packet is paid from a token bucket that refills at
+    # gossip_per_period packets per probe interval and holds gossip_burst.  The
+    # rest of the dissemination rides on probe traffic.
+    gossip_per_period: float = 0.5
+    gossip_burst: int = 24
+    gossip_fresh_transmits: int = 6
     gossip_budget: int = GOSSIP_BUDGET_BYTES
     # Until a seed answers, the join is retried this often.
     join_retry_interval: float = 1.0

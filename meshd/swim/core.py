@@ -11,7 +11,9 @@ The protocol follows memberlist: randomized round-robin probing, ping-req
 through ``indirect_checks`` helpers with Lifeguard nacks, a local health
 multiplier, suspicion that shrinks with independent confirmations, the buddy
 system, incarnation refutation, piggybacked dissemination, push-pull sync and
-graceful leave.
+graceful leave.  One departure: dedicated gossip packets carry only fresh news
+and come from a fixed per-member budget (see :meth:`Swim._gossip`), so the
+per-member message rate does not grow with the cluster.
 """
 
 from __future__ import annotations
@@ -100,7 +102,7 @@ class Swim:
         self.members: dict[bytes, Member] = {node_id: me}
         self.registry = Registry()
         self.awareness = Awareness(config.awareness_max_multiplier)
-        self.broadcasts = BroadcastQueue()
+        self.broadcasts = BroadcastQueue(node_id)
         self.counters: Counter[str] = Counter()
         self.leaving = False
         # Each node's latest summary of its own outbound paths, and when we took it in.
@@ -128,6 +130,7 @@ class Swim:
         # Stagger the first timers so nodes started together do not tick in step.
         self._next_probe = now + rng.uniform(0, config.probe_interval)
         self._next_gossip = now + rng.uniform(0, config.gossip_interval)
+        self._gossip_tokens = float(config.gossip_burst)
         self._next_push_pull = now + rng.uniform(0, config.push_pull_interval)
         self._next_join = INF
         self.broadcasts.queue(node_id, self._alive_self())
@@ -204,7 +207,7 @@ class Swim:
             self._probe_list.append(ms.node)
         self.rng.shuffle(self._probe_list)
         self._probe_pos = 0
-        self.broadcasts = BroadcastQueue()
+        self.broadcasts = BroadcastQueue(self.id)
         interval = self.config.push_pull_interval_for(self.live_count())
         self._next_push_pull = now + self.rng.uniform(0, interval)
 
@@ -618,16 +621,35 @@ class Swim:
             self._on_suspect(Suspect(m.incarnation, probe.target, self.id), now)
 
     def _gossip(self, now: float) -> None:
+        """Dedicated gossip: only for fresh news, and within a budget.
+
+        memberlist sends ``gossip_nodes`` packets on every tick with anything
+        queued, so the more events a cluster has (and a bigger cluster has
+        more), the more packets each member sends.  Here a tick sends only while
+        some queued fact has gone out fewer than ``gossip_fresh_transmits``
+        times, just enough packets to bring it there, each paid from a token
+        bucket (``gossip_per_period`` per probe interval, ``gossip_burst`` at
+        most).  The rest of each fact's ``retransmit_limit`` transmissions ride
+        on pings, acks, ping-reqs and nacks, which are sent anyway (SWIM's
+        piggybacking): messages per member stay flat in N, bytes grow.
+        """
         cfg = self.config
         self._next_gossip = max(self._next_gossip + cfg.gossip_interval, now)
-        if not len(self.broadcasts):
+        refill = cfg.gossip_per_period * cfg.gossip_interval / cfg.probe_interval
+        self._gossip_tokens = min(float(cfg.gossip_burst), self._gossip_tokens + refill)
+        fewest = self.broadcasts.fewest_transmits()
+        if fewest is None:
             return
-        for node in self._random_members(cfg.gossip_nodes, gossip_at=now):
+        k = min(cfg.gossip_nodes, int(self._gossip_tokens), cfg.gossip_fresh_transmits - fewest)
+        if k <= 0:
+            return
+        for node in self._random_members(k, gossip_at=now):
             msgs = self._take_broadcasts(cfg.gossip_budget)
             if not msgs:
                 break
             m = self.members[node]
             self._out.append(Outgoing(m.addr, node, self._packet(msgs)))
+            self._gossip_tokens -= 1.0
             self.counters["tx_packets"] += 1
             self.counters["tx_gossip"] += 1
 
