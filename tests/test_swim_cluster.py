@@ -325,6 +325,27 @@ def test_a_refutation_goes_out_before_relayed_news():
     assert ack.packet.messages[1] == swim._alive_self()
 
 
+def test_a_relayed_refutation_goes_out_before_accusations_and_news():
+    """A false death is the worse error: an Alive that clears a suspicion is
+    passed on ahead of everything else a member relays."""
+    net, nodes = cluster(3)
+    a, b, c = nodes
+    swim, now = a.swim, net.now
+    swim.outbox()
+    swim.receive(Packet(b.id, (Suspect(0, c.id, b.id),)), b.addr, now)
+    refutation = Alive(1, c.id, c.addr, c.swim.me.meta)
+    swim.receive(Packet(c.id, (refutation,)), c.addr, now)
+    assert swim.members[c.id].state is State.ALIVE
+    swim.receive(Packet(b.id, (Ping(1, a.id),)), b.addr, now)
+    (ack,) = [o for o in swim.outbox() if o.node == b.id]
+    assert refutation in ack.packet.messages
+    strangers = [bytes([0x80 + i]) * 32 for i in range(40)]
+    swim.receive(Packet(b.id, tuple(Alive(0, g, f"10.9.0.{i}:7946", Meta(stage=i))
+                                    for i, g in enumerate(strangers))), b.addr, now)
+    swim.receive(Packet(b.id, (Ping(2, a.id),)), b.addr, now)
+    (ack,) = [o for o in swim.outbox() if o.node == b.id]
+    assert refutation in ack.packet.messages[:3]
+
 def test_dedicated_gossip_stays_within_its_budget_however_busy_the_cluster():
     """Fresh facts go out at once while the token bucket lasts; beyond that the
     gossip rate is gossip_per_period, and the rest rides on probe traffic."""

@@ -40,10 +40,13 @@ class BroadcastQueue:
     def __len__(self) -> int:
         return len(self._items)
 
-    def queue(self, key: object, msg: Message) -> None:
-        """Queue ``msg``; it replaces any queued fact with the same key."""
+    def queue(self, key: object, msg: Message, urgent: bool = False) -> None:
+        """Queue ``msg``; it replaces any queued fact with the same key.
+
+        ``urgent`` facts (and facts about the owner) go before the rest."""
         self._order += 1
-        self._items[key] = _Item(0 if key == self._own else 1, 0, -self._order, key, msg, encoded_size(msg))
+        rank = 0 if urgent or key == self._own else 1
+        self._items[key] = _Item(rank, 0, -self._order, key, msg, encoded_size(msg))
 
     def fewest_transmits(self) -> int | None:
         """How often the least-sent queued fact has gone out; None when empty."""

@@ -417,7 +417,9 @@ class Swim:
         if old is not State.ALIVE:
             m.state, m.state_change = State.ALIVE, now
         self._set_live(m, True)
-        self.broadcasts.queue(msg.node, msg)
+        # A refutation clears a suspicion: it goes before accusations and other news,
+        # so that it beats the suspicion timers it races (a false death is the worse error).
+        self.broadcasts.queue(msg.node, msg, urgent=old is State.SUSPECT)
         if old in (State.DEAD, State.LEFT):
             if msg.node not in self._probe_list:
                 self._probe_list.insert(self.rng.randint(0, len(self._probe_list)), msg.node)
