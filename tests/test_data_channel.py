@@ -214,7 +214,7 @@ async def test_dispatch_keeps_a_senders_order_when_its_path_moves_from_the_relay
                 items.append(await c.data.post(a.identity.node_id, struct.pack("!I", i), timeout=60))
                 await trio.sleep(0.008)
             await all_in.wait()
-            assert got == list(range(count))
+            assert got == list(range(count)), [(i, g) for i, g in enumerate(got) if g != i][:12]
             for item in items:
                 await item.done.wait()
             paths = {item.path for item in items}

@@ -141,7 +141,7 @@ class _App:
     def path_to(self, dst: bytes) -> str:
         if dst == self.node.identity.node_id:
             return "local"
-        return self.node.data.view(dst)["data_out"] or "direct"
+        return self.node.data.path(dst)
 
     async def on_message(self, src: bytes, msg: Message) -> None:
         raise NotImplementedError
@@ -228,21 +228,21 @@ class StageService(_App):
         token = sampler(logits)
         done = "eos" if token in self.eos else ("length" if msg.step + 1 >= s.max_tokens else "")
         self.counters["tokens"] += 1
-        raw = logits.astype(np.float32).tobytes() if s.want_logits else b""
-        to_origin = Token(msg.req_id, msg.origin, msg.step, token, pos, done, raw, s, time.time(),
-                          (*trace, Hop("transit", f"{self.name}->orchestrator", 0.0,
-                                       self.path_to(msg.origin))))
         entry = await resolve(self.node, "pp-stage-0")
-        if done:
-            self.caches.pop(msg.req_id, None)
-            self.samplers.pop(msg.req_id, None)
-            if self.stages > 1:
-                await self.send(entry, Release(msg.req_id))
-        else:
+        if not done:
             # The feedback edge first: it is on the critical path of the next token.
             hop = Hop("transit", f"{self.name}->stage-0", 0.0, self.path_to(entry))
             await self.send(entry, Token(msg.req_id, msg.origin, msg.step, token, pos, "", b"", s,
                                          time.time(), (hop,)))
+        else:
+            self.caches.pop(msg.req_id, None)
+            self.samplers.pop(msg.req_id, None)
+            if self.stages > 1:
+                await self.send(entry, Release(msg.req_id))
+        raw = logits.astype(np.float32).tobytes() if s.want_logits else b""
+        to_origin = Token(msg.req_id, msg.origin, msg.step, token, pos, done, raw, s, time.time(),
+                          (*trace, Hop("transit", f"{self.name}->orchestrator", 0.0,
+                                       self.path_to(msg.origin))))
         await self.send(msg.origin, to_origin)
 
     async def failed(self, msg: Message, exc: Exception) -> None:
