@@ -169,19 +169,26 @@ def create_app(node: Node, token: str | None = None) -> Starlette:
             return None, error(503, str(NotReady(missing)), missing=missing)
         return (orch, params), None
 
-    async def api_generate(request: Request):
+    async def _generate(orch, params: dict):
+        """(result, None), or (None, the error response): 400 for a request that cannot run
+        (e.g. the context does not fit), 503 for a pipeline that failed it."""
         from meshd.pipeline.service import PipelineError
 
+        try:
+            return await orch.generate(**params), None
+        except ValueError as exc:
+            return None, error(400, str(exc))
+        except PipelineError as exc:
+            return None, error(503, str(exc))
+
+    async def api_generate(request: Request):
         ready, failure = await _prepare(request, "prompt")
         if failure is not None:
             return failure
         orch, params = ready
-        try:
-            result = await orch.generate(**params)
-        except ValueError as exc:  # e.g. the context does not fit
-            return error(400, str(exc))
-        except PipelineError as exc:
-            return error(503, str(exc))
+        result, failure = await _generate(orch, params)
+        if failure is not None:
+            return failure
         return JSONResponse({"tokens": result["tokens"], "text": result["text"],
                              "finish_reason": result["finish_reason"], "timings": result["timings"]})
 
@@ -199,12 +206,9 @@ def create_app(node: Node, token: str | None = None) -> Starlette:
         cid, created = f"cmpl-{uuid.uuid4().hex[:16]}", int(time.time())
         model = body.get("model") if isinstance(body.get("model"), str) else "meshd"
         if not body.get("stream"):
-            try:
-                result = await orch.generate(**params)
-            except ValueError as exc:
-                return error(400, str(exc))
-            except PipelineError as exc:
-                return error(503, str(exc))
+            result, failure = await _generate(orch, params)
+            if failure is not None:
+                return failure
             return JSONResponse({
                 "id": cid, "object": "text_completion", "created": created, "model": model,
                 "choices": [{"index": 0, "text": result["text"], "logprobs": None,
