@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 2  # 2: DataChunk.ack_now
+PROTOCOL_VERSION = 3  # 2: DataChunk.ack_now; 3: HeadInput, HeadPart
 
 # A UDP datagram carries at most 65507 bytes of payload; we stay below it.
 MAX_PACKET_BYTES = 60_000
@@ -411,6 +411,38 @@ class StageError(Message):
     _fields_ = (_str, _str, _str)
 
 
+@dataclass(frozen=True, slots=True)
+class HeadInput(Message):
+    """The last stage's final hidden state for step ``step``, normalised, sent to stage 0,
+    which computes its rows of the LM head while the last stage computes the rest."""
+
+    TAG = 17
+    req_id: str
+    origin: bytes
+    step: int
+    pos: int  # where the sampled token goes
+    hidden: bytes  # (dims,) float32
+    sampling: Sampling
+    sent_at: float
+    trace: tuple[Hop, ...]
+    _fields_ = (_str, _node_id, _uint, _uint, _blob, _nested(Sampling), _float, _trace)
+
+
+@dataclass(frozen=True, slots=True)
+class HeadPart(Message):
+    """The last stage's rows of the LM head for step ``step``, cut to the entries that can
+    be sampled (``meshd.pipeline.sampling.shortlist``), sent to stage 0, which samples."""
+
+    TAG = 18
+    req_id: str
+    origin: bytes
+    step: int
+    ids: bytes  # int64 token ids, ascending
+    values: bytes  # float32, one per id
+    ms: float  # the last stage's compute for its rows
+    _fields_ = (_str, _node_id, _uint, _blob, _blob, _float)
+
+
 # --- path summaries: each node's own outbound view, gossiped for the topology ---
 
 MAX_PATH_ENTRIES = 64
@@ -458,7 +490,7 @@ class PathSummary(Message):
 MESSAGE_TYPES: dict[int, type[Message]] = {
     cls.TAG: cls
     for cls in (Ping, PingReq, Ack, Nack, Alive, Suspect, Dead, PushPull, NameClaim, DataChunk, DataAck,
-                Activation, Token, Release, StageError, PathSummary)
+                Activation, Token, Release, StageError, PathSummary, HeadInput, HeadPart)
 }
 
 

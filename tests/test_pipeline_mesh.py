@@ -67,6 +67,28 @@ async def test_pipelined_tokens_and_logits_equal_the_reference(checkpoint, stage
             nursery.cancel_scope.cancel()
 
 
+@pytest.mark.parametrize("stages", [2, 3, 5])
+async def test_the_lm_head_cut_between_the_last_stage_and_stage_0_samples_the_same_tokens(checkpoint, stages):
+    """Without want_logits, greedy and top-k requests split the head's rows: the last stage
+    and stage 0 each compute half and stage 0 samples from the merged shortlists.  The tokens
+    are the reference's; temperature without top-k needs every logit and keeps the whole head
+    at the last stage."""
+    lines: list[str] = []
+    with trio.fail_after(90):
+        async with trio.open_nursery() as nursery:
+            nodes = await start_pipeline(nursery, checkpoint, stages, lines)
+            orch = nodes[0].app
+            for temperature, top_k, seed, split in ((0.0, 0, 0, True), (0.9, 20, 7, True), (1.3, 3, 11, True),
+                                                    (0.9, 0, 5, False)):
+                got = await orch.generate(PROMPT, 16, temperature, top_k, seed)
+                want = reference(checkpoint, 16, temperature, top_k, seed)
+                assert got["tokens"] == want["tokens"], (temperature, top_k, seed)
+                names = {h["name"] for h in got["timings"]["hops"] if h["kind"] == "compute"}
+                halves = {"stage-0 head", f"stage-{stages - 1} head"}
+                assert (halves <= names) is split, names
+            nursery.cancel_scope.cancel()
+
+
 async def test_feedback_edge_over_the_relay_still_matches(checkpoint):
     lines: list[str] = []
     with trio.fail_after(90):
@@ -77,6 +99,11 @@ async def test_feedback_edge_over_the_relay_still_matches(checkpoint):
             assert got["tokens"] == want["tokens"]
             np.testing.assert_allclose(got["logits"], want["logits"], rtol=1e-4, atol=1e-4)
             feedback = [h for h in got["timings"]["hops"] if h["name"] == "stage-2->stage-0"]
+            assert feedback and feedback[0]["path"] == "relay"
+            # The same with the head cut in two: both halves reach stage 0 over the relay.
+            split = await nodes[0].app.generate(PROMPT, 10, 0.9, 20, 3)
+            assert split["tokens"] == reference(checkpoint, 10, 0.9, 20, 3)["tokens"]
+            feedback = [h for h in split["timings"]["hops"] if h["name"] == "stage-2->stage-0"]
             assert feedback and feedback[0]["path"] == "relay"
             assert not [line for line in lines if line.startswith("meshd member dead")]
             nursery.cancel_scope.cancel()

@@ -95,6 +95,13 @@ EXAMPLES: dict[int, wire.Message] = {
         wire.PathEntry(NODE_B, "relay", 400, 3, "direct ping unanswered", 12_000),
         wire.PathEntry(SENDER, "direct", 0, 0, "", 0),
     )),
+    wire.HeadInput.TAG: wire.HeadInput(
+        req_id="r1", origin=NODE_B, step=3, pos=9, hidden=b"\x00" * 16,
+        sampling=wire.Sampling(max_tokens=8, temperature=0.8, top_k=20, seed=1, want_logits=False),
+        sent_at=3.0, trace=(wire.Hop("compute", "stage-2", 0.5, ""),),
+    ),
+    wire.HeadPart.TAG: wire.HeadPart(req_id="r1", origin=NODE_B, step=3, ids=b"\x01" * 8,
+                                     values=b"\x02" * 4, ms=0.25),
 }
 
 

@@ -229,6 +229,18 @@ class StageModel:
         cache.length = max(cache.length, end)
         return x
 
+    def final_norm(self, hidden: np.ndarray) -> np.ndarray:
+        """The final RMSNorm, hidden (T, D) -> (T, D): what the LM head multiplies."""
+        if self._norm is None:
+            raise RuntimeError(f"stage {self.layer_range} has no LM head")
+        return rms_norm(hidden, self._norm, self._eps)
+
+    def head_logits(self, normed: np.ndarray, rows: slice) -> np.ndarray:
+        """Logits for the token ids in ``rows`` only: normed (T, D) -> (T, len(rows))."""
+        if self._head is None:
+            raise RuntimeError(f"stage {self.layer_range} has no LM head")
+        return normed @ self._head[rows].T
+
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         """Final norm and LM head: hidden (T, D) -> logits (T, V) float32.
 

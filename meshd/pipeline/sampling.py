@@ -2,12 +2,51 @@
 
 A ``Sampler`` owns the request's ``np.random.Generator``; it draws exactly one
 float32 per sampled step, so the same seed and the same logits give the same
-tokens, wherever the sampler runs (the pipeline's last stage or one process).
+tokens, wherever the sampler runs.
+
+Choosing is split in two so that the LM head can be cut by vocabulary rows
+across two stages: ``shortlist`` keeps, from one slice of the logits, the only
+entries that can win (the argmax, or every entry at or above the slice's k-th
+largest scaled value); ``merge`` joins the slices' shortlists and ``choose``
+picks from them.  The global top-k lies within the union of the slices'
+top-k, so the pick equals the one over the whole vector, bit for bit; the
+single-process reference runs the same three steps on one slice.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+Shortlist = tuple[np.ndarray, np.ndarray]  # (token ids int64 ascending, values float32)
+
+
+def is_greedy(temperature: float, top_k: int) -> bool:
+    return temperature == 0 or top_k == 1
+
+
+def shortlist(logits: np.ndarray, temperature: float, top_k: int, offset: int = 0) -> Shortlist:
+    """From ``logits`` (V_slice,) float32 for token ids offset.., the entries that can be chosen."""
+    if is_greedy(temperature, top_k):
+        i = int(np.argmax(logits))
+        return np.array([offset + i], dtype=np.int64), np.asarray(logits[i:i + 1], dtype=np.float32)
+    scaled = np.asarray(logits, dtype=np.float32) / np.float32(temperature)
+    if 0 < top_k < scaled.shape[0]:
+        # keep the k largest; ties at the threshold stay in, deterministically
+        kth = np.partition(scaled, -top_k)[-top_k]
+        candidates = np.flatnonzero(scaled >= kth)
+    else:
+        candidates = np.arange(scaled.shape[0])
+    return candidates.astype(np.int64) + offset, scaled[candidates]
+
+
+def merge(parts: list[Shortlist], top_k: int) -> Shortlist:
+    """Join shortlists of consecutive slices (given in slice order) into one."""
+    ids = np.concatenate([p[0] for p in parts])
+    values = np.concatenate([p[1] for p in parts])
+    if 0 < top_k < values.shape[0]:
+        keep = values >= np.partition(values, -top_k)[-top_k]
+        ids, values = ids[keep], values[keep]
+    return ids, values
 
 
 class Sampler:
@@ -23,25 +62,22 @@ class Sampler:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return is_greedy(self.temperature, self.top_k)
 
     def __call__(self, logits: np.ndarray) -> int:
         """logits: (V,) float32 -> the next token id."""
+        return self.choose(merge([shortlist(logits, self.temperature, self.top_k)], self.top_k))
+
+    def choose(self, merged: Shortlist) -> int:
+        """The next token id from the merged shortlist of every slice of the logits."""
+        ids, values = merged
         if self.greedy:
-            return int(np.argmax(logits))
-        scaled = np.asarray(logits, dtype=np.float32) / self.temperature
-        if 0 < self.top_k < scaled.shape[0]:
-            # keep the k largest; ties at the threshold stay in, deterministically
-            kth = np.partition(scaled, -self.top_k)[-self.top_k]
-            candidates = np.flatnonzero(scaled >= kth)
-        else:
-            candidates = np.arange(scaled.shape[0])
-        chosen = scaled[candidates]
-        probs = np.exp(chosen - chosen.max())  # float32
+            return int(ids[int(np.argmax(values))])  # the first maximum: the lowest id, as argmax over all
+        probs = np.exp(values - values.max())  # float32
         cdf = np.cumsum(probs)
         u = self._rng.random(dtype=np.float32) * cdf[-1]
-        i = min(int(np.searchsorted(cdf, u, side="right")), len(candidates) - 1)
-        return int(candidates[i])
+        i = min(int(np.searchsorted(cdf, u, side="right")), len(ids) - 1)
+        return int(ids[i])
 
 
 def greedy(logits: np.ndarray) -> int:

@@ -26,6 +26,8 @@ from ..net.channel import DeliveryError
 from ..wire import (
     MAX_DATA_MESSAGE_BYTES,
     Activation,
+    HeadInput,
+    HeadPart,
     Hop,
     Message,
     Packet,
@@ -40,7 +42,7 @@ from ..wire import (
 from .config import LlamaConfig
 from .generate import check_context, prompt_ids
 from .model import KVCache, StageModel, split_layers
-from .sampling import Sampler
+from .sampling import Sampler, Shortlist, is_greedy, merge, shortlist
 from .tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
@@ -169,12 +171,25 @@ class StageService(_App):
         self.name = f"stage-{stage}"
         config = LlamaConfig.load(model_dir)
         self.layers = split_layers(config.num_hidden_layers, stages)[stage]
-        self.model = StageModel.load(model_dir, self.layers, config=config)
         self.last = stage == stages - 1
+        # With two stages or more, stage 0 and the last stage each compute half of the LM
+        # head's rows at once, and stage 0 samples (see _share_head): the head is the
+        # biggest matmul of a decode step, and stage 0 would only wait for the token.
+        first_of_many = stage == 0 and stages >= 2
+        self.model = StageModel.load(model_dir, self.layers, config=config,
+                                     head=True if first_of_many else None)
+        cut = config.vocab_size // 2
+        self.head_rows = slice(0, cut) if stage == 0 else slice(cut, config.vocab_size)
         self.eos = set(config.eos_token_ids)
         self.caches: dict[str, KVCache] = {}
         self.samplers: dict[str, Sampler] = {}
+        self._heads: dict[tuple[str, int], _HeadJoin] = {}  # at stage 0: (req_id, step) -> the two halves
         self.counters = {"activations": 0, "tokens": 0, "errors": 0}
+
+    def _splits_head(self, s: Sampling) -> bool:
+        """Whether this request's head is cut in two; not when every logit must travel
+        (``want_logits``) or be sampled from (temperature without top-k)."""
+        return self.stages >= 2 and not s.want_logits and (is_greedy(s.temperature, s.top_k) or s.top_k > 0)
 
     async def on_message(self, src: bytes, msg: Message) -> None:
         if isinstance(msg, Activation):
@@ -184,9 +199,12 @@ class StageService(_App):
                 msg.req_id, msg.origin, msg.pos, msg.step + 1, 0, 0, b"", (msg.token,),
                 msg.sampling, msg.sent_at, msg.trace,
             ))
+        elif isinstance(msg, HeadInput):
+            await self._head_input(msg)
+        elif isinstance(msg, HeadPart):
+            await self._head_part(msg)
         elif isinstance(msg, Release):
-            self.caches.pop(msg.req_id, None)
-            self.samplers.pop(msg.req_id, None)
+            self._forget(msg.req_id)
             if not self.last:
                 await self.send(await resolve(self.node, f"pp-stage-{self.stage + 1}"), msg)
 
@@ -212,9 +230,14 @@ class StageService(_App):
             out = await trio.to_thread.run_sync(model.forward, hidden, cache, msg.pos)
         else:  # a decode step is shorter than a thread hand-off
             out = model.forward(hidden, cache, msg.pos)
+        pos = msg.pos + hidden.shape[0]
+        if self.last and self._splits_head(msg.sampling):
+            normed = model.final_norm(out[-1:])
+            trace = (*trace, Hop("compute", self.name, (time.perf_counter() - t0) * 1000, ""))
+            await self._share_head(msg, normed, trace, pos)
+            return
         logits = model.logits(out[-1:])[0] if self.last else None
         trace = (*trace, Hop("compute", self.name, (time.perf_counter() - t0) * 1000, ""))
-        pos = msg.pos + hidden.shape[0]
         if not self.last:
             nxt = await resolve(self.node, f"pp-stage-{self.stage + 1}")
             hop = Hop("transit", f"{self.name}->stage-{self.stage + 1}", 0.0, self.path_to(nxt))
@@ -238,14 +261,94 @@ class StageService(_App):
             await self.send(entry, Token(msg.req_id, msg.origin, msg.step, token, pos, "", b"", s,
                                          time.time(), (hop,)))
         else:
-            self.caches.pop(msg.req_id, None)
-            self.samplers.pop(msg.req_id, None)
+            self._forget(msg.req_id)
             if self.stages > 1:
                 await self.send(entry, Release(msg.req_id))
         raw = logits.astype(np.float32).tobytes() if s.want_logits else b""
         to_origin = Token(msg.req_id, msg.origin, msg.step, token, pos, done, raw, s, time.time(),
                           (*trace, Hop("transit", f"{self.name}->orchestrator", 0.0,
                                        self.path_to(msg.origin))))
+        await self.send(msg.origin, to_origin)
+
+    def _forget(self, req_id: str) -> None:
+        self.caches.pop(req_id, None)
+        self.samplers.pop(req_id, None)
+        for key in [k for k in self._heads if k[0] == req_id]:
+            del self._heads[key]
+
+    # --- the LM head in two halves: the last stage and stage 0 ---
+
+    async def _share_head(self, msg: Activation, normed: np.ndarray, trace: tuple[Hop, ...],
+                          pos: int) -> None:
+        """At the last stage: stage 0 gets the normalised hidden state first, and computes its
+        rows while we compute ours; then it gets our shortlist, and samples."""
+        s = msg.sampling
+        entry = await resolve(self.node, "pp-stage-0")
+        hop = Hop("transit", f"{self.name}->stage-0", 0.0, self.path_to(entry))
+        await self.send(entry, HeadInput(msg.req_id, msg.origin, msg.step, pos,
+                                         np.ascontiguousarray(normed[0], dtype="<f4").tobytes(), s,
+                                         time.time(), (*trace, hop)))
+        t0 = time.perf_counter()
+        logits = self.model.head_logits(normed, self.head_rows)[0]
+        ids, values = shortlist(logits, s.temperature, s.top_k, self.head_rows.start)
+        await self.send(entry, HeadPart(msg.req_id, msg.origin, msg.step, ids.astype("<i8").tobytes(),
+                                        values.astype("<f4").tobytes(), (time.perf_counter() - t0) * 1000))
+
+    def _join(self, req_id: str, step: int) -> _HeadJoin:
+        join = self._heads.get((req_id, step))
+        if join is None:
+            join = self._heads[(req_id, step)] = _HeadJoin()
+            while len(self._heads) > MAX_CACHED_REQUESTS:  # halves of requests that died midway
+                self._heads.pop(next(iter(self._heads)))
+        return join
+
+    async def _head_input(self, msg: HeadInput) -> None:
+        """At stage 0: our rows of the head for this step."""
+        dims = self.model.config.hidden_size
+        if len(msg.hidden) != 4 * dims:
+            raise PipelineError(f"{self.name}: head input of {len(msg.hidden)} bytes, expected {4 * dims}")
+        s = msg.sampling
+        t0 = time.perf_counter()
+        normed = np.frombuffer(msg.hidden, dtype="<f4").reshape(1, dims)
+        mine = shortlist(self.model.head_logits(normed, self.head_rows)[0], s.temperature, s.top_k)
+        join = self._join(msg.req_id, msg.step)
+        join.input, join.trace = msg, _arrived(msg.trace, msg.sent_at)
+        join.mine, join.mine_ms = mine, (time.perf_counter() - t0) * 1000
+        if join.theirs is not None:
+            await self._sample(msg.req_id, msg.step)
+
+    async def _head_part(self, msg: HeadPart) -> None:
+        """At stage 0: the last stage's shortlist for this step."""
+        join = self._join(msg.req_id, msg.step)
+        join.theirs = _their_shortlist(msg, self.head_rows.stop, self.model.config.vocab_size)
+        join.their_ms = msg.ms
+        if join.input is not None:
+            await self._sample(msg.req_id, msg.step)
+
+    async def _sample(self, req_id: str, step: int) -> None:
+        join = self._heads.pop((req_id, step))
+        msg = join.input
+        assert msg is not None and join.mine is not None and join.theirs is not None
+        s = msg.sampling
+        t0 = time.perf_counter()
+        sampler = self.samplers.get(req_id)
+        if sampler is None:
+            sampler = self.samplers[req_id] = Sampler(s.temperature, s.top_k, s.seed)
+        token = sampler.choose(merge([join.mine, join.theirs], s.top_k))
+        done = "eos" if token in self.eos else ("length" if step + 1 >= s.max_tokens else "")
+        self.counters["tokens"] += 1
+        trace = (*join.trace,
+                 Hop("compute", f"{self.name} head", join.mine_ms + (time.perf_counter() - t0) * 1000, ""),
+                 Hop("compute", f"stage-{self.stages - 1} head", join.their_ms, ""))
+        hop = Hop("transit", f"{self.name}->orchestrator", 0.0, self.path_to(msg.origin))
+        to_origin = Token(req_id, msg.origin, step, token, msg.pos, done, b"", s, time.time(), (*trace, hop))
+        if done:
+            self._forget(req_id)
+            await self.send(await resolve(self.node, f"pp-stage-{self.stage + 1}"), Release(req_id))
+        else:
+            # The next step first: it is the critical path; the orchestrator's copy after.
+            await self._activation(Activation(req_id, msg.origin, msg.pos, step + 1, 0, 0, b"", (token,), s,
+                                              0.0, ()))
         await self.send(msg.origin, to_origin)
 
     async def failed(self, msg: Message, exc: Exception) -> None:
@@ -259,6 +362,31 @@ class StageService(_App):
             await self.send(origin, StageError(req_id, self.name, text[:500]))
         except Exception as send_exc:
             log.warning("%s: could not report the failure of %s: %s", self.name, req_id, send_exc)
+
+
+@dataclass
+class _HeadJoin:
+    """Stage 0's two halves of one step's LM head, whichever comes first."""
+
+    input: HeadInput | None = None
+    trace: tuple[Hop, ...] = ()
+    mine: Shortlist | None = None
+    mine_ms: float = 0.0
+    theirs: Shortlist | None = None
+    their_ms: float = 0.0
+
+
+def _their_shortlist(msg: HeadPart, low: int, vocab: int) -> Shortlist:
+    """The last stage's shortlist, checked: ids ascending within its rows [low, vocab)."""
+    if len(msg.ids) % 8 or len(msg.values) != len(msg.ids) // 2 or not msg.ids:
+        raise PipelineError(f"head part for {msg.req_id} step {msg.step}: {len(msg.ids)} bytes of ids "
+                            f"and {len(msg.values)} of values do not pair up")
+    ids = np.frombuffer(msg.ids, dtype="<i8").astype(np.int64)
+    values = np.frombuffer(msg.values, dtype="<f4").astype(np.float32)
+    if ids[0] < low or ids[-1] >= vocab or (ids.size > 1 and np.any(np.diff(ids) <= 0)):
+        raise PipelineError(f"head part for {msg.req_id} step {msg.step}: ids outside {low}..{vocab - 1} "
+                            f"or not ascending")
+    return ids, values
 
 
 @dataclass
