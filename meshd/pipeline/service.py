@@ -340,8 +340,6 @@ class StageService(_App):
         trace = (*join.trace,
                  Hop("compute", f"{self.name} head", join.mine_ms + (time.perf_counter() - t0) * 1000, ""),
                  Hop("compute", f"stage-{self.stages - 1} head", join.their_ms, ""))
-        hop = Hop("transit", f"{self.name}->orchestrator", 0.0, self.path_to(msg.origin))
-        to_origin = Token(req_id, msg.origin, step, token, msg.pos, done, b"", s, time.time(), (*trace, hop))
         if done:
             self._forget(req_id)
             await self.send(await resolve(self.node, f"pp-stage-{self.stage + 1}"), Release(req_id))
@@ -349,7 +347,9 @@ class StageService(_App):
             # The next step first: it is the critical path; the orchestrator's copy after.
             await self._activation(Activation(req_id, msg.origin, msg.pos, step + 1, 0, 0, b"", (token,), s,
                                               0.0, ()))
-        await self.send(msg.origin, to_origin)
+        hop = Hop("transit", f"{self.name}->orchestrator", 0.0, self.path_to(msg.origin))
+        await self.send(msg.origin, Token(req_id, msg.origin, step, token, msg.pos, done, b"", s, time.time(),
+                                          (*trace, hop)))
 
     async def failed(self, msg: Message, exc: Exception) -> None:
         self.counters["errors"] += 1
