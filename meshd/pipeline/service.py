@@ -307,12 +307,13 @@ class StageService(_App):
         dims = self.model.config.hidden_size
         if len(msg.hidden) != 4 * dims:
             raise PipelineError(f"{self.name}: head input of {len(msg.hidden)} bytes, expected {4 * dims}")
+        trace = _arrived(msg.trace, msg.sent_at)
         s = msg.sampling
         t0 = time.perf_counter()
         normed = np.frombuffer(msg.hidden, dtype="<f4").reshape(1, dims)
         mine = shortlist(self.model.head_logits(normed, self.head_rows)[0], s.temperature, s.top_k)
         join = self._join(msg.req_id, msg.step)
-        join.input, join.trace = msg, _arrived(msg.trace, msg.sent_at)
+        join.input, join.trace = msg, trace
         join.mine, join.mine_ms = mine, (time.perf_counter() - t0) * 1000
         if join.theirs is not None:
             await self._sample(msg.req_id, msg.step)
