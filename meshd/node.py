@@ -97,6 +97,7 @@ class Node:
             addr_of=self._addr_of,
             describe=self.describe,
             relay_send=self.relay.send if self.relay is not None else None,
+            sign=identity.sign,
             faults=options.faults,
         )
 

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 3  # 2: DataChunk.ack_now; 3: HeadInput, HeadPart
+PROTOCOL_VERSION = 4  # 2: DataChunk.ack_now; 3: HeadInput, HeadPart; 4: stream handshake
 
 # A UDP datagram carries at most 65507 bytes of payload; we stay below it.
 MAX_PACKET_BYTES = 60_000
@@ -443,6 +443,44 @@ class HeadPart(Message):
     _fields_ = (_str, _node_id, _uint, _blob, _blob, _float)
 
 
+# --- the data channel's stream handshake: each end proves its node id ---
+
+STREAM_NONCE_BYTES = 16
+SIGNATURE_BYTES = 64
+
+
+def _nonce(value: Any) -> bytes:
+    if type(value) is not bytes or len(value) != STREAM_NONCE_BYTES:
+        raise WireError(f"expected a {STREAM_NONCE_BYTES}-byte nonce")
+    return value
+
+
+def _signature(value: Any) -> bytes:
+    if type(value) is not bytes or len(value) != SIGNATURE_BYTES:
+        raise WireError(f"expected a {SIGNATURE_BYTES}-byte signature")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class StreamChallenge(Message):
+    """The first frame on an accepted data stream: sign this to say who you are."""
+
+    TAG = 19
+    nonce: bytes
+    _fields_ = (_nonce,)
+
+
+@dataclass(frozen=True, slots=True)
+class StreamProof(Message):
+    """The packet's sender signed the other end's nonce (see ``meshd.net.channel``);
+    ``nonce`` is the sender's own challenge back, for the dialler's first proof."""
+
+    TAG = 20
+    nonce: bytes
+    signature: bytes
+    _fields_ = (_nonce, _signature)
+
+
 # --- path summaries: each node's own outbound view, gossiped for the topology ---
 
 MAX_PATH_ENTRIES = 64
@@ -490,7 +528,8 @@ class PathSummary(Message):
 MESSAGE_TYPES: dict[int, type[Message]] = {
     cls.TAG: cls
     for cls in (Ping, PingReq, Ack, Nack, Alive, Suspect, Dead, PushPull, NameClaim, DataChunk, DataAck,
-                Activation, Token, Release, StageError, PathSummary, HeadInput, HeadPart)
+                Activation, Token, Release, StageError, PathSummary, HeadInput, HeadPart, StreamChallenge,
+                StreamProof)
 }
 
 

@@ -8,12 +8,14 @@ import struct
 import pytest
 import trio
 
-from meshd.net.channel import DeliveryError
+from meshd.identity import Identity
+from meshd.net.channel import DeliveryError, HandshakeError, _frame, _proof_data, _read_packet
 from meshd.net.faults import Faults
 from meshd.node import NodeOptions
 from meshd.relay.server import RelayBindError, serve_relay
 from meshd.swim import LOCAL
 from meshd.testing.inprocess import start_node, wait_converged
+from meshd.wire import STREAM_NONCE_BYTES, DataChunk, Packet, StreamProof
 
 N_MESSAGES = 1000
 
@@ -219,4 +221,70 @@ async def test_dispatch_keeps_a_senders_order_when_its_path_moves_from_the_relay
                 await item.done.wait()
             paths = {item.path for item in items}
             assert paths == {"relay", "direct"}, paths  # both paths carried some of them
+            nursery.cancel_scope.cancel()
+
+
+async def _handshake_as(addr: str, claimed: bytes, signer: Identity, chunk: bytes):
+    """Dial ``addr`` as ``claimed``, signing with ``signer``'s key; then send one data chunk.
+
+    Returns the node's proof packet, or None if it closed the stream instead."""
+    host, _, port = addr.rpartition(":")
+    stream = await trio.open_tcp_stream(host, int(port))
+    async with stream:
+        buf = bytearray()
+        challenge = (await _read_packet(stream, buf))
+        target = challenge.sender
+        nonce = b"\x05" * STREAM_NONCE_BYTES
+        proof = StreamProof(nonce, signer.sign(_proof_data(challenge.messages[0].nonce, target, claimed)))
+        await stream.send_all(_frame(Packet(claimed, (proof,))))
+        try:
+            answer = await _read_packet(stream, buf)
+        except HandshakeError:
+            return None
+        await stream.send_all(_frame(Packet(claimed, (DataChunk(1, 1, len(chunk), 0, chunk),))))
+        await trio.sleep(0.5)
+        return answer
+
+
+async def test_a_data_stream_must_prove_its_node_id_before_anything_is_delivered():
+    """The handshake: a dialler that signs for an id it does not hold gets no stream, and
+    nothing it sends is delivered; one that proves its own id is heard, as itself."""
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            mesh = Mesh(nursery, nursery)
+            await mesh.start([])
+            a, victim = mesh.a, mesh.b.identity.node_id
+            intruder = Identity.generate()
+            got: list = []
+            nursery.start_soon(_collect, a, 10, got)
+            # Claims to be stage-0 but signs with its own key: refused, nothing delivered.
+            assert await _handshake_as(a.addr, victim, intruder, b"forged") is None
+            assert a.data.counters["handshake_failures"] == 1
+            # The same client proving its own id is heard, under that id (the test's handshake is right).
+            answer = await _handshake_as(a.addr, intruder.node_id, intruder, b"honest")
+            assert answer is not None and answer.sender == a.identity.node_id
+            with trio.fail_after(5):
+                while not got:
+                    await trio.sleep(0.05)
+            assert got == [(intruder.node_id, b"honest")]
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_dial_answered_by_another_node_is_a_path_failure_naming_it():
+    """A direct dial that reaches the wrong node fails its handshake; the relay carries on."""
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            mesh = Mesh(nursery, nursery)
+            await mesh.start([])
+            b, c, d = mesh.b, mesh.c, mesh.d
+            # B believes D lives at C's address (a stale or hijacked address).
+            real = b.data.addr_of
+            b.data.addr_of = lambda node: c.addr if node == d.identity.node_id else real(node)
+            got: list = []
+            async with trio.open_nursery() as inner:
+                inner.start_soon(_collect, d, 1, got)
+                assert await b.data.send(d.identity.node_id, b"for d only", timeout=10) == "relay"
+            assert got == [(b.identity.node_id, b"for d only")]  # not C: the relay carried it to D
+            failure = b.data.view(d.identity.node_id)["data_last_failure"]
+            assert f"answers as {c.identity.prefix}, not {d.identity.prefix}" in failure
             nursery.cancel_scope.cancel()

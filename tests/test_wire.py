@@ -102,6 +102,9 @@ EXAMPLES: dict[int, wire.Message] = {
     ),
     wire.HeadPart.TAG: wire.HeadPart(req_id="r1", origin=NODE_B, step=3, ids=b"\x01" * 8,
                                      values=b"\x02" * 4, ms=0.25),
+    wire.StreamChallenge.TAG: wire.StreamChallenge(nonce=b"\x07" * wire.STREAM_NONCE_BYTES),
+    wire.StreamProof.TAG: wire.StreamProof(nonce=b"\x08" * wire.STREAM_NONCE_BYTES,
+                                           signature=b"\x09" * wire.SIGNATURE_BYTES),
 }
 
 

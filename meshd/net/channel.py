@@ -6,6 +6,13 @@ exactly once and in order even when the path changes halfway through it (see
 :mod:`meshd.net.reassembly`).  A send that cannot be delivered fails within
 its timeout with an error that names the peer and every path tried.
 
+A direct stream starts with a handshake in which each end proves its node id:
+the accepting end sends a nonce (StreamChallenge), the dialler signs it with
+its node key and sends a nonce of its own (StreamProof), and the accepting end
+signs that back.  Every later frame must come from the proven id, so nobody who
+can reach the port can speak for a member, and a dial that reaches someone else
+fails as a path failure.
+
 Dial policy: one attempt at a time with a per-attempt timeout; a failed or
 broken stream is dropped, never reused, and the direct path is not dialled
 again for a backoff (doubling, with jitter) while the relay carries the data.
@@ -21,10 +28,23 @@ import struct
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import trio
 
-from ..wire import MAX_FRAME_BYTES, DataAck, DataChunk, Packet, WireError, decode, encode
+from ..identity import prefix, verify
+from ..wire import (
+    MAX_FRAME_BYTES,
+    STREAM_NONCE_BYTES,
+    DataAck,
+    DataChunk,
+    Packet,
+    StreamChallenge,
+    StreamProof,
+    WireError,
+    decode,
+    encode,
+)
 from .faults import Faults
 from .reassembly import ChunkError, Reassembler
 
@@ -72,9 +92,50 @@ class PathFailed(Exception):
     """One attempt over one path failed; the reason goes into the DeliveryError."""
 
 
+class HandshakeError(Exception):
+    """A stream's handshake did not prove the other end's node id."""
+
+
+def _proof_data(nonce: bytes, verifier: bytes, prover: bytes) -> bytes:
+    """What a stream's end signs: the other end's nonce, and both ids, in their roles."""
+    return b"meshd data stream v1\0" + nonce + verifier + prover
+
+
+def _frame(packet: Packet) -> bytes:
+    data = encode(packet, MAX_FRAME_BYTES)
+    return _LEN.pack(len(data)) + data
+
+
+async def _read_packet(stream: trio.SocketStream, buf: bytearray) -> Packet:
+    """The next whole frame from ``stream`` (bytes after it stay in ``buf``), decoded."""
+    while True:
+        if len(buf) >= _LEN.size:
+            (n,) = _LEN.unpack_from(buf)
+            if n > MAX_FRAME_BYTES:
+                raise HandshakeError(f"a frame of {n} bytes")
+            if len(buf) >= _LEN.size + n:
+                frame = bytes(buf[_LEN.size:_LEN.size + n])
+                del buf[:_LEN.size + n]
+                try:
+                    return decode(frame, MAX_FRAME_BYTES)
+                except WireError as exc:
+                    raise HandshakeError(f"not our protocol ({exc})") from None
+        data = await stream.receive_some(RECV_BYTES)
+        if not data:
+            raise HandshakeError("the stream closed")
+        buf += data
+
+
+def _only(packet: Packet, kind: type) -> Any:
+    if len(packet.messages) != 1 or not isinstance(packet.messages[0], kind):
+        raise HandshakeError(f"expected {kind.__name__} from {prefix(packet.sender)}")
+    return packet.messages[0]
+
+
 @dataclass
 class ChannelConfig:
     dial_timeout: float = 1.0
+    handshake_timeout: float = 2.0  # for the three frames that prove each end's node id
     ack_timeout: float = 2.0  # after the last chunk is out
     direct_backoff: float = 2.0  # first wait before dialling a failed peer again
     direct_backoff_max: float = 30.0
@@ -129,10 +190,12 @@ class DataChannel:
         addr_of: Callable[[bytes], str | None],
         describe: Callable[[bytes], str],
         relay_send: Callable[[bytes, bytes], Awaitable[None]] | None,
+        sign: Callable[[bytes], bytes],
         faults: Faults | None = None,
         config: ChannelConfig | None = None,
     ) -> None:
         self.id = node_id
+        self.sign = sign
         self.addr_of = addr_of
         self.describe = describe
         self.relay_send = relay_send
@@ -153,7 +216,7 @@ class DataChannel:
         self._relay_budget_at = 0.0
         self.counters: dict[str, int] = {
             "sent": 0, "delivered": 0, "resent": 0, "bad_frames": 0, "streams_in": 0,
-            "streams_refused": 0, "dials": 0, "dial_failures": 0,
+            "streams_refused": 0, "handshake_failures": 0, "dials": 0, "dial_failures": 0,
         }
 
     # ------------------------------------------------------------- serving
@@ -168,22 +231,64 @@ class DataChannel:
     async def _handle_inbound(self, stream: trio.SocketStream) -> None:
         self.counters["streams_in"] += 1
         async with stream:
-            await self._read_stream(stream, None)
+            buf = bytearray()
+            try:
+                with trio.fail_after(self.config.handshake_timeout):
+                    dialler = await self._prove_inbound(stream, buf)
+            except (HandshakeError, trio.TooSlowError, trio.BrokenResourceError,
+                    trio.ClosedResourceError) as exc:
+                self.counters["handshake_failures"] += 1
+                log.debug("inbound data stream refused: %s", exc or "handshake timed out")
+                return
+            await self._read_stream(stream, dialler, buf)
 
-    async def _read_stream(self, stream: trio.SocketStream, expect: bytes | None) -> None:
-        """Read frames until the stream ends; acks go back on the same stream.
+    async def _prove_inbound(self, stream: trio.SocketStream, buf: bytearray) -> bytes:
+        """Challenge the dialler, check its proof, prove ourselves; returns its node id."""
+        nonce = os.urandom(STREAM_NONCE_BYTES)
+        await stream.send_all(_frame(Packet(self.id, (StreamChallenge(nonce),))))
+        packet = await _read_packet(stream, buf)
+        proof = _only(packet, StreamProof)
+        if not verify(packet.sender, proof.signature, _proof_data(nonce, self.id, packet.sender)):
+            raise HandshakeError(f"{prefix(packet.sender)}'s signature does not verify")
+        addr = self.addr_of(packet.sender)
+        if addr is not None and self.faults.stream_blocked(addr):
+            raise HandshakeError("a fault blocks this link")  # as a filter would have
+        signature = self.sign(_proof_data(proof.nonce, packet.sender, self.id))
+        await stream.send_all(_frame(Packet(self.id, (StreamProof(nonce, signature),))))
+        return packet.sender
+
+    async def _prove_outbound(self, node: bytes, stream: trio.SocketStream, buf: bytearray) -> None:
+        """Answer the challenge of the node we dialled, and check that it is that node."""
+        packet = await _read_packet(stream, buf)
+        challenge = _only(packet, StreamChallenge)
+        if packet.sender != node:
+            raise HandshakeError(f"the address answers as {prefix(packet.sender)}, not {prefix(node)}")
+        nonce = os.urandom(STREAM_NONCE_BYTES)
+        signature = self.sign(_proof_data(challenge.nonce, node, self.id))
+        await stream.send_all(_frame(Packet(self.id, (StreamProof(nonce, signature),))))
+        packet = await _read_packet(stream, buf)
+        proof = _only(packet, StreamProof)
+        if packet.sender != node or not verify(node, proof.signature, _proof_data(nonce, self.id, node)):
+            raise HandshakeError(f"{prefix(node)}'s signature does not verify")
+
+    async def _read_stream(self, stream: trio.SocketStream, expect: bytes, buf: bytearray) -> None:
+        """Read frames from ``expect`` until the stream ends; acks go back on the same stream.
 
         Every frame that one read brings is handled, its messages delivered,
-        and then one packet acknowledges all of them.
+        and then one packet acknowledges all of them.  ``buf`` holds what the
+        handshake read past its last frame.
         """
-        buf = bytearray()
+        first = bool(buf)
         while True:
-            try:
-                data = await stream.receive_some(RECV_BYTES)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                return
-            if not data:
-                return
+            if first:
+                first, data = False, b""
+            else:
+                try:
+                    data = await stream.receive_some(RECV_BYTES)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    return
+                if not data:
+                    return
             buf += data
             acks: dict[bytes, list[DataAck]] = {}
             urgent: set[bytes] = set()
@@ -202,7 +307,7 @@ class DataChannel:
                 except WireError:
                     self.counters["bad_frames"] += 1
                     return
-                if expect is not None and packet.sender != expect:
+                if packet.sender != expect:
                     self.counters["bad_frames"] += 1
                     return
                 addr = self.addr_of(packet.sender)
@@ -576,15 +681,29 @@ class DataChannel:
             except OSError as exc:
                 self.counters["dial_failures"] += 1
                 raise PathFailed(f"connect to {addr} failed: {exc.strerror or exc}") from None
+            buf = bytearray()
+            try:
+                with trio.fail_after(self.config.handshake_timeout):
+                    await self._prove_outbound(node, stream, buf)
+            except (HandshakeError, trio.TooSlowError, trio.BrokenResourceError,
+                    trio.ClosedResourceError) as exc:
+                self.counters["handshake_failures"] += 1
+                await stream.aclose()
+                reason = str(exc) if isinstance(exc, HandshakeError) else (
+                    f"no handshake within {self.config.handshake_timeout:g}s"
+                    if isinstance(exc, trio.TooSlowError) else "the stream broke")
+                raise PathFailed(f"handshake with {addr} failed: {reason}") from None
             peer.stream = stream
             peer.backoff = 0.0
             if self._nursery is not None:
-                self._nursery.start_soon(self._read_outbound, node, peer, stream)
+                self._nursery.start_soon(self._read_outbound, node, peer, stream, buf)
             return stream
 
-    async def _read_outbound(self, node: bytes, peer: _Peer, stream: trio.SocketStream) -> None:
+    async def _read_outbound(
+        self, node: bytes, peer: _Peer, stream: trio.SocketStream, buf: bytearray
+    ) -> None:
         """Acks come back on the stream we dialled; its end means it is broken."""
-        await self._read_stream(stream, node)
+        await self._read_stream(stream, node, buf)
         if peer.stream is stream:
             peer.stream = None
             for item in peer.queue:  # unacked on a stream that is gone: resend
