@@ -201,3 +201,29 @@ def test_generation_stops_on_eos_without_emitting_it():
     assert stopped.finish_reason == "eos"
     assert stopped.tokens == free.tokens[:first]
     assert len(stopped.logits) == first + 1  # the step that chose EOS is kept
+
+
+def test_the_head_cut_in_two_gives_the_same_logits_and_the_same_samples():
+    """Stage 0 and the last stage each compute their rows of the LM head (service.head_cut);
+    the halves must equal the whole head bit for bit, and sampling from the merged
+    shortlists must pick what sampling from the whole vector picks."""
+    from meshd.pipeline.sampling import merge, shortlist
+    from meshd.pipeline.service import HEAD_CUT_ALIGN, head_cut
+
+    config = preset_config("small")
+    model = StageModel(config, random_weights(config, seed=0))
+    vocab = config.vocab_size
+    cut = head_cut(vocab)
+    assert cut % HEAD_CUT_ALIGN == 0 and 0 < cut < vocab
+    rng = np.random.default_rng(3)
+    for temperature, top_k in ((0.0, 0), (0.9, 20), (1.5, 1), (0.7, vocab - 10)):
+        whole, halves = Sampler(temperature, top_k, seed=5), Sampler(temperature, top_k, seed=5)
+        for _ in range(20):
+            hidden = rng.standard_normal((1, config.hidden_size), dtype=np.float32)
+            normed = model.final_norm(hidden)
+            low = model.head_logits(normed, slice(0, cut))[0]
+            high = model.head_logits(normed, slice(cut, vocab))[0]
+            logits = model.logits(hidden)[0]
+            assert np.array_equal(np.concatenate([low, high]), logits)
+            parts = [shortlist(low, temperature, top_k), shortlist(high, temperature, top_k, cut)]
+            assert halves.choose(merge(parts, top_k)) == whole(logits)
