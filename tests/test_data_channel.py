@@ -15,7 +15,7 @@ from meshd.node import NodeOptions
 from meshd.relay.server import RelayBindError, serve_relay
 from meshd.swim import LOCAL
 from meshd.testing.inprocess import start_node, wait_converged
-from meshd.wire import STREAM_NONCE_BYTES, DataChunk, Packet, StreamProof
+from meshd.wire import STREAM_NONCE_BYTES, DataChunk, Packet, StreamChallenge, StreamProof
 
 N_MESSAGES = 1000
 
@@ -287,4 +287,107 @@ async def test_a_dial_answered_by_another_node_is_a_path_failure_naming_it():
             assert got == [(b.identity.node_id, b"for d only")]  # not C: the relay carried it to D
             failure = b.data.view(d.identity.node_id)["data_last_failure"]
             assert f"answers as {c.identity.prefix}, not {d.identity.prefix}" in failure
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_bad_frame_does_not_lose_the_good_ones_read_with_it():
+    """Frames before a garbled one in the same read were reassembled already: they are
+    delivered (and acked) even though the stream is then dropped."""
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            mesh = Mesh(nursery, nursery)
+            await mesh.start([])
+            a = mesh.a
+            outsider = Identity.generate()
+            got: list = []
+            nursery.start_soon(_collect, a, 1, got)
+            host, _, port = a.addr.rpartition(":")
+            stream = await trio.open_tcp_stream(host, int(port))
+            async with stream:
+                buf = bytearray()
+                challenge = await _read_packet(stream, buf)
+                proof = StreamProof(b"\x05" * STREAM_NONCE_BYTES, outsider.sign(
+                    _proof_data(challenge.messages[0].nonce, challenge.sender, outsider.node_id)))
+                await stream.send_all(_frame(Packet(outsider.node_id, (proof,))))
+                await _read_packet(stream, buf)
+                good = _frame(Packet(outsider.node_id, (DataChunk(9, 1, 4, 0, b"good"),)))
+                garbled = struct.pack("!I", 5) + b"\xc1\xc1\xc1\xc1\xc1"
+                await stream.send_all(good + garbled)  # one write, one read
+                with trio.fail_after(5):
+                    while not got:
+                        await trio.sleep(0.05)
+            assert got == [(outsider.node_id, b"good")]
+            assert a.data.counters["bad_frames"] == 1
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_slow_handler_does_not_cost_the_sender_its_direct_path():
+    """Handlers run in a task per sender, not in the stream's reader: while one takes 3 s,
+    the stream is still read and acked, so the sender's ack timeout (2 s) never fires."""
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            mesh = Mesh(nursery, nursery)
+            await mesh.start([])
+            a, b = mesh.a, mesh.b
+            handled: list[bytes] = []
+
+            async def slow(src: bytes, data: bytes) -> None:
+                if data == b"first":
+                    await trio.sleep(3)  # a long prefill
+                handled.append(data)
+
+            nursery.start_soon(b.data.dispatch, slow)
+            dst = b.identity.node_id
+            first = await a.data.post(dst, b"first", timeout=20)
+            await trio.sleep(0.5)
+            second = await a.data.post(dst, b"second", timeout=20)
+            await first.done.wait()
+            await second.done.wait()
+            assert (first.path, second.path) == ("direct", "direct")
+            assert a.data.view(dst)["data_last_failure"] is None
+            with trio.fail_after(5):
+                while len(handled) < 2:
+                    await trio.sleep(0.05)
+            assert handled == [b"first", b"second"]
+            nursery.cancel_scope.cancel()
+
+
+async def test_post_to_a_peer_that_stops_reading_fails_at_its_deadline_and_returns():
+    """A peer that completes the handshake and then never reads fills the socket buffers:
+    post() must still return, and the message fails at its deadline, naming the peer."""
+    peer_identity = Identity.generate()
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            mesh = Mesh(nursery, nursery)
+            await mesh.start([])
+            a = mesh.a
+            listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+            port = listeners[0].socket.getsockname()[1]
+
+            async def accept_and_stall(stream):
+                buf = bytearray()
+                nonce = b"\x03" * STREAM_NONCE_BYTES
+                await stream.send_all(_frame(Packet(peer_identity.node_id, (StreamChallenge(nonce),))))
+                proof = (await _read_packet(stream, buf))
+                signature = peer_identity.sign(_proof_data(proof.messages[0].nonce, proof.sender,
+                                                           peer_identity.node_id))
+                await stream.send_all(_frame(Packet(peer_identity.node_id, (StreamProof(nonce, signature),))))
+                await trio.sleep_forever()  # never reads again
+
+            nursery.start_soon(trio.serve_listeners, accept_and_stall, listeners)
+            real = a.data.addr_of
+            a.data.addr_of = lambda node: f"127.0.0.1:{port}" if node == peer_identity.node_id else real(node)
+            failures: list[str] = []
+
+            async def failed(exc):
+                failures.append(str(exc))
+
+            big = b"x" * (16 * 1024 * 1024)
+            # Before the fix the second post() never returned (the test's fail_after caught it).
+            items = [await a.data.post(peer_identity.node_id, big, timeout=2, on_error=failed)
+                     for _ in range(2)]
+            for item in items:
+                await item.done.wait()
+            assert [item.error is not None for item in items] == [True, True]
+            assert len(failures) == 2 and "within 2s" in failures[0]
             nursery.cancel_scope.cancel()

@@ -204,11 +204,11 @@ def test_generation_stops_on_eos_without_emitting_it():
 
 
 def test_the_head_cut_in_two_gives_the_same_logits_and_the_same_samples():
-    """Stage 0 and the last stage each compute their rows of the LM head (service.head_cut);
+    """Stage 0 and the last stage each compute their rows of the LM head (model.head_cut);
     the halves must equal the whole head bit for bit, and sampling from the merged
     shortlists must pick what sampling from the whole vector picks."""
+    from meshd.pipeline.model import HEAD_CUT_ALIGN, head_cut
     from meshd.pipeline.sampling import merge, shortlist
-    from meshd.pipeline.service import HEAD_CUT_ALIGN, head_cut
 
     config = preset_config("small")
     model = StageModel(config, random_weights(config, seed=0))

@@ -177,6 +177,21 @@ def test_broadcasts_fewest_transmitted_first():
     assert q.take(one, limit=10) == [alive(NODE_C)]
 
 
+def test_path_summaries_never_go_before_membership_facts_and_name_claims():
+    """A fresh path summary (each node republishes its own as its paths change) waits behind
+    a name claim already sent twice: stages resolve each other by those names."""
+    q = BroadcastQueue()
+    claim = NameClaim("pp-stage-2", NODE_A, 1, False)
+    q.queue(("name", "pp-stage-2"), claim)
+    one = wire.encoded_size(claim)
+    q.take(one, limit=10)
+    q.take(one, limit=10)
+    summary = wire.PathSummary(NODE_B, 7, ())
+    q.queue(("paths", NODE_B), summary, background=True)
+    assert q.take(one, limit=10) == [claim]
+    assert q.take(10_000, limit=10) == [claim, summary]
+
+
 def test_a_newer_fact_replaces_the_queued_one_with_the_same_key():
     q = BroadcastQueue()
     q.queue(NODE_A, alive(NODE_A, 0))

@@ -56,7 +56,7 @@ CHUNK_BYTES = 63 * 1024
 RELAY_DATA = b"D"  # first byte of a relay payload that carries the data channel
 ACKS_PER_PACKET = 256
 WINDOW = 256  # messages written ahead of the oldest unacked one
-MAX_BACKLOG = 1024  # relayed messages from one sender waiting for its handler before the relay waits too
+MAX_BACKLOG = 1024  # messages from one sender waiting for its handler before its reader waits too
 _LEN = struct.Struct("!I")
 # Under malloc's mmap threshold: a 256 KiB receive buffer cost 11 µs per read, 64 KiB under 1 µs.
 RECV_BYTES = 64 * 1024
@@ -293,11 +293,13 @@ class DataChannel:
             acks: dict[bytes, list[DataAck]] = {}
             urgent: set[bytes] = set()
             ready: list[tuple[bytes, bytes]] = []
-            while len(buf) >= _LEN.size:
+            bad = False
+            while len(buf) >= _LEN.size and not bad:
                 (n,) = _LEN.unpack_from(buf)
                 if n > MAX_FRAME_BYTES:
                     self.counters["bad_frames"] += 1
-                    return  # not our protocol: drop the stream
+                    bad = True  # not our protocol: drop the stream
+                    break
                 if len(buf) < _LEN.size + n:
                     break
                 frame = bytes(buf[_LEN.size:_LEN.size + n])
@@ -306,23 +308,29 @@ class DataChannel:
                     packet = decode(frame, MAX_FRAME_BYTES)
                 except WireError:
                     self.counters["bad_frames"] += 1
-                    return
+                    bad = True
+                    break
                 if packet.sender != expect:
                     self.counters["bad_frames"] += 1
-                    return
+                    bad = True
+                    break
                 addr = self.addr_of(packet.sender)
                 if addr is not None and self.faults.stream_blocked(addr):
                     # A filter on this link would have stopped the handshake.
                     self.counters["streams_refused"] += 1
-                    return
+                    bad = True
+                    break
                 if self._take(packet, acks.setdefault(packet.sender, []), ready):
                     urgent.add(packet.sender)
+            # What came whole before a bad frame is ours: the reassembler has moved past it,
+            # so it is acked and handed over even when the stream is then dropped.
             # Acks first: they say "received", whatever the handlers then take.
             for node, pending in acks.items():
                 if pending:
                     await self._owe_acks(node, pending, stream, node in urgent)
-            for sender, message in ready:
-                await self._hand_over(sender, message, inline=True)
+            await self._hand_over(ready)
+            if bad:
+                return
 
     async def on_relay_payload(self, src: bytes, payload: bytes) -> None:
         """A relay frame whose first byte is RELAY_DATA."""
@@ -339,8 +347,7 @@ class DataChannel:
         urgent = self._take(packet, acks, ready)
         if acks:
             await self._owe_acks(src, acks, None, urgent)
-        for sender, message in ready:
-            await self._hand_over(sender, message, inline=False)  # never runs a handler here
+        await self._hand_over(ready)
 
     def _take(self, packet: Packet, acks: list[DataAck], ready: list[tuple[bytes, bytes]]) -> bool:
         """Take acks and chunks: adds the acks we owe to ``acks`` and whole messages, in order, to
@@ -368,36 +375,34 @@ class DataChannel:
                 ready.extend((sender, data) for data in whole)
         return urgent
 
-    async def _hand_over(self, sender: bytes, data: bytes, inline: bool) -> None:
-        """Give a message, released in order by the reassembler, to its consumer.
+    async def _hand_over(self, ready: list[tuple[bytes, bytes]], *, wait: bool = True) -> None:
+        """Give messages, released in order by the reassembler, to their consumer.
 
         Without a handler: onto ``received``.  With one (``dispatch``): each
-        sender's messages are handled one at a time, in order, by whichever
-        task runs that sender's backlog.  A stream's reader (``inline``) runs
-        it itself when it is free, so a message meets its handler without a
-        trip through the scheduler, which on a pipeline's critical path costs
-        a wait per hop; a reader that finds the sender busy waits for the
-        backlog to drain (backpressure on the stream).  A relayed message gets
-        a task of its own, so the relay's loop never waits on a handler, unless
-        MAX_BACKLOG messages from that sender wait already.
+        message joins its sender's backlog, all of them before anything can
+        run, and a task per sender handles its backlog one message at a time,
+        in order.  Readers never run a handler themselves, so a slow one (a
+        long prefill) never stops a stream being read and acked; a reader
+        (or the relay's loop) waits only while a sender has MAX_BACKLOG
+        messages waiting (``wait``).
         """
-        self.counters["delivered"] += 1
+        if not ready:
+            return
+        self.counters["delivered"] += len(ready)
         handler = self._handler
         if handler is None:
-            await self._recv_send.send((sender, data))
+            for sender, data in ready:
+                await self._recv_send.send((sender, data))
             return
-        backlog = self._backlogs.setdefault(sender, deque())
-        backlog.append(data)
-        running = self._running.get(sender)
-        if running is not None:
-            if inline or len(backlog) > MAX_BACKLOG:
-                await running.wait()
-            return
-        done = self._running[sender] = trio.Event()
-        if inline:
-            await self._run_backlog(sender, handler, backlog, done)
-        elif self._nursery is not None:
-            self._nursery.start_soon(self._run_backlog, sender, handler, backlog, done)
+        for sender, data in ready:
+            self._backlogs.setdefault(sender, deque()).append(data)
+        assert self._nursery is not None, "dispatch() needs the channel to be serving"
+        for sender in dict.fromkeys(sender for sender, _ in ready):
+            if sender not in self._running:
+                done = self._running[sender] = trio.Event()
+                self._nursery.start_soon(self._run_backlog, sender, handler, self._backlogs[sender], done)
+            elif wait and len(self._backlogs[sender]) > MAX_BACKLOG:
+                await self._running[sender].wait()
 
     async def _run_backlog(
         self,
@@ -433,7 +438,7 @@ class DataChannel:
                 except trio.WouldBlock:
                     break
                 self.counters["delivered"] -= 1
-                await self._hand_over(src, data, inline=False)
+                await self._hand_over([(src, data)], wait=False)
             await trio.sleep_forever()
         finally:
             self._handler = None
@@ -474,7 +479,7 @@ class DataChannel:
     async def loopback(self, data: bytes) -> None:
         """Deliver ``data`` to ourselves, as if we had sent it; never waits on the consumer."""
         if self._handler is not None:
-            await self._hand_over(self.id, data, inline=False)
+            await self._hand_over([(self.id, data)], wait=False)  # the caller may be our own runner
             return
         self.counters["delivered"] += 1
         if not self._backlog:
@@ -530,23 +535,26 @@ class DataChannel:
         item = Outgoing(msg_id, data, timeout, trio.current_time() + timeout, on_error, urgent)
         peer.acks[msg_id] = item.acked
         peer.queue.append(item)
+        if self._nursery is None:  # no serve(): deliver in the caller's task
+            if not peer.supervised:
+                peer.supervised = True
+                await self._supervise(node, peer)
+            return item
+        if not peer.supervised:  # before writing: the item's deadline holds whatever happens
+            peer.supervised = True
+            self._nursery.start_soon(self._supervise, node, peer)
         if not peer.retrying and len(peer.queue) <= WINDOW:
             path, stream = self._choose(node, peer), peer.stream
-            try:
-                if path == "direct" and stream is not None:
-                    await self._write_frames(peer, stream, item)
-                    item.written = path
-                elif path == "relay":
-                    await self._send_relay(node, item)
-                    item.written = path
-            except PathFailed:
-                pass  # the supervisor finds it unwritten and sends it again
-        if not peer.supervised:
-            peer.supervised = True
-            if self._nursery is not None:
-                self._nursery.start_soon(self._supervise, node, peer)
-            else:  # no serve(): deliver in the caller's task
-                await self._supervise(node, peer)
+            with trio.move_on_at(item.deadline):  # a peer that stops reading cannot hold us
+                try:
+                    if path == "direct" and stream is not None:
+                        await self._write_frames(peer, stream, item)
+                        item.written = path
+                    elif path == "relay":
+                        await self._send_relay(node, item)
+                        item.written = path
+                except PathFailed:
+                    pass  # the supervisor finds it unwritten and sends it again
         # The frames are out; now let the rest of the node run (acks, the supervisor).
         await trio.lowlevel.checkpoint()
         return item
@@ -657,6 +665,9 @@ class DataChannel:
     def _drop_stream(self, peer: _Peer) -> None:
         if peer.stream is not None:
             stream, peer.stream = peer.stream, None
+            for item in peer.queue:  # unacked on a stream that is gone: send again
+                if item.written == "direct":
+                    item.written = None
             if self._nursery is not None:
                 self._nursery.start_soon(stream.aclose)
 
@@ -705,21 +716,23 @@ class DataChannel:
         """Acks come back on the stream we dialled; its end means it is broken."""
         await self._read_stream(stream, node, buf)
         if peer.stream is stream:
-            peer.stream = None
-            for item in peer.queue:  # unacked on a stream that is gone: resend
-                if item.written == "direct":
-                    item.written = None
+            self._drop_stream(peer)
         await stream.aclose()
 
     async def _send_direct(self, node: bytes, peer: _Peer, item: Outgoing) -> None:
         await self._write_frames(peer, await self._stream(node, peer), item)
 
     async def _write_frames(self, peer: _Peer, stream: trio.SocketStream, item: Outgoing) -> None:
+        whole = False
         try:
             for frame in self._frames(item):
                 await _write(peer.stream_lock, stream, _LEN.pack(len(frame)) + frame)
+            whole = True
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             raise PathFailed(f"stream broke while sending ({exc.__class__.__name__})") from None
+        finally:
+            if not whole and peer.stream is stream:
+                self._drop_stream(peer)  # it may hold half a frame: nothing after it would parse
 
     async def _send_relay(self, node: bytes, item: Outgoing) -> None:
         if self.relay_send is None:

@@ -41,7 +41,7 @@ from ..wire import (
 )
 from .config import LlamaConfig
 from .generate import check_context, prompt_ids
-from .model import KVCache, StageModel, split_layers
+from .model import KVCache, StageModel, head_cut, split_layers
 from .sampling import Sampler, Shortlist, is_greedy, merge, shortlist
 from .tokenizer import load_tokenizer
 
@@ -162,24 +162,6 @@ def _arrived(trace: tuple[Hop, ...], sent_at: float) -> tuple[Hop, ...]:
     last = trace[-1]
     ms = max(0.0, (time.time() - sent_at) * 1000)
     return (*trace[:-1], Hop("transit", last.name, ms, last.path))
-
-
-# Stage 0's share of the LM head's rows.  More than half: the last stage sends stage 0
-# its input before starting on its own rows, and its shortlist then still has a hop to go.
-# Measured on loopback (small preset, 3 stages): with an even cut stage 0 waited about
-# 0.26 ms per token for the shortlist, with 0.6 a median 0.03 ms.
-HEAD_CUT_FRACTION = 0.6
-# The cut falls on a multiple of this many rows.  BLAS computes rows in blocks and the
-# rows of a partial block another way: a cut elsewhere changed the last bits of some
-# logits (seen with OpenBLAS at 19199 and 19201 of 32000 rows), and then sampling could.
-HEAD_CUT_ALIGN = 64
-
-
-def head_cut(vocab: int) -> int:
-    """The first token id of the last stage's share of the LM head."""
-    if vocab <= 2 * HEAD_CUT_ALIGN:
-        return vocab // 2
-    return max(HEAD_CUT_ALIGN, int(vocab * HEAD_CUT_FRACTION) // HEAD_CUT_ALIGN * HEAD_CUT_ALIGN)
 
 
 class StageService(_App):

@@ -19,7 +19,7 @@ from ..wire import Message, encoded_size
 
 @dataclass(slots=True)
 class _Item:
-    rank: int  # 0 for facts about the queue's owner, 1 for the rest
+    rank: int  # 0 for facts about the queue's owner (and urgent ones), 1 for the rest, 2 for background
     transmits: int
     neg_order: int  # newer first among equals
     key: object = field(compare=False)
@@ -40,12 +40,16 @@ class BroadcastQueue:
     def __len__(self) -> int:
         return len(self._items)
 
-    def queue(self, key: object, msg: Message, urgent: bool = False) -> None:
+    def queue(self, key: object, msg: Message, urgent: bool = False, background: bool = False) -> None:
         """Queue ``msg``; it replaces any queued fact with the same key.
 
-        ``urgent`` facts (and facts about the owner) go before the rest."""
+        ``urgent`` facts (and facts about the owner) go before the rest;
+        ``background`` facts after it.  Path summaries are background: every
+        node republishes its own whenever its paths change, each new version
+        is fresh again, and they must not keep membership facts and name
+        claims (which stages resolve each other by) waiting."""
         self._order += 1
-        rank = 0 if urgent or key == self._own else 1
+        rank = 0 if urgent or key == self._own else 2 if background else 1
         self._items[key] = _Item(rank, 0, -self._order, key, msg, encoded_size(msg))
 
     def fewest_transmits(self) -> int | None:

@@ -373,7 +373,7 @@ class Swim:
         if held is not None and held[0].version >= msg.version:
             return  # old news: neither kept nor passed on
         self.path_summaries[msg.node] = (msg, now)
-        self.broadcasts.queue(("paths", msg.node), msg)
+        self.broadcasts.queue(("paths", msg.node), msg, background=True)
 
     _handlers = {
         Ping: _handle_ping,
