@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from functools import partial
 
 import pytest
 import trio
@@ -189,7 +190,8 @@ async def test_messages_written_ahead_of_their_acks_survive_a_broken_stream_exac
             nursery.cancel_scope.cancel()
 
 
-async def test_dispatch_keeps_a_senders_order_when_its_path_moves_from_the_relay_to_direct():
+@pytest.mark.parametrize("inline", [False, True])
+async def test_dispatch_keeps_a_senders_order_when_its_path_moves_from_the_relay_to_direct(inline):
     """dispatch() handles direct messages in the stream's reader and relayed ones from a queue;
     a sender whose earlier messages are still queued must not be overtaken by its later ones."""
     count = 400
@@ -208,7 +210,7 @@ async def test_dispatch_keeps_a_senders_order_when_its_path_moves_from_the_relay
                 if len(got) == count:
                     all_in.set()
 
-            nursery.start_soon(a.data.dispatch, handler)
+            nursery.start_soon(partial(a.data.dispatch, handler, inline=inline))
             items = []
             for i in range(count):
                 if i == count // 4:

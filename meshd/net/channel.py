@@ -210,6 +210,7 @@ class DataChannel:
         self._nursery: trio.Nursery | None = None
         self._backlog: deque[bytes] = deque()  # sends to ourselves that found the queue full
         self._handler: Callable[[bytes, bytes], Awaitable[None]] | None = None
+        self._inline = False
         self._backlogs: dict[bytes, deque[bytes]] = {}  # per sender: delivered, not yet handled
         self._running: dict[bytes, trio.Event] = {}  # senders whose backlog a task is running
         self._owed: dict[tuple[bytes, trio.SocketStream | None], list[DataAck]] = {}
@@ -328,7 +329,7 @@ class DataChannel:
             for node, pending in acks.items():
                 if pending:
                     await self._owe_acks(node, pending, stream, node in urgent)
-            await self._hand_over(ready)
+            await self._hand_over(ready, reader=True)
             if bad:
                 return
 
@@ -375,16 +376,21 @@ class DataChannel:
                 ready.extend((sender, data) for data in whole)
         return urgent
 
-    async def _hand_over(self, ready: list[tuple[bytes, bytes]], *, wait: bool = True) -> None:
+    async def _hand_over(self, ready: list[tuple[bytes, bytes]], *, reader: bool = False,
+                         wait: bool = True) -> None:
         """Give messages, released in order by the reassembler, to their consumer.
 
         Without a handler: onto ``received``.  With one (``dispatch``): each
         message joins its sender's backlog, all of them before anything can
-        run, and a task per sender handles its backlog one message at a time,
-        in order.  Readers never run a handler themselves, so a slow one (a
-        long prefill) never stops a stream being read and acked; a reader
-        (or the relay's loop) waits only while a sender has MAX_BACKLOG
-        messages waiting (``wait``).
+        run, and one task at a time handles a sender's backlog, in order.
+
+        That task is a new one, so a slow handler (a long prefill) never stops
+        a stream being read and acked; or, for a handler dispatched with
+        ``inline=True`` (it promises to hand long work to a task of its own),
+        the stream's ``reader`` itself, which saves a trip through the
+        scheduler per message: on a pipeline's critical path, one per hop.
+        A reader waits while its sender's backlog runs elsewhere or holds
+        MAX_BACKLOG messages (``wait``); the relay's loop only at MAX_BACKLOG.
         """
         if not ready:
             return
@@ -397,12 +403,18 @@ class DataChannel:
         for sender, data in ready:
             self._backlogs.setdefault(sender, deque()).append(data)
         assert self._nursery is not None, "dispatch() needs the channel to be serving"
+        inline = reader and self._inline
         for sender in dict.fromkeys(sender for sender, _ in ready):
-            if sender not in self._running:
+            backlog = self._backlogs[sender]
+            running = self._running.get(sender)
+            if running is None:
                 done = self._running[sender] = trio.Event()
-                self._nursery.start_soon(self._run_backlog, sender, handler, self._backlogs[sender], done)
-            elif wait and len(self._backlogs[sender]) > MAX_BACKLOG:
-                await self._running[sender].wait()
+                if inline:
+                    await self._run_backlog(sender, handler, backlog, done)
+                else:
+                    self._nursery.start_soon(self._run_backlog, sender, handler, backlog, done)
+            elif wait and (inline or len(backlog) > MAX_BACKLOG):
+                await running.wait()
 
     async def _run_backlog(
         self,
@@ -424,13 +436,17 @@ class DataChannel:
                 self._backlogs.pop(sender, None)
             done.set()
 
-    async def dispatch(self, handler: Callable[[bytes, bytes], Awaitable[None]]) -> None:
+    async def dispatch(
+        self, handler: Callable[[bytes, bytes], Awaitable[None]], *, inline: bool = False
+    ) -> None:
         """Hand every message delivered from now on to ``handler``, until cancelled.
 
         Each sender's messages are handled in order, one at a time; different
         senders' messages may be handled concurrently (see ``_hand_over``).
+        ``inline``: the handler returns quickly (long work goes to a task of
+        its own), so stream readers may run it themselves.
         """
-        self._handler = handler
+        self._handler, self._inline = handler, inline
         try:
             while True:  # whatever reached ``received`` before, first
                 try:

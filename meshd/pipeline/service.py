@@ -54,6 +54,7 @@ RESOLVE_TIMEOUT_S = 10.0
 SEND_TIMEOUT_S = 30.0
 MAX_CACHED_REQUESTS = 64
 LOST_CHECK_S = 0.2  # how often a waiting request looks for dead stages
+PREFILL_ROWS = 8  # more rows than this run in a thread, from a task of their own
 
 
 class PipelineError(Exception):
@@ -109,10 +110,15 @@ class _App:
 
     def __init__(self, node: Node) -> None:
         self.node = node
+        self._nursery: trio.Nursery | None = None
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
-        await self.node.data.dispatch(self._handle)
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            # Handlers run in the stream's reader: a decode step is short, and a prefill
+            # (the one long piece of work) gets a task of its own (see _handle).
+            await self.node.data.dispatch(self._handle, inline=True)
 
     async def _handle(self, src: bytes, data: bytes) -> None:
         try:
@@ -121,11 +127,19 @@ class _App:
             log.warning("bad pipeline message from %s: %s", self.node.describe(src), exc)
             return
         for msg in packet.messages:
-            try:
-                await self.on_message(src, msg)
-            except Exception as exc:  # one bad request must not stop the stage
-                log.exception("%s: %s failed", self.node.swim.me.name, type(msg).__name__)
-                await self.failed(msg, exc)
+            if isinstance(msg, Activation) and max(msg.rows, len(msg.tokens)) > PREFILL_ROWS:
+                # Another request's message from the same sender may go first: requests
+                # are independent, and nothing else of this one comes before its prefill ends.
+                self._nursery.start_soon(self._on_message, src, msg)
+            else:
+                await self._on_message(src, msg)
+
+    async def _on_message(self, src: bytes, msg: Message) -> None:
+        try:
+            await self.on_message(src, msg)
+        except Exception as exc:  # one bad request must not stop the stage
+            log.exception("%s: %s failed", self.node.swim.me.name, type(msg).__name__)
+            await self.failed(msg, exc)
 
     async def send(self, dst: bytes, msg: Message) -> None:
         """To ``dst`` over the data channel, in order, without waiting for its ack.
@@ -226,7 +240,7 @@ class StageService(_App):
             while len(self.caches) > MAX_CACHED_REQUESTS:
                 self.caches.pop(next(iter(self.caches)))
         t0 = time.perf_counter()
-        if hidden.shape[0] > 8:  # a prefill: off the event loop, so gossip keeps its timing
+        if hidden.shape[0] > PREFILL_ROWS:  # a prefill: off the event loop, so gossip keeps its timing
             out = await trio.to_thread.run_sync(model.forward, hidden, cache, msg.pos)
         else:  # a decode step is shorter than a thread hand-off
             out = model.forward(hidden, cache, msg.pos)
