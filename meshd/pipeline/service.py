@@ -55,6 +55,11 @@ SEND_TIMEOUT_S = 30.0
 MAX_CACHED_REQUESTS = 64
 LOST_CHECK_S = 0.2  # how often a waiting request looks for dead stages
 PREFILL_ROWS = 8  # more rows than this run in a thread, from a task of their own
+# The LM head is cut between stage 0 and the last stage only when half of it outweighs the
+# extra message that costs: on loopback a hop is about 0.3 ms, some 2-4 M multiply-adds of
+# numpy.  The small preset's head (32000 x 288) is cut; the tiny one's (258 x 64) is not,
+# and cutting it slowed `meshd smoke-run` from 64-89 to 48-64 tokens/s.
+HEAD_SPLIT_MIN_MACS = 4_000_000
 
 
 class PipelineError(Exception):
@@ -189,9 +194,9 @@ class StageService(_App):
         # With two stages or more, stage 0 and the last stage each compute half of the LM
         # head's rows at once, and stage 0 samples (see _share_head): the head is the
         # biggest matmul of a decode step, and stage 0 would only wait for the token.
-        first_of_many = stage == 0 and stages >= 2
+        self.split_head = stages >= 2 and config.vocab_size * config.hidden_size >= HEAD_SPLIT_MIN_MACS
         self.model = StageModel.load(model_dir, self.layers, config=config,
-                                     head=True if first_of_many else None)
+                                     head=True if stage == 0 and self.split_head else None)
         cut = head_cut(config.vocab_size)
         self.head_rows = slice(0, cut) if stage == 0 else slice(cut, config.vocab_size)
         self.eos = set(config.eos_token_ids)
@@ -203,7 +208,7 @@ class StageService(_App):
     def _splits_head(self, s: Sampling) -> bool:
         """Whether this request's head is cut in two; not when every logit must travel
         (``want_logits``) or be sampled from (temperature without top-k)."""
-        return self.stages >= 2 and not s.want_logits and (is_greedy(s.temperature, s.top_k) or s.top_k > 0)
+        return self.split_head and not s.want_logits and (is_greedy(s.temperature, s.top_k) or s.top_k > 0)
 
     async def on_message(self, src: bytes, msg: Message) -> None:
         if isinstance(msg, Activation):
