@@ -393,3 +393,27 @@ async def test_post_to_a_peer_that_stops_reading_fails_at_its_deadline_and_retur
             assert [item.error is not None for item in items] == [True, True]
             assert len(failures) == 2 and "within 2s" in failures[0]
             nursery.cancel_scope.cancel()
+
+
+async def test_after_a_message_fails_the_next_ones_are_still_delivered():
+    """The receiver delivers in id order: a message given up on would leave it waiting for
+    that id for ever, acking and holding everything after it.  The sender starts a new
+    session with that peer instead, and later messages arrive."""
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            mesh = Mesh(nursery, nursery)
+            await mesh.start([])
+            a, c = mesh.a, mesh.c
+            got: list = []
+            nursery.start_soon(_collect, c, 2, got)
+            assert await a.data.send(c.identity.node_id, b"one") == "direct"
+            c.options.faults.isolate = True  # C reaches nobody, and nobody reaches C
+            with pytest.raises(DeliveryError):
+                await a.data.send(c.identity.node_id, b"lost", timeout=2)
+            c.options.faults.isolate = False
+            await a.data.send(c.identity.node_id, b"after", timeout=20)
+            with trio.fail_after(10):
+                while len(got) < 2:
+                    await trio.sleep(0.05)
+            assert [data for _, data in got] == [b"one", b"after"]
+            nursery.cancel_scope.cancel()

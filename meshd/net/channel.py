@@ -155,6 +155,7 @@ class Outgoing:
     data: bytes
     timeout: float
     deadline: float
+    session: int
     on_error: Callable[[DeliveryError], Awaitable[None]] | None = None
     urgent: bool = False  # the sender waits on it: ask for the ack at once
     acked: trio.Event = field(default_factory=trio.Event)
@@ -166,6 +167,8 @@ class Outgoing:
 
 @dataclass
 class _Peer:
+    # Message ids count up per session; a new session starts the count again (see _renew).
+    session: int = field(default_factory=lambda: random.getrandbits(63))
     next_id: int = 1
     stream: trio.SocketStream | None = None
     stream_lock: trio.Lock = field(default_factory=trio.Lock)  # whole frames, one at a time
@@ -202,7 +205,6 @@ class DataChannel:
         self.faults = faults or Faults()
         self.config = config or ChannelConfig()
         self.reassembler = Reassembler()
-        self.session = random.getrandbits(63)
         self._peers: dict[bytes, _Peer] = {}
         self._recv_send, self.received = trio.open_memory_channel[tuple[bytes, bytes]](
             self.config.receive_queue
@@ -357,9 +359,10 @@ class DataChannel:
         urgent = False
         for msg in packet.messages:
             if isinstance(msg, DataAck):
-                if msg.session != self.session:
-                    continue  # an ack for a previous run of ours
-                event = self._peer(sender).acks.get(msg.msg_id)
+                peer = self._peer(sender)
+                if msg.session != peer.session:
+                    continue  # an ack for an earlier session of ours with this peer
+                event = peer.acks.get(msg.msg_id)
                 if event is not None:
                     event.set()
             elif isinstance(msg, DataChunk):
@@ -548,7 +551,7 @@ class DataChannel:
         peer = self._peer(node)
         msg_id = peer.next_id
         peer.next_id += 1
-        item = Outgoing(msg_id, data, timeout, trio.current_time() + timeout, on_error, urgent)
+        item = Outgoing(msg_id, data, timeout, trio.current_time() + timeout, peer.session, on_error, urgent)
         peer.acks[msg_id] = item.acked
         peer.queue.append(item)
         if self._nursery is None:  # no serve(): deliver in the caller's task
@@ -591,6 +594,8 @@ class DataChannel:
                     peer.queue.popleft()
                     peer.acks.pop(item.msg_id, None)
                     peer.retrying = False
+                if item.error is not None:
+                    self._renew(peer)
                 item.done.set()
                 if item.error is not None and item.on_error is not None:
                     await item.on_error(item.error)
@@ -639,6 +644,21 @@ class DataChannel:
             f"could not deliver message {item.msg_id} ({len(item.data)} bytes) to {self.describe(node)} "
             f"within {item.timeout:g}s; tried: {'; '.join(tried[-6:]) or 'nothing (no path available)'}"
         )
+
+    def _renew(self, peer: _Peer) -> None:
+        """After a message to ``peer`` failed: a new session, and every message behind it again.
+
+        The receiver delivers in id order, so it would wait for the failed id
+        for ever, holding (and acking) everything after it.  None of those can
+        have been delivered; in a new session they are numbered from 1 and sent
+        again, and the receiver starts its count afresh.
+        """
+        peer.session = random.getrandbits(63)
+        peer.acks.clear()
+        for n, item in enumerate(peer.queue, start=1):
+            item.session, item.msg_id, item.written = peer.session, n, None
+            item.acked = peer.acks[n] = trio.Event()
+        peer.next_id = len(peer.queue) + 1
 
     def _choose(self, node: bytes, peer: _Peer) -> str:
         if peer.stream is not None or self.relay_send is None:
@@ -775,7 +795,7 @@ class DataChannel:
         view = memoryview(item.data)
         for offset in range(0, max(total, 1), CHUNK_BYTES):
             chunk = bytes(view[offset:offset + CHUNK_BYTES])
-            msg = DataChunk(self.session, item.msg_id, total, offset, chunk, item.urgent)
+            msg = DataChunk(item.session, item.msg_id, total, offset, chunk, item.urgent)
             yield encode(Packet(self.id, (msg,)), MAX_FRAME_BYTES)
 
     def _peer(self, node: bytes) -> _Peer:
