@@ -106,20 +106,31 @@ def _frame(packet: Packet) -> bytes:
     return _LEN.pack(len(data)) + data
 
 
+def _next_frame(buf: bytearray) -> bytes | None:
+    """The next whole frame, taken off the front of ``buf``; None until one is whole.
+
+    Raises WireError for a length no frame of ours has (not our protocol)."""
+    if len(buf) < _LEN.size:
+        return None
+    (n,) = _LEN.unpack_from(buf)
+    if n > MAX_FRAME_BYTES:
+        raise WireError(f"a frame of {n} bytes")
+    if len(buf) < _LEN.size + n:
+        return None
+    frame = bytes(buf[_LEN.size:_LEN.size + n])
+    del buf[:_LEN.size + n]
+    return frame
+
+
 async def _read_packet(stream: trio.SocketStream, buf: bytearray) -> Packet:
     """The next whole frame from ``stream`` (bytes after it stay in ``buf``), decoded."""
     while True:
-        if len(buf) >= _LEN.size:
-            (n,) = _LEN.unpack_from(buf)
-            if n > MAX_FRAME_BYTES:
-                raise HandshakeError(f"a frame of {n} bytes")
-            if len(buf) >= _LEN.size + n:
-                frame = bytes(buf[_LEN.size:_LEN.size + n])
-                del buf[:_LEN.size + n]
-                try:
-                    return decode(frame, MAX_FRAME_BYTES)
-                except WireError as exc:
-                    raise HandshakeError(f"not our protocol ({exc})") from None
+        try:
+            frame = _next_frame(buf)
+            if frame is not None:
+                return decode(frame, MAX_FRAME_BYTES)
+        except WireError as exc:
+            raise HandshakeError(f"not our protocol ({exc})") from None
         data = await stream.receive_some(RECV_BYTES)
         if not data:
             raise HandshakeError("the stream closed")
@@ -281,37 +292,19 @@ class DataChannel:
         and then one packet acknowledges all of them.  ``buf`` holds what the
         handshake read past its last frame.
         """
-        first = bool(buf)
         while True:
-            if first:
-                first, data = False, b""
-            else:
-                try:
-                    data = await stream.receive_some(RECV_BYTES)
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    return
-                if not data:
-                    return
-            buf += data
-            acks: dict[bytes, list[DataAck]] = {}
-            urgent: set[bytes] = set()
+            acks: list[DataAck] = []
             ready: list[tuple[bytes, bytes]] = []
-            bad = False
-            while len(buf) >= _LEN.size and not bad:
-                (n,) = _LEN.unpack_from(buf)
-                if n > MAX_FRAME_BYTES:
-                    self.counters["bad_frames"] += 1
-                    bad = True  # not our protocol: drop the stream
-                    break
-                if len(buf) < _LEN.size + n:
-                    break
-                frame = bytes(buf[_LEN.size:_LEN.size + n])
-                del buf[:_LEN.size + n]
+            urgent = bad = False
+            while True:
                 try:
+                    frame = _next_frame(buf)
+                    if frame is None:
+                        break
                     packet = decode(frame, MAX_FRAME_BYTES)
                 except WireError:
                     self.counters["bad_frames"] += 1
-                    bad = True
+                    bad = True  # not our protocol: drop the stream
                     break
                 if packet.sender != expect:
                     self.counters["bad_frames"] += 1
@@ -323,17 +316,22 @@ class DataChannel:
                     self.counters["streams_refused"] += 1
                     bad = True
                     break
-                if self._take(packet, acks.setdefault(packet.sender, []), ready):
-                    urgent.add(packet.sender)
+                urgent = self._take(packet, acks, ready) or urgent
             # What came whole before a bad frame is ours: the reassembler has moved past it,
             # so it is acked and handed over even when the stream is then dropped.
             # Acks first: they say "received", whatever the handlers then take.
-            for node, pending in acks.items():
-                if pending:
-                    await self._owe_acks(node, pending, stream, node in urgent)
+            if acks:
+                await self._owe_acks(expect, acks, stream, urgent)
             await self._hand_over(ready, reader=True)
             if bad:
                 return
+            try:
+                data = await stream.receive_some(RECV_BYTES)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return
+            if not data:
+                return
+            buf += data
 
     async def on_relay_payload(self, src: bytes, payload: bytes) -> None:
         """A relay frame whose first byte is RELAY_DATA."""
