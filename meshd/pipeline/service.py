@@ -267,11 +267,8 @@ class StageService(_App):
             ))
             return
         s = msg.sampling
-        sampler = self.samplers.get(msg.req_id)
-        if sampler is None:
-            sampler = self.samplers[msg.req_id] = Sampler(s.temperature, s.top_k, s.seed)
-        token = sampler(logits)
-        done = "eos" if token in self.eos else ("length" if msg.step + 1 >= s.max_tokens else "")
+        token = self._sampler(msg.req_id, s)(logits)
+        done = self._done(token, msg.step, s)
         self.counters["tokens"] += 1
         entry = await resolve(self.node, "pp-stage-0")
         if not done:
@@ -288,6 +285,17 @@ class StageService(_App):
                           (*trace, Hop("transit", f"{self.name}->orchestrator", 0.0,
                                        self.path_to(msg.origin))))
         await self.send(msg.origin, to_origin)
+
+    def _sampler(self, req_id: str, s: Sampling) -> Sampler:
+        """The request's sampler: one per request, wherever it samples, so its seed draws in order."""
+        sampler = self.samplers.get(req_id)
+        if sampler is None:
+            sampler = self.samplers[req_id] = Sampler(s.temperature, s.top_k, s.seed)
+        return sampler
+
+    def _done(self, token: int, step: int, s: Sampling) -> str:
+        """Why generation ends with this token ("eos", "length"), or "" while it goes on."""
+        return "eos" if token in self.eos else ("length" if step + 1 >= s.max_tokens else "")
 
     def _forget(self, req_id: str) -> None:
         self.caches.pop(req_id, None)
@@ -351,11 +359,8 @@ class StageService(_App):
         assert msg is not None and join.mine is not None and join.theirs is not None
         s = msg.sampling
         t0 = time.perf_counter()
-        sampler = self.samplers.get(req_id)
-        if sampler is None:
-            sampler = self.samplers[req_id] = Sampler(s.temperature, s.top_k, s.seed)
-        token = sampler.choose(merge([join.mine, join.theirs], s.top_k))
-        done = "eos" if token in self.eos else ("length" if step + 1 >= s.max_tokens else "")
+        token = self._sampler(req_id, s).choose(merge([join.mine, join.theirs], s.top_k))
+        done = self._done(token, step, s)
         self.counters["tokens"] += 1
         trace = (*join.trace,
                  Hop("compute", f"{self.name} head", join.mine_ms + (time.perf_counter() - t0) * 1000, ""),
