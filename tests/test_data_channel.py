@@ -226,8 +226,13 @@ async def test_dispatch_keeps_a_senders_order_when_its_path_moves_from_the_relay
             nursery.cancel_scope.cancel()
 
 
-async def _handshake_as(addr: str, claimed: bytes, signer: Identity, chunk: bytes):
-    """Dial ``addr`` as ``claimed``, signing with ``signer``'s key; then send one data chunk.
+def _chunk_frame(sender: bytes, data: bytes) -> bytes:
+    """A whole message as one stream frame: message 1 of session 1."""
+    return _frame(Packet(sender, (DataChunk(1, 1, len(data), 0, data),)))
+
+
+async def _handshake_as(addr: str, claimed: bytes, signer: Identity, then: bytes):
+    """Dial ``addr`` as ``claimed``, signing with ``signer``'s key; then write ``then``.
 
     Returns the node's proof packet, or None if it closed the stream instead."""
     host, _, port = addr.rpartition(":")
@@ -243,7 +248,7 @@ async def _handshake_as(addr: str, claimed: bytes, signer: Identity, chunk: byte
             answer = await _read_packet(stream, buf)
         except HandshakeError:
             return None
-        await stream.send_all(_frame(Packet(claimed, (DataChunk(1, 1, len(chunk), 0, chunk),))))
+        await stream.send_all(then)
         await trio.sleep(0.5)
         return answer
 
@@ -260,10 +265,11 @@ async def test_a_data_stream_must_prove_its_node_id_before_anything_is_delivered
             got: list = []
             nursery.start_soon(_collect, a, 10, got)
             # Claims to be stage-0 but signs with its own key: refused, nothing delivered.
-            assert await _handshake_as(a.addr, victim, intruder, b"forged") is None
+            assert await _handshake_as(a.addr, victim, intruder, _chunk_frame(victim, b"forged")) is None
             assert a.data.counters["handshake_failures"] == 1
             # The same client proving its own id is heard, under that id (the test's handshake is right).
-            answer = await _handshake_as(a.addr, intruder.node_id, intruder, b"honest")
+            honest = _chunk_frame(intruder.node_id, b"honest")
+            answer = await _handshake_as(a.addr, intruder.node_id, intruder, honest)
             assert answer is not None and answer.sender == a.identity.node_id
             with trio.fail_after(5):
                 while not got:
@@ -303,21 +309,13 @@ async def test_a_bad_frame_does_not_lose_the_good_ones_read_with_it():
             outsider = Identity.generate()
             got: list = []
             nursery.start_soon(_collect, a, 1, got)
-            host, _, port = a.addr.rpartition(":")
-            stream = await trio.open_tcp_stream(host, int(port))
-            async with stream:
-                buf = bytearray()
-                challenge = await _read_packet(stream, buf)
-                proof = StreamProof(b"\x05" * STREAM_NONCE_BYTES, outsider.sign(
-                    _proof_data(challenge.messages[0].nonce, challenge.sender, outsider.node_id)))
-                await stream.send_all(_frame(Packet(outsider.node_id, (proof,))))
-                await _read_packet(stream, buf)
-                good = _frame(Packet(outsider.node_id, (DataChunk(9, 1, 4, 0, b"good"),)))
-                garbled = struct.pack("!I", 5) + b"\xc1\xc1\xc1\xc1\xc1"
-                await stream.send_all(good + garbled)  # one write, one read
-                with trio.fail_after(5):
-                    while not got:
-                        await trio.sleep(0.05)
+            garbled = struct.pack("!I", 5) + b"\xc1\xc1\xc1\xc1\xc1"
+            good = _chunk_frame(outsider.node_id, b"good")
+            answer = await _handshake_as(a.addr, outsider.node_id, outsider, good + garbled)  # one write
+            assert answer is not None
+            with trio.fail_after(5):
+                while not got:
+                    await trio.sleep(0.05)
             assert got == [(outsider.node_id, b"good")]
             assert a.data.counters["bad_frames"] == 1
             nursery.cancel_scope.cancel()
