@@ -96,6 +96,10 @@ class HandshakeError(Exception):
     """A stream's handshake did not prove the other end's node id."""
 
 
+# How a stream's handshake can fail, at either end.
+_HANDSHAKE_FAILURES = (HandshakeError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError)
+
+
 def _proof_data(nonce: bytes, verifier: bytes, prover: bytes) -> bytes:
     """What a stream's end signs: the other end's nonce, and both ids, in their roles."""
     return b"meshd data stream v1\0" + nonce + verifier + prover
@@ -249,8 +253,7 @@ class DataChannel:
             try:
                 with trio.fail_after(self.config.handshake_timeout):
                     dialler = await self._prove_inbound(stream, buf)
-            except (HandshakeError, trio.TooSlowError, trio.BrokenResourceError,
-                    trio.ClosedResourceError) as exc:
+            except _HANDSHAKE_FAILURES as exc:
                 self.counters["handshake_failures"] += 1
                 log.debug("inbound data stream refused: %s", exc or "handshake timed out")
                 return
@@ -730,8 +733,7 @@ class DataChannel:
             try:
                 with trio.fail_after(self.config.handshake_timeout):
                     await self._prove_outbound(node, stream, buf)
-            except (HandshakeError, trio.TooSlowError, trio.BrokenResourceError,
-                    trio.ClosedResourceError) as exc:
+            except _HANDSHAKE_FAILURES as exc:
                 self.counters["handshake_failures"] += 1
                 await stream.aclose()
                 reason = str(exc) if isinstance(exc, HandshakeError) else (
