@@ -39,6 +39,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--blas-threads", type=int, default=1)
     parser.add_argument("--skip-processes", action="store_true", help="only the in-process pipeline")
+    parser.add_argument("--skip-inprocess", action="store_true", help="only the process-per-node pipeline")
     return parser.parse_args()
 
 
@@ -185,13 +186,16 @@ def main() -> None:
         init_checkpoint(tmp, "small", seed=0)
         model = StageModel.load(tmp)
         generate(tmp, PROMPT, 4, model=model)  # warm up
-        pipe = trio.run(pipelined, tmp, model, args.stages, args.tokens, args.streams, args.runs)
+        pipe = None
+        if not args.skip_inprocess:
+            pipe = trio.run(pipelined, tmp, model, args.stages, args.tokens, args.streams, args.runs)
         procs = None
         if not args.skip_processes:
             procs = pipelined_processes(tmp, model, args.stages, args.tokens, args.streams, args.runs)
     print(f"small preset (dim 288, 6 layers, vocab 32000), prompt + {args.tokens} tokens, "
           f"{args.runs} runs alternating monolithic/pipelined, BLAS threads {args.blas_threads}")
-    report("nodes in this process (one interpreter for all)", args.stages, args.streams, pipe)
+    if pipe is not None:
+        report("nodes in this process (one interpreter for all)", args.stages, args.streams, pipe)
     if procs is not None:
         report("one `meshd run` process per node, over HTTP", args.stages, args.streams, procs)
 
