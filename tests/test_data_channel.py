@@ -352,6 +352,56 @@ async def test_a_slow_handler_does_not_cost_the_sender_its_direct_path():
             nursery.cancel_scope.cancel()
 
 
+async def _accept_as(stream, identity: Identity) -> bytearray:
+    """The accepting end of a stream's handshake, as ``identity``; returns what it read past it."""
+    buf = bytearray()
+    nonce = b"\x03" * STREAM_NONCE_BYTES
+    await stream.send_all(_frame(Packet(identity.node_id, (StreamChallenge(nonce),))))
+    proof = await _read_packet(stream, buf)
+    signature = identity.sign(_proof_data(proof.messages[0].nonce, proof.sender, identity.node_id))
+    await stream.send_all(_frame(Packet(identity.node_id, (StreamProof(nonce, signature),))))
+    return buf
+
+
+async def _serve_peer(nursery, node, identity: Identity, handler) -> None:
+    """A peer ``identity`` that ``node`` dials at a listener running ``handler`` per stream."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    nursery.start_soon(trio.serve_listeners, handler, listeners)
+    real = node.data.addr_of
+    node.data.addr_of = lambda n: f"127.0.0.1:{port}" if n == identity.node_id else real(n)
+
+
+async def test_messages_posted_while_the_stream_is_dialled_go_out_without_waiting_for_an_ack():
+    """The first post() to a peer dials it; the messages posted meanwhile are written as soon
+    as the stream is open, not after the first message's ack (which may be held a while,
+    or never come, as from this peer)."""
+    peer_identity = Identity.generate()
+    seen: list[int] = []
+    all_seen = trio.Event()
+
+    async def accept_and_read(stream):
+        buf = await _accept_as(stream, peer_identity)
+        while len(seen) < 5:
+            seen.extend(msg.msg_id for msg in (await _read_packet(stream, buf)).messages)
+        all_seen.set()
+        await trio.sleep_forever()  # and never acks
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            mesh = Mesh(nursery, nursery)
+            await mesh.start([])
+            a = mesh.a
+            await _serve_peer(nursery, a, peer_identity, accept_and_read)
+            for i in range(5):
+                await a.data.post(peer_identity.node_id, b"m%d" % i, timeout=30)
+            # Before the fix, messages 2-5 waited for message 1's ack: ack_timeout, then a resend.
+            with trio.fail_after(a.data.config.ack_timeout / 2):
+                await all_seen.wait()
+            assert sorted(seen) == [1, 2, 3, 4, 5]
+            nursery.cancel_scope.cancel()
+
+
 async def test_post_to_a_peer_that_stops_reading_fails_at_its_deadline_and_returns():
     """A peer that completes the handshake and then never reads fills the socket buffers:
     post() must still return, and the message fails at its deadline, naming the peer."""
@@ -361,22 +411,12 @@ async def test_post_to_a_peer_that_stops_reading_fails_at_its_deadline_and_retur
             mesh = Mesh(nursery, nursery)
             await mesh.start([])
             a = mesh.a
-            listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-            port = listeners[0].socket.getsockname()[1]
 
             async def accept_and_stall(stream):
-                buf = bytearray()
-                nonce = b"\x03" * STREAM_NONCE_BYTES
-                await stream.send_all(_frame(Packet(peer_identity.node_id, (StreamChallenge(nonce),))))
-                proof = (await _read_packet(stream, buf))
-                signature = peer_identity.sign(_proof_data(proof.messages[0].nonce, proof.sender,
-                                                           peer_identity.node_id))
-                await stream.send_all(_frame(Packet(peer_identity.node_id, (StreamProof(nonce, signature),))))
+                await _accept_as(stream, peer_identity)
                 await trio.sleep_forever()  # never reads again
 
-            nursery.start_soon(trio.serve_listeners, accept_and_stall, listeners)
-            real = a.data.addr_of
-            a.data.addr_of = lambda node: f"127.0.0.1:{port}" if node == peer_identity.node_id else real(node)
+            await _serve_peer(nursery, a, peer_identity, accept_and_stall)
             failures: list[str] = []
 
             async def failed(exc):
@@ -390,6 +430,49 @@ async def test_post_to_a_peer_that_stops_reading_fails_at_its_deadline_and_retur
                 await item.done.wait()
             assert [item.error is not None for item in items] == [True, True]
             assert len(failures) == 2 and "within 2s" in failures[0]
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_frame_written_in_part_is_finished_before_the_next_one(monkeypatch):
+    """post() writes a one-frame message straight into the socket; when the socket takes
+    only part of it, the rest must follow before any other frame, or nothing after it
+    parses.  Here every third write into the socket takes only half its bytes."""
+    import os as real_os
+
+    from meshd.net import channel
+
+    halves = []
+
+    class HalfWrites:
+        def __getattr__(self, name):
+            return getattr(real_os, name)
+
+        def write(self, fd, data):
+            if len(data) > 1000 and len(halves) % 3 == 0:
+                halves.append(len(data))
+                return real_os.write(fd, data[:len(data) // 2])
+            halves.append(0)
+            return real_os.write(fd, data)
+
+    count = 60
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            mesh = Mesh(nursery, nursery)
+            await mesh.start([])
+            a, b = mesh.a, mesh.b
+            got: list = []
+            nursery.start_soon(_collect, b, count, got)
+            await a.data.send(b.identity.node_id, b"dial")  # the stream is open: post() writes itself
+            monkeypatch.setattr(channel, "os", HalfWrites())
+            for i in range(count - 1):
+                await a.data.post(b.identity.node_id, bytes([i]) * (2000 + i))
+            with trio.fail_after(20):
+                while len(got) < count:
+                    await trio.sleep(0.05)
+            assert any(halves), "no write was cut in half: the test did not test"
+            want = [b"dial"] + [bytes([i]) * (2000 + i) for i in range(count - 1)]
+            assert [data for _, data in got] == want
+            assert b.data.counters["bad_frames"] == 0
             nursery.cancel_scope.cancel()
 
 

@@ -26,7 +26,7 @@ import os
 import random
 import struct
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,8 +158,10 @@ class ChannelConfig:
     receive_queue: int = 256
     # How long a receiver may hold an ack so that a burst's acks share a frame.
     # Writers never wait on acks, so this costs no latency; a chunk marked
-    # ack_now (send(), resends) is acknowledged at once.
-    ack_delay: float = 0.025
+    # ack_now (send(), resends) is acknowledged at once.  Each ack frame wakes
+    # the sender's process: at 25 ms a 3-stage pipeline's links woke a process
+    # about once per token, as often as the tokens themselves.
+    ack_delay: float = 0.1
 
 
 @dataclass
@@ -550,10 +552,13 @@ class DataChannel:
         DeliveryError, given to ``on_error`` and kept on the returned item.
         """
         peer = self._peer(node)
-        msg_id = peer.next_id
+        item = Outgoing(peer.next_id, data, timeout, trio.current_time() + timeout, peer.session, on_error,
+                        urgent)
         peer.next_id += 1
-        item = Outgoing(msg_id, data, timeout, trio.current_time() + timeout, peer.session, on_error, urgent)
-        peer.acks[msg_id] = item.acked
+        # The one-frame message on an idle stream (every activation of a pipeline) goes into
+        # the socket before any bookkeeping: the peer starts reading it while we do that.
+        rest = self._write_now(peer, item)
+        peer.acks[item.msg_id] = item.acked
         peer.queue.append(item)
         if self._nursery is None:  # no serve(): deliver in the caller's task
             if not peer.supervised:
@@ -563,12 +568,21 @@ class DataChannel:
         if not peer.supervised:  # before writing: the item's deadline holds whatever happens
             peer.supervised = True
             self._nursery.start_soon(self._supervise, node, peer)
-        if not peer.retrying and len(peer.queue) <= WINDOW:
+        if rest is not None:  # half a frame is in the socket: the rest before anything else
+            stream = peer.stream
+            assert stream is not None
+            with trio.move_on_at(item.deadline):
+                try:
+                    await self._write_frames(peer, stream, [rest])
+                    item.written = "direct"
+                except PathFailed:
+                    pass  # the stream is dropped; the supervisor sends it again
+        elif item.written is None and not peer.retrying and len(peer.queue) <= WINDOW:
             path, stream = self._choose(node, peer), peer.stream
             with trio.move_on_at(item.deadline):  # a peer that stops reading cannot hold us
                 try:
                     if path == "direct" and stream is not None:
-                        await self._write_frames(peer, stream, item)
+                        await self._write_frames(peer, stream, self._framed(item))
                         item.written = path
                     elif path == "relay":
                         await self._send_relay(node, item)
@@ -578,6 +592,31 @@ class DataChannel:
         # The frames are out; now let the rest of the node run (acks, the supervisor).
         await trio.lowlevel.checkpoint()
         return item
+
+    def _write_now(self, peer: _Peer, item: Outgoing) -> bytes | None:
+        """Write a one-frame message into an idle direct stream, without waiting for anything.
+
+        Sets ``item.written`` when the whole frame went; returns the bytes
+        still to write when only part of it did (the stream then holds half a
+        frame), else None (also when this path does not apply or failed: the
+        usual path, or the supervisor, sends it).
+        """
+        stream = peer.stream
+        if (stream is None or peer.retrying or peer.stream_lock.locked() or len(peer.queue) >= WINDOW
+                or len(item.data) > CHUNK_BYTES or self._nursery is None):
+            return None
+        frame = next(self._framed(item))
+        try:
+            sent = os.write(stream.socket.fileno(), frame)
+        except BlockingIOError:
+            return None
+        except OSError:  # reset, broken pipe, or closed under us: as _write_frames would
+            self._drop_stream(peer)
+            return None
+        if sent == len(frame):
+            item.written = "direct"
+            return None
+        return frame[sent:]
 
     async def _supervise(self, node: bytes, peer: _Peer) -> None:
         """See each queued message acked, or failed at its deadline, oldest first."""
@@ -617,9 +656,9 @@ class DataChannel:
                     if tried:
                         self.counters["resent"] += 1
                     try:
-                        for ahead in list(itertools.islice(peer.queue, WINDOW)):
-                            if ahead.written is not None or ahead.acked.is_set():
-                                continue
+                        # Until none is left unwritten: messages posted while this one dialled
+                        # would otherwise wait for its ack.
+                        while (ahead := self._unwritten(peer)) is not None:
                             ahead.urgent = True  # a resend: learn soon whether this path works
                             if path == "direct":
                                 await self._send_direct(node, peer, ahead)
@@ -645,6 +684,14 @@ class DataChannel:
             f"could not deliver message {item.msg_id} ({len(item.data)} bytes) to {self.describe(node)} "
             f"within {item.timeout:g}s; tried: {'; '.join(tried[-6:]) or 'nothing (no path available)'}"
         )
+
+    @staticmethod
+    def _unwritten(peer: _Peer) -> Outgoing | None:
+        """The oldest message in the window that is neither on the wire nor acked."""
+        for item in itertools.islice(peer.queue, WINDOW):
+            if item.written is None and not item.acked.is_set():
+                return item
+        return None
 
     def _renew(self, peer: _Peer) -> None:
         """After a message to ``peer`` failed: a new session, and every message behind it again.
@@ -756,13 +803,14 @@ class DataChannel:
         await stream.aclose()
 
     async def _send_direct(self, node: bytes, peer: _Peer, item: Outgoing) -> None:
-        await self._write_frames(peer, await self._stream(node, peer), item)
+        await self._write_frames(peer, await self._stream(node, peer), self._framed(item))
 
-    async def _write_frames(self, peer: _Peer, stream: trio.SocketStream, item: Outgoing) -> None:
+    async def _write_frames(self, peer: _Peer, stream: trio.SocketStream, frames: Iterable[bytes]) -> None:
+        """Write length-prefixed ``frames`` whole; a stream left holding part of one is dropped."""
         whole = False
         try:
-            for frame in self._frames(item):
-                await _write(peer.stream_lock, stream, _LEN.pack(len(frame)) + frame)
+            for frame in frames:
+                await _write(peer.stream_lock, stream, frame)
             whole = True
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             raise PathFailed(f"stream broke while sending ({exc.__class__.__name__})") from None
@@ -797,6 +845,11 @@ class DataChannel:
             chunk = bytes(view[offset:offset + CHUNK_BYTES])
             msg = DataChunk(item.session, item.msg_id, total, offset, chunk, item.urgent)
             yield encode(Packet(self.id, (msg,)), MAX_FRAME_BYTES)
+
+    def _framed(self, item: Outgoing) -> Iterator[bytes]:
+        """``_frames`` with the length prefix of a stream."""
+        for frame in self._frames(item):
+            yield _LEN.pack(len(frame)) + frame
 
     def _peer(self, node: bytes) -> _Peer:
         peer = self._peers.get(node)
