@@ -135,6 +135,28 @@ async def test_four_concurrent_requests_each_equal_their_reference(checkpoint):
             nursery.cancel_scope.cancel()
 
 
+async def test_tokens_reach_the_orchestrator_several_to_a_message(checkpoint, cut_any_head):
+    """Each message wakes the orchestrator's process; tokens after the first share messages
+    (up to TOKEN_BATCH_S apart), and every token still streams, in order."""
+    lines: list[str] = []
+    with trio.fail_after(90):
+        async with trio.open_nursery() as nursery:
+            nodes = await start_pipeline(nursery, checkpoint, 3, lines)
+            orch_node = nodes[0]
+            streamed: list[int] = []
+
+            async def on_token(token: int) -> None:
+                streamed.append(token)
+
+            before = orch_node.data.counters["delivered"]
+            got = await orch_node.app.generate(PROMPT, 40, on_token=on_token)
+            messages = orch_node.data.counters["delivered"] - before
+            assert got["tokens"] == reference(checkpoint, 40, 0.0, 0, 0)["tokens"]
+            assert streamed == got["tokens"]
+            assert 2 <= messages < len(got["tokens"]) / 2, messages
+            nursery.cancel_scope.cancel()
+
+
 async def test_a_missing_stage_is_named(checkpoint):
     lines: list[str] = []
     with trio.fail_after(30):

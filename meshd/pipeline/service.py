@@ -15,7 +15,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -60,6 +60,12 @@ PREFILL_ROWS = 8  # more rows than this run in a thread, from a task of their ow
 # numpy.  The small preset's head (32000 x 288) is cut; the tiny one's (258 x 64) is not,
 # and cutting it slowed `meshd smoke-run` from 64-89 to 48-64 tokens/s.
 HEAD_SPLIT_MIN_MACS = 4_000_000
+# Tokens streamed to the orchestrator wait up to this long to share one message (the first
+# and last of a request go at once).  Each message wakes the orchestrator's process, and on
+# a host with fewer cores than nodes a woken process can take the core of the stage that
+# computes the next token: one message per token cost the pipeline about a tenth of its speed.
+TOKEN_BATCH_S = 0.02
+TOKEN_BATCH_MAX = 32
 
 
 class PipelineError(Exception):
@@ -82,8 +88,8 @@ class NotReady(PipelineError):
         self.missing = missing
 
 
-def encode_app(sender: bytes, msg: Message) -> bytes:
-    return encode(Packet(sender, (msg,)), MAX_DATA_MESSAGE_BYTES + 4096)
+def encode_app(sender: bytes, *msgs: Message) -> bytes:
+    return encode(Packet(sender, msgs), MAX_DATA_MESSAGE_BYTES + 4096)
 
 
 def decode_app(data: bytes) -> Packet:
@@ -146,19 +152,21 @@ class _App:
             log.exception("%s: %s failed", self.node.swim.me.name, type(msg).__name__)
             await self.failed(msg, exc)
 
-    async def send(self, dst: bytes, msg: Message) -> None:
+    async def send(self, dst: bytes, *msgs: Message) -> None:
         """To ``dst`` over the data channel, in order, without waiting for its ack.
 
-        A message that cannot be delivered fails its request (``failed``).
+        Several messages go as one, in order.  A message that cannot be
+        delivered fails its request (``failed``).
         """
-        data = encode_app(self.node.identity.node_id, msg)
+        data = encode_app(self.node.identity.node_id, *msgs)
         if dst == self.node.identity.node_id:
             await self.node.data.loopback(data)
             return
 
         async def undelivered(exc: DeliveryError) -> None:
             log.warning("%s: %s", self.node.swim.me.name, exc)
-            await self.failed(msg, exc)
+            for msg in msgs:
+                await self.failed(msg, exc)
 
         await self.node.data.post(dst, data, SEND_TIMEOUT_S, undelivered)
 
@@ -203,6 +211,7 @@ class StageService(_App):
         self.caches: dict[str, KVCache] = {}
         self.samplers: dict[str, Sampler] = {}
         self._heads: dict[tuple[str, int], _HeadJoin] = {}  # at stage 0: (req_id, step) -> the two halves
+        self._outbox: dict[bytes, list[Token]] = {}  # per orchestrator: tokens not yet sent
         self.counters = {"activations": 0, "tokens": 0, "errors": 0}
 
     def _splits_head(self, s: Sampling) -> bool:
@@ -281,10 +290,29 @@ class StageService(_App):
             if self.stages > 1:
                 await self.send(entry, Release(msg.req_id))
         raw = logits.astype(np.float32).tobytes() if s.want_logits else b""
-        to_origin = Token(msg.req_id, msg.origin, msg.step, token, pos, done, raw, s, time.time(),
-                          (*trace, Hop("transit", f"{self.name}->orchestrator", 0.0,
-                                       self.path_to(msg.origin))))
-        await self.send(msg.origin, to_origin)
+        await self._stream(Token(msg.req_id, msg.origin, msg.step, token, pos, done, raw, s, 0.0,
+                                 (*trace, Hop("transit", f"{self.name}->orchestrator", 0.0,
+                                              self.path_to(msg.origin)))))
+
+    async def _stream(self, token: Token) -> None:
+        """Stream ``token`` to its orchestrator: a request's first and last token at once, the
+        rest gathered for up to TOKEN_BATCH_S into one message (see TOKEN_BATCH_S)."""
+        pending = self._outbox.setdefault(token.origin, [])
+        pending.append(token)
+        if token.step == 0 or token.done or token.logits or len(pending) >= TOKEN_BATCH_MAX:
+            await self._flush(token.origin)
+        elif len(pending) == 1:
+            self._nursery.start_soon(self._flush_later, token.origin)
+
+    async def _flush_later(self, origin: bytes) -> None:
+        await trio.sleep(TOKEN_BATCH_S)
+        await self._flush(origin)
+
+    async def _flush(self, origin: bytes) -> None:
+        pending = self._outbox.pop(origin, [])
+        if pending:
+            now = time.time()  # the transit is from here: the wait in the outbox is not the network's
+            await self.send(origin, *(replace(t, sent_at=now) for t in pending))
 
     def _sampler(self, req_id: str, s: Sampling) -> Sampler:
         """The request's sampler: one per request, wherever it samples, so its seed draws in order."""
@@ -373,8 +401,7 @@ class StageService(_App):
             await self._activation(Activation(req_id, msg.origin, msg.pos, step + 1, 0, 0, b"", (token,), s,
                                               0.0, ()))
         hop = Hop("transit", f"{self.name}->orchestrator", 0.0, self.path_to(msg.origin))
-        await self.send(msg.origin, Token(req_id, msg.origin, step, token, msg.pos, done, b"", s, time.time(),
-                                          (*trace, hop)))
+        await self._stream(Token(req_id, msg.origin, step, token, msg.pos, done, b"", s, 0.0, (*trace, hop)))
 
     async def failed(self, msg: Message, exc: Exception) -> None:
         self.counters["errors"] += 1
