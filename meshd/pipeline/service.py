@@ -165,7 +165,8 @@ class _App:
 
         async def undelivered(exc: DeliveryError) -> None:
             log.warning("%s: %s", self.node.swim.me.name, exc)
-            for msg in msgs:
+            # One failure per request, though a batch may hold several of its tokens.
+            for msg in {getattr(m, "req_id", id(m)): m for m in msgs}.values():
                 await self.failed(msg, exc)
 
         await self.node.data.post(dst, data, SEND_TIMEOUT_S, undelivered)
