@@ -227,7 +227,6 @@ class DataChannel:
             self.config.receive_queue
         )
         self._nursery: trio.Nursery | None = None
-        self._backlog: deque[bytes] = deque()  # sends to ourselves that found the queue full
         self._handler: Callable[[bytes, bytes], Awaitable[None]] | None = None
         self._inline = False
         self._backlogs: dict[bytes, deque[bytes]] = {}  # per sender: delivered, not yet handled
@@ -499,28 +498,13 @@ class DataChannel:
                 return
 
     async def loopback(self, data: bytes) -> None:
-        """Deliver ``data`` to ourselves, as if we had sent it; never waits on the consumer."""
-        if self._handler is not None:
-            await self._hand_over([(self.id, data)], wait=False)  # the caller may be our own runner
-            return
-        self.counters["delivered"] += 1
-        if not self._backlog:
-            try:
-                self._recv_send.send_nowait((self.id, data))
-                return
-            except trio.WouldBlock:
-                pass
-        # The reader may be the caller: never wait on ourselves; a task drains, in order.
-        self._backlog.append(data)
-        if len(self._backlog) == 1:
-            if self._nursery is None:
-                raise RuntimeError("the data channel is not serving")
-            self._nursery.start_soon(self._drain_backlog)
+        """Give ``data`` to our own handler (see ``dispatch``), as if we had sent it.
 
-    async def _drain_backlog(self) -> None:
-        while self._backlog:
-            await self._recv_send.send((self.id, self._backlog[0]))
-            self._backlog.popleft()
+        Never waits on the handler: the caller may be the very task running it.
+        """
+        if self._handler is None:
+            raise RuntimeError("loopback() delivers to the dispatch() handler, and none is set")
+        await self._hand_over([(self.id, data)], wait=False)
 
     # ------------------------------------------------------------- sending
 
