@@ -11,7 +11,10 @@ whole model loaded once):
   user runs it.
 
 Runs alternate, monolithic then pipelined, so both see the same machine; the
-latency ratio is the median of the per-pair ratios.  Prints tokens/s for
+latency ratio is the median of the per-pair ratios.  On a shared 2-core VM a
+single pair's ratio ranges about 0.2 either side of the median (the
+monolithic run's own speed changes by a fifth from one run to the next), so
+the default is 9 pairs.  Prints tokens/s for
 both, for one stream and for W concurrent streams, the median per-hop transit
 time, and where a token's time goes.
 
@@ -19,7 +22,7 @@ time, and where a token's time goes.
 the node processes alike: one core per stage, as on separate hosts, and one
 core for the monolithic run.
 
-    .venv/bin/python bench/pipeline.py [--stages 3] [--tokens 64] [--streams 4] [--runs 5]
+    .venv/bin/python bench/pipeline.py [--stages 3] [--tokens 64] [--streams 4] [--runs 9]
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--streams", type=int, default=4)
-    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--runs", type=int, default=9)
     parser.add_argument("--blas-threads", type=int, default=1)
     parser.add_argument("--skip-processes", action="store_true", help="only the in-process pipeline")
     parser.add_argument("--skip-inprocess", action="store_true", help="only the process-per-node pipeline")
