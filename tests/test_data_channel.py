@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import struct
 from functools import partial
@@ -10,13 +11,30 @@ import pytest
 import trio
 
 from meshd.identity import Identity
-from meshd.net.channel import DeliveryError, HandshakeError, _frame, _proof_data, _read_packet
+from meshd.net.channel import (
+    CHUNK_BYTES,
+    DeliveryError,
+    HandshakeError,
+    _frame,
+    _next_frame,
+    _proof_data,
+    _read_packet,
+)
 from meshd.net.faults import Faults
 from meshd.node import NodeOptions
 from meshd.relay.server import RelayBindError, serve_relay
 from meshd.swim import LOCAL
 from meshd.testing.inprocess import start_node, wait_converged
-from meshd.wire import STREAM_NONCE_BYTES, DataChunk, Packet, StreamChallenge, StreamProof
+from meshd.wire import (
+    MAX_FRAME_BYTES,
+    STREAM_NONCE_BYTES,
+    DataAck,
+    DataChunk,
+    Packet,
+    StreamChallenge,
+    StreamProof,
+    decode,
+)
 
 N_MESSAGES = 1000
 
@@ -399,6 +417,50 @@ async def test_messages_posted_while_the_stream_is_dialled_go_out_without_waitin
             with trio.fail_after(a.data.config.ack_timeout / 2):
                 await all_seen.wait()
             assert sorted(seen) == [1, 2, 3, 4, 5]
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_congested_stream_carries_each_message_once():
+    """While post() waits to write into a full socket, the supervisor must not write the
+    same message too: on a congested link that doubled the bytes sent."""
+    peer_identity = Identity.generate()
+    copies: collections.Counter = collections.Counter()
+    chunks: dict[int, int] = {}
+    done = trio.Event()
+
+    async def accept_read_slowly_and_ack(stream):
+        buf = await _accept_as(stream, peer_identity)
+        received: collections.Counter = collections.Counter()
+        while True:
+            while (frame := _next_frame(buf)) is not None:
+                for msg in decode(frame, MAX_FRAME_BYTES).messages:
+                    copies[msg.msg_id] += 1
+                    chunks[msg.msg_id] = -(-msg.total // CHUNK_BYTES)
+                    received[msg.msg_id] += 1
+                    if received[msg.msg_id] == chunks[msg.msg_id]:
+                        ack = _frame(Packet(peer_identity.node_id, (DataAck(msg.session, msg.msg_id),)))
+                        await stream.send_all(ack)
+            if len(chunks) == 42 and all(received[i] >= chunks[i] for i in chunks):
+                break  # the dial, the big one, and 40 more, each whole
+            await trio.sleep(0.002)  # a slow reader: the sender's socket stays full
+            buf += await stream.receive_some(16384)
+        done.set()
+        await trio.sleep_forever()
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            mesh = Mesh(nursery, nursery)
+            await mesh.start([])
+            a = mesh.a
+            await _serve_peer(nursery, a, peer_identity, accept_read_slowly_and_ack)
+            await a.data.post(peer_identity.node_id, b"dial", timeout=30)
+            await trio.sleep(0.5)
+            await a.data.post(peer_identity.node_id, b"x" * (8 * 1024 * 1024), timeout=30)  # fills the socket
+            for _ in range(40):
+                await a.data.post(peer_identity.node_id, b"y" * 20_000, timeout=30)
+            await done.wait()
+            twice = sorted(i for i, n in copies.items() if n > chunks[i])
+            assert twice == [], f"messages written more than once: {twice}"
             nursery.cancel_scope.cancel()
 
 

@@ -178,6 +178,7 @@ class Outgoing:
     acked: trio.Event = field(default_factory=trio.Event)
     done: trio.Event = field(default_factory=trio.Event)
     written: str | None = None  # the path it was already written to, not yet acked
+    writing: bool = False  # post() is writing it now: nobody else should
     path: str | None = None  # the path that delivered it
     error: DeliveryError | None = None
 
@@ -552,27 +553,31 @@ class DataChannel:
         if not peer.supervised:  # before writing: the item's deadline holds whatever happens
             peer.supervised = True
             self._nursery.start_soon(self._supervise, node, peer)
-        if rest is not None:  # half a frame is in the socket: the rest before anything else
-            stream = peer.stream
-            assert stream is not None
-            with trio.move_on_at(item.deadline):
-                try:
-                    await self._write_frames(peer, stream, [rest])
-                    item.written = "direct"
-                except PathFailed:
-                    pass  # the stream is dropped; the supervisor sends it again
-        elif item.written is None and not peer.retrying and len(peer.queue) <= WINDOW:
-            path, stream = self._choose(node, peer), peer.stream
-            with trio.move_on_at(item.deadline):  # a peer that stops reading cannot hold us
-                try:
-                    if path == "direct" and stream is not None:
-                        await self._write_frames(peer, stream, self._framed(item))
-                        item.written = path
-                    elif path == "relay":
-                        await self._send_relay(node, item)
-                        item.written = path
-                except PathFailed:
-                    pass  # the supervisor finds it unwritten and sends it again
+        item.writing = True  # the supervisor, which may run while we wait, leaves it to us
+        try:
+            if rest is not None:  # half a frame is in the socket: the rest before anything else
+                stream = peer.stream
+                assert stream is not None
+                with trio.move_on_at(item.deadline):
+                    try:
+                        await self._write_frames(peer, stream, [rest])
+                        item.written = "direct"
+                    except PathFailed:
+                        pass  # the stream is dropped; the supervisor sends it again
+            elif item.written is None and not peer.retrying and len(peer.queue) <= WINDOW:
+                path, stream = self._choose(node, peer), peer.stream
+                with trio.move_on_at(item.deadline):  # a peer that stops reading cannot hold us
+                    try:
+                        if path == "direct" and stream is not None:
+                            await self._write_frames(peer, stream, self._framed(item))
+                            item.written = path
+                        elif path == "relay":
+                            await self._send_relay(node, item)
+                            item.written = path
+                    except PathFailed:
+                        pass  # the supervisor finds it unwritten and sends it again
+        finally:
+            item.writing = False
         # The frames are out; now let the rest of the node run (acks, the supervisor).
         await trio.lowlevel.checkpoint()
         return item
@@ -671,9 +676,9 @@ class DataChannel:
 
     @staticmethod
     def _unwritten(peer: _Peer) -> Outgoing | None:
-        """The oldest message in the window that is neither on the wire nor acked."""
+        """The oldest message in the window that is neither on the wire, being written, nor acked."""
         for item in itertools.islice(peer.queue, WINDOW):
-            if item.written is None and not item.acked.is_set():
+            if item.written is None and not item.writing and not item.acked.is_set():
                 return item
         return None
 
