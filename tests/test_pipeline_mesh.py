@@ -135,9 +135,10 @@ async def test_four_concurrent_requests_each_equal_their_reference(checkpoint):
             nursery.cancel_scope.cancel()
 
 
-async def test_tokens_reach_the_orchestrator_several_to_a_message(checkpoint, cut_any_head):
+async def test_tokens_reach_the_orchestrator_several_to_a_message(checkpoint, cut_any_head, monkeypatch):
     """Each message wakes the orchestrator's process; tokens after the first share messages
     (up to TOKEN_BATCH_S apart), and every token still streams, in order."""
+    monkeypatch.setattr(service, "TOKEN_BATCH_S", 0.2)  # a slow machine's steps still share
     lines: list[str] = []
     with trio.fail_after(90):
         async with trio.open_nursery() as nursery:
@@ -154,6 +155,36 @@ async def test_tokens_reach_the_orchestrator_several_to_a_message(checkpoint, cu
             assert got["tokens"] == reference(checkpoint, 40, 0.0, 0, 0)["tokens"]
             assert streamed == got["tokens"]
             assert 2 <= messages < len(got["tokens"]) / 2, messages
+            waits = [h for h in got["timings"]["hops"] if h["kind"] == "wait"]
+            assert [h["name"] for h in waits] == ["stage-0 outbox"]  # shown, not counted as transit
+            nursery.cancel_scope.cancel()
+
+
+async def test_the_tokens_before_a_stage_error_are_all_streamed(checkpoint):
+    """A stage that fails mid-request: every token it produced before the failure reaches
+    the stream before the error does (the orchestrator stops listening at the error)."""
+    fail_at = 10
+    lines: list[str] = []
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nodes = await start_pipeline(nursery, checkpoint, 3, lines)
+            last = nodes[-1].app
+            real = last._activation
+
+            async def failing(msg):
+                if msg.step == fail_at:
+                    raise service.PipelineError("injected failure")
+                await real(msg)
+
+            last._activation = failing
+            streamed: list[int] = []
+
+            async def on_token(token: int) -> None:
+                streamed.append(token)
+
+            with pytest.raises(service.PipelineError, match="stage-2: injected failure"):
+                await nodes[0].app.generate(PROMPT, 30, on_token=on_token)
+            assert streamed == reference(checkpoint, 30, 0.0, 0, 0)["tokens"][:fail_at]
             nursery.cancel_scope.cancel()
 
 

@@ -212,7 +212,7 @@ class StageService(_App):
         self.caches: dict[str, KVCache] = {}
         self.samplers: dict[str, Sampler] = {}
         self._heads: dict[tuple[str, int], _HeadJoin] = {}  # at stage 0: (req_id, step) -> the two halves
-        self._outbox: dict[bytes, list[Token]] = {}  # per orchestrator: tokens not yet sent
+        self._outbox: dict[bytes, list[Message]] = {}  # per orchestrator: tokens (and errors) not yet sent
         self.counters = {"activations": 0, "tokens": 0, "errors": 0}
 
     def _splits_head(self, s: Sampling) -> bool:
@@ -291,13 +291,16 @@ class StageService(_App):
             if self.stages > 1:
                 await self.send(entry, Release(msg.req_id))
         raw = logits.astype(np.float32).tobytes() if s.want_logits else b""
-        await self._stream(Token(msg.req_id, msg.origin, msg.step, token, pos, done, raw, s, 0.0,
+        await self._stream(Token(msg.req_id, msg.origin, msg.step, token, pos, done, raw, s, time.time(),
                                  (*trace, Hop("transit", f"{self.name}->orchestrator", 0.0,
                                               self.path_to(msg.origin)))))
 
     async def _stream(self, token: Token) -> None:
         """Stream ``token`` to its orchestrator: a request's first and last token at once, the
-        rest gathered for up to TOKEN_BATCH_S into one message (see TOKEN_BATCH_S)."""
+        rest gathered for up to TOKEN_BATCH_S into one message (see TOKEN_BATCH_S).
+
+        ``token.sent_at`` is when it joined the outbox; its trace ends with the transit to
+        the orchestrator, still to be timed."""
         pending = self._outbox.setdefault(token.origin, [])
         pending.append(token)
         if token.step == 0 or token.done or token.logits or len(pending) >= TOKEN_BATCH_MAX:
@@ -310,10 +313,22 @@ class StageService(_App):
         await self._flush(origin)
 
     async def _flush(self, origin: bytes) -> None:
+        """Send the outbox of ``origin``, in order, as one message."""
         pending = self._outbox.pop(origin, [])
-        if pending:
-            now = time.time()  # the transit is from here: the wait in the outbox is not the network's
-            await self.send(origin, *(replace(t, sent_at=now) for t in pending))
+        if not pending:
+            return
+        now = time.time()
+        batch = [self._leaving(m, now) if isinstance(m, Token) else m for m in pending]
+        try:
+            await self.send(origin, *batch)  # what is not delivered fails through ``failed``
+        except Exception as exc:  # a message that cannot even be encoded: say so, and go on
+            log.warning("%s: could not send %d messages to the orchestrator: %s", self.name, len(batch), exc)
+
+    def _leaving(self, token: Token, now: float) -> Token:
+        """``token`` as it leaves the outbox: its wait there is a step of its own, and its
+        transit to the orchestrator is timed from now."""
+        wait = Hop("wait", f"{self.name} outbox", max(0.0, (now - token.sent_at) * 1000), "")
+        return replace(token, sent_at=now, trace=(*token.trace[:-1], wait, token.trace[-1]))
 
     def _sampler(self, req_id: str, s: Sampling) -> Sampler:
         """The request's sampler: one per request, wherever it samples, so its seed draws in order."""
@@ -402,7 +417,8 @@ class StageService(_App):
             await self._activation(Activation(req_id, msg.origin, msg.pos, step + 1, 0, 0, b"", (token,), s,
                                               0.0, ()))
         hop = Hop("transit", f"{self.name}->orchestrator", 0.0, self.path_to(msg.origin))
-        await self._stream(Token(req_id, msg.origin, step, token, msg.pos, done, b"", s, 0.0, (*trace, hop)))
+        await self._stream(Token(req_id, msg.origin, step, token, msg.pos, done, b"", s, time.time(),
+                                 (*trace, hop)))
 
     async def failed(self, msg: Message, exc: Exception) -> None:
         self.counters["errors"] += 1
@@ -411,10 +427,10 @@ class StageService(_App):
         if origin is None:
             return
         text = str(exc) if isinstance(exc, PipelineError | DeliveryError) else f"{type(exc).__name__}: {exc}"
-        try:
-            await self.send(origin, StageError(req_id, self.name, text[:500]))
-        except Exception as send_exc:
-            log.warning("%s: could not report the failure of %s: %s", self.name, req_id, send_exc)
+        # Behind the tokens waiting in the outbox: the orchestrator stops listening to a
+        # request at its error, and every token before the error belongs to its stream.
+        self._outbox.setdefault(origin, []).append(StageError(req_id, self.name, text[:500]))
+        await self._flush(origin)
 
 
 @dataclass
