@@ -84,7 +84,7 @@ async def test_the_page_draws_the_asymmetric_edge_with_stage_names_and_direction
         shutil.copy(shot, Path(keep) / shot.name)
 
 
-def _token_bar(url: str, shot: Path) -> list[str]:
+def _token_bar(url: str, shot: Path) -> tuple[list[str], str]:
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as pw:
@@ -94,8 +94,9 @@ def _token_bar(url: str, shot: Path) -> list[str]:
             page.goto(url)
             page.wait_for_selector("#token-bar div", timeout=20_000)
             bars = page.eval_on_selector_all("#token-bar div", "els => els.map(e => e.title)")
+            wait = page.inner_text("#token-wait")
             page.screenshot(path=str(shot))
-            return bars
+            return bars, wait
         finally:
             browser.close()
 
@@ -119,10 +120,13 @@ async def test_the_orchestrator_page_draws_where_one_tokens_time_goes(tmp_path):
             await wait_converged([orch, *stages])
             await orch.app.wait_ready(10)
             async with httpx.AsyncClient(base_url=orch.dashboard_url, timeout=30) as client:
-                r = await client.post("/api/generate", json={"prompt": "Hello", "max_tokens": 4})
+                r = await client.post("/api/generate", json={"prompt": "Hello", "max_tokens": 6})
                 assert r.status_code == 200, r.text
-            bars = await trio.to_thread.run_sync(_token_bar, orch.dashboard_url, tmp_path / "token.png")
+            bars, wait = await trio.to_thread.run_sync(_token_bar, orch.dashboard_url, tmp_path / "token.png")
             nursery.cancel_scope.cancel()
     assert any(b.startswith("stage-0 (compute)") for b in bars), bars
     assert any(b.startswith("stage-1 (compute)") for b in bars), bars
     assert any("(transit, direct)" in b for b in bars), bars
+    # Tokens wait in stage 0's outbox to share a message: said apart, not a step of the bar.
+    assert not any("(wait" in b for b in bars), bars
+    assert "in stage-1 outbox" in wait or "in stage-0 outbox" in wait, wait
