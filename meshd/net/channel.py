@@ -62,6 +62,17 @@ _LEN = struct.Struct("!I")
 RECV_BYTES = 64 * 1024
 
 
+def _write_some(stream: trio.SocketStream, data: bytes) -> int:
+    """How many bytes of ``data`` the socket takes now, without waiting (0 when its buffer
+    is full).  Raises trio.BrokenResourceError when the stream is broken."""
+    try:
+        return os.write(stream.socket.fileno(), data)
+    except BlockingIOError:
+        return 0
+    except OSError as exc:  # reset, broken pipe, or closed under us (fd -1)
+        raise trio.BrokenResourceError(f"write failed: {exc.strerror or exc}") from None
+
+
 async def _write(lock: trio.Lock, stream: trio.SocketStream, data: bytes) -> None:
     """Write ``data`` whole to ``stream``; at once when no other writer holds ``lock``.
 
@@ -71,12 +82,7 @@ async def _write(lock: trio.Lock, stream: trio.SocketStream, data: bytes) -> Non
     buffer is full, goes the usual way, under the lock.
     """
     if not lock.locked():
-        try:
-            sent = os.write(stream.socket.fileno(), data)
-        except BlockingIOError:
-            sent = 0
-        except OSError as exc:  # reset, broken pipe, or closed under us (fd -1)
-            raise trio.BrokenResourceError(f"write failed: {exc.strerror or exc}") from None
+        sent = _write_some(stream, data)
         if sent == len(data):
             return
         data = data[sent:]
@@ -596,11 +602,11 @@ class DataChannel:
             return None
         frame = next(self._framed(item))
         try:
-            sent = os.write(stream.socket.fileno(), frame)
-        except BlockingIOError:
-            return None
-        except OSError:  # reset, broken pipe, or closed under us: as _write_frames would
+            sent = _write_some(stream, frame)
+        except trio.BrokenResourceError:  # as _write_frames would
             self._drop_stream(peer)
+            return None
+        if sent == 0:
             return None
         if sent == len(frame):
             item.written = "direct"
