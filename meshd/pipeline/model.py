@@ -268,9 +268,7 @@ class StageModel:
 
         Generation needs only the last row: pass ``hidden[-1:]``.
         """
-        if self._head is None:
-            raise RuntimeError(f"stage {self.layer_range} has no LM head")
-        normed = rms_norm(hidden, self._norm, self._eps)
+        normed = self.final_norm(hidden)
         # In the same two row blocks as a pipeline that cuts the head between stage 0 and
         # the last stage: BLAS may round a row differently in another blocking.
         cut = head_cut(self.config.vocab_size)
