@@ -36,6 +36,12 @@ MAX_PUSHPULL_MEMBERS = 4_096
 MAX_PUSHPULL_NAMES = 1_024
 NODE_ID_BYTES = 32
 _U64_MAX = 2**64 - 1
+# Counters a node advances past what it hears (incarnations, name clocks, path
+# summary versions, metadata generations) stay at or below this: a node can
+# always encode the value it answers with (see ``next_counter``).
+COUNTER_MAX = 2**63 - 1
+# Stage numbers and stage counts: far above any real pipeline.
+MAX_STAGES = 4096
 # The data channel: one message (an activation) may be up to 64 MiB, sent in chunks.
 MAX_DATA_MESSAGE_BYTES = 64 * 1024 * 1024 + 64 * 1024
 MAX_CHUNK_BYTES = 1024 * 1024
@@ -61,6 +67,24 @@ class UnsupportedVersion(WireError):
 def _uint(value: Any) -> int:
     if type(value) is not int or not 0 <= value <= _U64_MAX:
         raise WireError(f"expected an unsigned integer, got {type(value).__name__}")
+    return value
+
+
+def _counter(value: Any) -> int:
+    if type(value) is not int or not 0 <= value <= COUNTER_MAX:
+        raise WireError(f"expected a counter in [0, 2^63), got {type(value).__name__}")
+    return value
+
+
+def next_counter(value: int) -> int:
+    """``value + 1``, held at COUNTER_MAX: what a node answers a counter with stays encodable
+    and within what every peer's decoder takes."""
+    return value + 1 if value < COUNTER_MAX else COUNTER_MAX
+
+
+def _stage(value: Any) -> int:
+    if type(value) is not int or not 0 <= value <= MAX_STAGES:
+        raise WireError(f"expected a stage number in [0, {MAX_STAGES}]")
     return value
 
 
@@ -165,8 +189,8 @@ class Meta(_Record):
     version: str = ""
     generation: int = 0
 
-    _fields_ = (_str, _optional(_uint), _optional(_uint), _tuple_of(_str, MAX_ADDRS),
-                _optional(_str), _str, _uint)
+    _fields_ = (_str, _optional(_stage), _optional(_stage), _tuple_of(_str, MAX_ADDRS),
+                _optional(_str), _str, _counter)
 
     @property
     def name(self) -> str:
@@ -194,7 +218,7 @@ class MemberState(_Record):
     state: int
     meta: Meta
 
-    _fields_ = (_node_id, _str, _uint, _state, _nested(Meta))
+    _fields_ = (_node_id, _str, _counter, _state, _nested(Meta))
 
 
 # --- messages: ONLY APPEND, never renumber ---
@@ -246,7 +270,7 @@ class Alive(Message):
     node: bytes
     addr: str
     meta: Meta
-    _fields_ = (_uint, _node_id, _str, _nested(Meta))
+    _fields_ = (_counter, _node_id, _str, _nested(Meta))
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,7 +279,7 @@ class Suspect(Message):
     incarnation: int
     node: bytes
     sender: bytes  # who suspects; independent senders shorten the timer
-    _fields_ = (_uint, _node_id, _node_id)
+    _fields_ = (_counter, _node_id, _node_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,7 +288,7 @@ class Dead(Message):
     incarnation: int
     node: bytes
     sender: bytes  # sender == node means a graceful leave
-    _fields_ = (_uint, _node_id, _node_id)
+    _fields_ = (_counter, _node_id, _node_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,7 +300,7 @@ class NameClaim(Message):
     owner: bytes
     clock: int
     tombstone: bool
-    _fields_ = (_str, _node_id, _uint, _bool)
+    _fields_ = (_str, _node_id, _counter, _bool)
 
     def beats(self, other: NameClaim) -> bool:
         return (self.clock, self.tombstone, self.owner) > (other.clock, other.tombstone, other.owner)
@@ -312,7 +336,7 @@ class DataChunk(Message):
     offset: int
     chunk: bytes
     ack_now: bool = False  # someone waits on this message: acknowledge without delay
-    _fields_ = (_uint, _uint, _data_total, _data_total, _chunk, _bool)
+    _fields_ = (_uint, _counter, _data_total, _data_total, _chunk, _bool)
 
 
 @dataclass(frozen=True, slots=True)
@@ -522,7 +546,7 @@ class PathSummary(Message):
     node: bytes
     version: int
     entries: tuple[PathEntry, ...]
-    _fields_ = (_node_id, _uint, _tuple_of(_nested(PathEntry), MAX_PATH_ENTRIES))
+    _fields_ = (_node_id, _counter, _tuple_of(_nested(PathEntry), MAX_PATH_ENTRIES))
 
 
 MESSAGE_TYPES: dict[int, type[Message]] = {
@@ -621,6 +645,30 @@ def encoded_size(msg: Message) -> int:
 
 # Overhead of the packet envelope around its messages (version, sender, list header).
 PACKET_OVERHEAD = len(msgpack.packb([PROTOCOL_VERSION, b"\0" * NODE_ID_BYTES, [0] * 16])) - 16
+
+
+def packet_sender(data: bytes) -> bytes:
+    """The sender a packet claims, read from its first bytes without decoding the rest.
+
+    For a relay (and a node receiving over one), which must check the claim
+    against the id its connection proved.  Raises WireError when the bytes do
+    not start like a packet.
+    """
+    try:
+        unpacker = msgpack.Unpacker(max_bin_len=NODE_ID_BYTES, max_str_len=0, max_array_len=0,
+                                    max_map_len=0, max_ext_len=0)
+        unpacker.feed(data[:64])
+        if unpacker.read_array_header() != 3:
+            raise WireError("packet is not [version, sender, messages]")
+        version = unpacker.unpack()
+        sender = unpacker.unpack()
+    except WireError:
+        raise
+    except Exception as exc:  # msgpack's many error types all mean "not a packet"
+        raise WireError(f"not a packet: {exc.__class__.__name__}") from exc
+    if type(version) is not int:
+        raise WireError("bad protocol version")
+    return _node_id(sender)
 
 
 def decode(data: bytes, max_bytes: int = MAX_PACKET_BYTES) -> Packet:

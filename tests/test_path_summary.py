@@ -16,7 +16,12 @@ NODE_C = b"\xcc" * 32
 
 
 def _swim(node: bytes) -> Swim:
-    return Swim(node, f"10.0.0.{node[0] % 200}:7946", Meta(), LOCAL, random.Random(1), 0.0)
+    """A node that knows A, B and C as alive members."""
+    s = Swim(node, f"10.0.0.{node[0] % 200}:7946", Meta(), LOCAL, random.Random(1), 0.0)
+    others = tuple(wire.Alive(1, n, f"10.0.0.{n[0] % 200}:7946", Meta()) for n in (NODE_A, NODE_B, NODE_C)
+                   if n != node)
+    s.receive(Packet(others[0].node, others), "10.0.0.9:1", 0.0)
+    return s
 
 
 def _summary(version: int, path: str = "relay") -> PathSummary:
@@ -31,6 +36,28 @@ def test_a_newer_summary_replaces_an_older_one_and_an_older_is_ignored():
     assert s.path_summaries[NODE_A] == (_summary(2), 1.0), "an older version must not win"
     s.receive(Packet(NODE_B, (_summary(3, "none"),)), "10.0.0.2:1", 3.0)  # relayed by B
     assert s.path_summaries[NODE_A][0].entries[0].path == "none"
+
+
+def test_a_summary_for_a_node_we_do_not_know_is_not_kept():
+    s = _swim(NODE_C)
+    stranger = b"\x51" * 32
+    s.receive(Packet(stranger, (PathSummary(stranger, 5, ()),)), "10.0.0.7:1", 1.0)
+    assert stranger not in s.path_summaries
+
+
+def test_a_summary_forged_in_our_name_is_replaced_by_ours_at_a_higher_version():
+    a = _swim(NODE_A)
+    a.publish_paths(_summary(10, "direct"), 0.0)
+    a.broadcasts.take(10_000, 100)  # what was queued so far has gone out
+    forged = PathSummary(NODE_A, 2**62, (PathEntry(NODE_B, "none", 0, 9, "forged", 0),))
+    a.receive(Packet(NODE_C, (forged,)), "10.0.0.3:1", 1.0)
+    held = a.path_summaries[NODE_A][0]
+    assert held.version == 2**62 + 1 and held.entries == _summary(10, "direct").entries
+    assert held in a.broadcasts.take(10_000, 5), "our own summary goes out again"
+    # The node's own next summary, numbered from its clock, still wins at every peer.
+    a.publish_paths(_summary(11, "relay"), 2.0)
+    assert a.path_summaries[NODE_A][0].version == 2**62 + 2
+    assert a.path_summaries[NODE_A][0].entries[0].path == "relay"
 
 
 def test_a_summary_is_gossiped_on_until_the_retransmit_limit():

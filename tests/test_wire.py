@@ -51,7 +51,7 @@ FULL_META = wire.Meta(
     addrs=("10.0.0.1:7946", "[fe80::1]:7946"),
     relay_url="wss://relay.example/mesh",
     version="0.1.0",
-    generation=U64_MAX,
+    generation=wire.COUNTER_MAX,
 )
 EMPTY_META = wire.Meta(role="orchestrator", stage=None, stages=None, addrs=(), relay_url=None)
 CLAIM = wire.NameClaim(name="stage-2", owner=NODE_A, clock=7, tombstone=False)
@@ -144,36 +144,38 @@ def test_round_trip_empty_packet():
 
 node_ids = st.binary(min_size=32, max_size=32)
 u64s = st.integers(min_value=0, max_value=U64_MAX)
+counters = st.integers(min_value=0, max_value=wire.COUNTER_MAX)
+stages = st.integers(min_value=0, max_value=wire.MAX_STAGES)
 texts = st.text(max_size=16)
 
 metas = st.builds(
     wire.Meta,
     role=st.sampled_from(["stage", "orchestrator"]) | texts,
-    stage=st.none() | u64s,
-    stages=st.none() | u64s,
+    stage=st.none() | stages,
+    stages=st.none() | stages,
     addrs=st.lists(texts, max_size=3).map(tuple),
     relay_url=st.none() | texts,
     version=texts,
-    generation=u64s,
+    generation=counters,
 )
 member_states = st.builds(
     wire.MemberState,
     node=node_ids,
     addr=texts,
-    incarnation=u64s,
+    incarnation=counters,
     state=st.sampled_from([wire.STATE_ALIVE, wire.STATE_SUSPECT, wire.STATE_DEAD, wire.STATE_LEFT]),
     meta=metas,
 )
-name_claims = st.builds(wire.NameClaim, name=texts, owner=node_ids, clock=u64s, tombstone=st.booleans())
+name_claims = st.builds(wire.NameClaim, name=texts, owner=node_ids, clock=counters, tombstone=st.booleans())
 
 messages = st.one_of(
     st.builds(wire.Ping, seq=u64s, target=node_ids),
     st.builds(wire.PingReq, seq=u64s, target=node_ids, target_addr=texts, nack=st.booleans()),
     st.builds(wire.Ack, seq=u64s),
     st.builds(wire.Nack, seq=u64s),
-    st.builds(wire.Alive, incarnation=u64s, node=node_ids, addr=texts, meta=metas),
-    st.builds(wire.Suspect, incarnation=u64s, node=node_ids, sender=node_ids),
-    st.builds(wire.Dead, incarnation=u64s, node=node_ids, sender=node_ids),
+    st.builds(wire.Alive, incarnation=counters, node=node_ids, addr=texts, meta=metas),
+    st.builds(wire.Suspect, incarnation=counters, node=node_ids, sender=node_ids),
+    st.builds(wire.Dead, incarnation=counters, node=node_ids, sender=node_ids),
     st.builds(
         wire.PushPull,
         join=st.booleans(),
@@ -182,7 +184,7 @@ messages = st.one_of(
         names=st.lists(name_claims, max_size=4).map(tuple),
     ),
     name_claims,
-    st.builds(wire.DataChunk, session=u64s, msg_id=u64s, total=st.integers(0, wire.MAX_DATA_MESSAGE_BYTES),
+    st.builds(wire.DataChunk, session=u64s, msg_id=counters, total=st.integers(0, wire.MAX_DATA_MESSAGE_BYTES),
               offset=st.integers(0, wire.MAX_DATA_MESSAGE_BYTES), chunk=st.binary(max_size=64)),
     st.builds(wire.DataAck, session=u64s, msg_id=u64s),
 )
@@ -590,3 +592,43 @@ def test_data_chunks_are_bounded():
                               chunk=b"")
     with pytest.raises(wire.WireError, match="at most"):
         wire.decode(wire.encode(wire.Packet(SENDER, (too_long,))))
+
+
+# --- numbers a node advances are refused where it could not answer them ---
+
+
+@pytest.mark.parametrize("message", [
+    wire.Suspect(incarnation=U64_MAX, node=NODE_A, sender=NODE_B),
+    wire.Dead(incarnation=wire.COUNTER_MAX + 1, node=NODE_A, sender=NODE_B),
+    wire.Alive(incarnation=U64_MAX, node=NODE_A, addr="x", meta=EMPTY_META),
+    wire.NameClaim(name="pp-entry", owner=NODE_A, clock=U64_MAX, tombstone=True),
+    wire.PathSummary(node=NODE_A, version=U64_MAX, entries=()),
+    wire.Alive(incarnation=1, node=NODE_A, addr="x", meta=wire.Meta(generation=U64_MAX)),
+    wire.Alive(incarnation=1, node=NODE_A, addr="x", meta=wire.Meta(stage=2**40)),
+])
+def test_counters_past_what_a_node_can_answer_are_refused(message):
+    # A peer that refutes answers with the value + 1; past COUNTER_MAX that no longer decodes
+    # at its peers (and past 2^64 - 1 it no longer encodes at all).
+    data = msgpack.packb([wire.PROTOCOL_VERSION, SENDER, [wire.encode_message(message)]], use_bin_type=True)
+    with pytest.raises(wire.WireError):
+        wire.decode(data)
+
+
+def test_next_counter_stops_at_the_limit():
+    assert wire.next_counter(0) == 1
+    assert wire.next_counter(wire.COUNTER_MAX - 1) == wire.COUNTER_MAX
+    assert wire.next_counter(wire.COUNTER_MAX) == wire.COUNTER_MAX
+
+
+@pytest.mark.parametrize("data", [b"", b"\x93", b"\x93\x04", b"\x92\x04\xc4\x20" + b"a" * 32,
+                                  b"\x93\x04\xc4\x05abcde", b"\x93\x91\x01" + b"\xc4\x20" + b"a" * 32,
+                                  b"\xc1" * 8, b"\xdd\xff\xff\xff\xff"])
+def test_packet_sender_of_garbage_is_a_wire_error(data):
+    with pytest.raises(wire.WireError):
+        wire.packet_sender(data)
+
+
+@FUZZ_SMALL
+@given(packets)
+def test_packet_sender_reads_the_claimed_sender(packet):
+    assert wire.packet_sender(wire.encode(packet)) == packet.sender

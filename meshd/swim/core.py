@@ -45,6 +45,7 @@ from ..wire import (
     WireError,
     decode,
     encoded_size,
+    next_counter,
 )
 from .awareness import Awareness
 from .broadcast import BroadcastQueue
@@ -54,6 +55,10 @@ from .state import Event, EventKind, Member, Outgoing, State
 from .suspicion import Suspicion
 
 INF = float("inf")
+
+# Members we hold at most, dead and left included: a stranger's push-pulls full of
+# made-up members must not grow our memory without bound.  Far above any real mesh.
+MAX_MEMBERS = 10_000
 
 
 @dataclass(slots=True)
@@ -126,6 +131,8 @@ class Swim:
         self._events: list[Event] = []
         self._seeds: tuple[str, ...] = ()
         self._rx_via: str | None = None  # the path the packet being handled came in on
+        # Addresses that answered a direct ping we sent there (see ``answered_addrs``).
+        self._answered: list[str] = []
 
         # Stagger the first timers so nodes started together do not tick in step.
         self._next_probe = now + rng.uniform(0, config.probe_interval)
@@ -174,14 +181,21 @@ class Swim:
     def set_meta(self, meta: Meta, now: float) -> None:
         """Change our metadata; a new incarnation carries it to everyone."""
         me = self.me
-        me.meta = replace(meta, generation=me.meta.generation + 1)
-        self.incarnation += 1
+        me.meta = replace(meta, generation=next_counter(me.meta.generation))
+        self.incarnation = next_counter(self.incarnation)
         me.incarnation = self.incarnation
         self.broadcasts.queue(self.id, self._alive_self())
         self._emit(EventKind.UPDATE, self.id, now)
 
     def publish_paths(self, summary: PathSummary, now: float) -> None:
-        """Gossip our own outbound path summary; a newer one replaces any still queued."""
+        """Gossip our own outbound path summary; a newer one replaces any still queued.
+
+        Its version goes past any summary in our name we have seen, so ours always
+        replaces one somebody else made up.
+        """
+        held = self.path_summaries.get(self.id)
+        if held is not None and summary.version <= held[0].version:
+            summary = replace(summary, version=next_counter(held[0].version))
         self._on_path_summary(summary, now)
 
     def register_name(self, name: str, now: float) -> None:
@@ -289,8 +303,18 @@ class Swim:
         self._send(addr, sender, acks, via="relay")
 
     def _handle_ping_req(self, msg: PingReq, sender: bytes, addr: str, now: float) -> None:
+        requester = self.members.get(sender)
+        if requester is None or not requester.state.live:
+            # Only members may make us probe: a stranger's ping-req would turn us
+            # into a reflector towards any address it names.
+            self.counters["rx_ping_req_refused"] += 1
+            return
         if msg.target == self.id:
             self._send(addr, sender, [Ack(msg.seq)], via=self._rx_via)
+            return
+        target = self.members.get(msg.target)
+        if target is None or target.addr != msg.target_addr or not target.state.live:
+            self.counters["rx_ping_req_refused"] += 1
             return
         seq = self._next_seq()
         cfg = self.config
@@ -312,6 +336,8 @@ class Swim:
             rtt = now - probe.sent_at
             if direct:
                 self.members[probe.target].rtt = rtt
+                if self._rx_via != "relay":
+                    self._answered.append(addr)
             if from_target:
                 self.path_checks[probe.target] = self.path_checks.get(probe.target, 0) + 1
             if from_target and self._direct_ok.get(probe.target, True) != direct:
@@ -347,8 +373,6 @@ class Swim:
 
     def _handle_push_pull(self, msg: PushPull, sender: bytes, addr: str, now: float) -> None:
         self.counters["rx_push_pull"] += 1
-        if msg.reply:
-            self._out.append(Outgoing(addr, sender, self._packet([self._push_pull(False, False)]), True))
         for ms in msg.members:
             if ms.state == State.ALIVE:
                 self._on_alive(Alive(ms.incarnation, ms.node, ms.addr, ms.meta), now)
@@ -362,10 +386,27 @@ class Swim:
                 self._on_suspect(Suspect(ms.incarnation, ms.node, sender), now)
         for claim in msg.names:
             self._on_name(claim, now)
+        if msg.reply:
+            # Our whole state goes only to a member we know (a joiner is one once its
+            # own entry is merged above; a restarted one needs it to learn what to
+            # refute): a stranger's empty push-pull gets nothing back.
+            if sender in self.members:
+                self._out.append(Outgoing(addr, sender, self._packet([self._push_pull(False, False)]), True))
+            else:
+                self.counters["rx_push_pull_refused"] += 1
         if self.live_count() > 1:
             self._next_join = INF
 
     def _handle_path_summary(self, msg: PathSummary, sender: bytes, addr: str, now: float) -> None:
+        held = self.path_summaries.get(msg.node)
+        if msg.node == self.id:
+            if held is not None and msg.version >= held[0].version:
+                # Somebody speaks for us: say our own paths again, past their version.
+                self.counters["path_summary_refuted"] += 1
+                self._on_path_summary(replace(held[0], version=next_counter(msg.version)), now)
+            return
+        if msg.node not in self.members:
+            return  # only members' paths are drawn; a known member's next summary arrives soon
         self._on_path_summary(msg, now)
 
     def _on_path_summary(self, msg: PathSummary, now: float) -> None:
@@ -399,6 +440,9 @@ class Swim:
             return
         m = self.members.get(msg.node)
         if m is None:
+            if len(self.members) >= MAX_MEMBERS:
+                self.counters["members_refused_full"] += 1
+                return
             state = State.ALIVE
             m = Member(msg.node, msg.addr, msg.meta, msg.incarnation, state, now)
             self.members[msg.node] = m
@@ -492,7 +536,7 @@ class Swim:
                 self._my_names.discard(claim.name)  # a newer owner won
 
     def _refute(self, accused: int, now: float) -> None:
-        self.incarnation = max(self.incarnation, accused) + 1
+        self.incarnation = next_counter(max(self.incarnation, accused))
         self.me.incarnation = self.incarnation
         self.awareness.apply_delta(1)
         self.counters["refutes"] += 1
@@ -679,6 +723,16 @@ class Swim:
 
     def events(self) -> list[Event]:
         out, self._events = self._events, []
+        return out
+
+    def answered_addrs(self) -> list[str]:
+        """Addresses that acked a direct ping of ours since the last call.
+
+        The ack echoes a sequence number only the ping's receiver saw, so the
+        address really is the member's, not one a stranger wrote into a packet:
+        the driver may send it more than it has received from it.
+        """
+        out, self._answered = self._answered, []
         return out
 
     def _send(self, addr: str, node: bytes | None, msgs: list[Message], via: str | None = None) -> None:

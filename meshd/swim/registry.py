@@ -8,7 +8,10 @@ its names with a higher clock.
 
 from __future__ import annotations
 
-from ..wire import NameClaim
+from ..wire import MAX_PUSHPULL_NAMES, NameClaim, next_counter
+
+# Names we hold at most: as many as one push-pull can carry.
+MAX_NAMES = MAX_PUSHPULL_NAMES
 
 
 class Registry:
@@ -20,12 +23,14 @@ class Registry:
         held = self.claims.get(claim.name)
         if held is not None and not claim.beats(held):
             return False
+        if held is None and len(self.claims) >= MAX_NAMES:
+            return False  # a flood of made-up names must not grow the table
         self.claims[claim.name] = claim
         return True
 
     def claim(self, name: str, owner: bytes) -> NameClaim:
         held = self.claims.get(name)
-        clock = held.clock + 1 if held is not None else 1
+        clock = next_counter(held.clock) if held is not None else 1
         claim = NameClaim(name=name, owner=owner, clock=clock, tombstone=False)
         self.claims[name] = claim
         return claim
@@ -35,7 +40,7 @@ class Registry:
         out = []
         for name, held in list(self.claims.items()):
             if held.owner == owner and not held.tombstone:
-                tomb = NameClaim(name=name, owner=owner, clock=held.clock + 1, tombstone=True)
+                tomb = NameClaim(name=name, owner=owner, clock=next_counter(held.clock), tombstone=True)
                 self.claims[name] = tomb
                 out.append(tomb)
         return out
