@@ -71,3 +71,87 @@ def test_a_restarted_sender_starts_a_new_session():
     assert feed(r, A, chunks(1, b"old run")) == [b"old run"]
     fresh = [DataChunk(S + 1, c.msg_id, c.total, c.offset, c.chunk) for c in chunks(1, b"new run")]
     assert feed(r, A, fresh) == [b"new run"]
+
+
+# --- what a peer can make us hold is bounded ---
+
+BIG = 64 * 1024 * 1024
+
+
+def test_a_declared_size_is_claimed_at_the_first_chunk_and_refused_past_the_peer_budget():
+    r = Reassembler()
+    for msg_id in (1, 2):
+        ack, ready = r.accept(A, DataChunk(S, msg_id, BIG, 0, b"x"))
+        assert not ack and ready == []
+    with pytest.raises(ChunkError, match="this peer's unfinished messages"):
+        r.accept(A, DataChunk(S, 3, BIG, 0, b"x"))
+    with pytest.raises(ChunkError, match="this peer's"):  # another session of the same peer shares it
+        r.accept(A, DataChunk(S + 1, 1, BIG, 0, b"x"))
+    # Another peer still has its own room, and small messages from A still flow... once A's
+    # claims are given back; here A is full, B is not.
+    assert r.accept(B, DataChunk(S, 1, 5, 0, b"hello")) == (True, [b"hello"])
+
+
+def test_all_peers_together_are_held_to_the_total_budget():
+    r = Reassembler()
+    peers = [bytes([n]) * 32 for n in range(1, 10)]
+    taken = 0
+    for peer in peers:
+        try:
+            r.accept(peer, DataChunk(S, 1, BIG, 0, b"x"))
+            taken += 1
+        except ChunkError as exc:
+            assert "all peers'" in str(exc)
+    assert taken == 4
+    assert r.claimed_total <= r.total_budget
+
+
+def test_complete_messages_waiting_for_a_withheld_first_one_count_against_the_budget():
+    r = Reassembler(peer_budget=3 * (1000 + 64 * 1024))
+    for msg_id in (2, 3, 4):
+        assert r.accept(A, DataChunk(S, msg_id, 1000, 0, b"y" * 1000)) == (True, [])
+    with pytest.raises(ChunkError):
+        r.accept(A, DataChunk(S, 5, 1000, 0, b"y" * 1000))
+    # The withheld one arrives after all: everything is delivered and the claims are given back.
+    r2 = Reassembler()
+    for msg_id in (2, 3):
+        r2.accept(A, DataChunk(S, msg_id, 3, 0, b"abc"))
+    assert r2.held(A) > 0
+    assert r2.accept(A, DataChunk(S, 1, 3, 0, b"one")) == (True, [b"one", b"abc", b"abc"])
+    assert r2.held(A) == 0 and r2.claimed_total == 0
+
+
+def test_a_session_that_stops_making_progress_is_dropped_with_what_it_holds():
+    r = Reassembler(idle_expiry=60.0)
+    r.accept(A, DataChunk(S, 1, BIG, 0, b"x"), now=0.0)
+    r.accept(B, DataChunk(S, 1, 10, 0, b"01234"), now=50.0)
+    assert r.expire(now=59.0) == 0
+    assert r.expire(now=61.0) == 1
+    assert r.held(A) == 0 and r.held(B) > 0
+    # A can start over in full.
+    r.accept(A, DataChunk(S, 1, BIG, 0, b"x"), now=62.0)
+    r.accept(A, DataChunk(S, 2, BIG, 0, b"x"), now=62.0)
+
+
+def test_a_peer_keeps_a_few_sessions_and_the_channel_a_bounded_number_in_all():
+    r = Reassembler(max_sessions=8)
+    for session in range(100):
+        r.accept(A, DataChunk(session, 1, 10, 0, b"x"))
+    assert len(r._senders) == 4
+    assert r.held(A) <= 4 * (10 + 64 * 1024)
+    for n in range(100):
+        r.accept(bytes([n]) * 32, DataChunk(S, 1, 10, 0, b"x"))
+    assert len(r._senders) == 8
+    assert r.claimed_total <= 8 * (10 + 64 * 1024)
+
+
+def test_chunks_that_overlap_or_split_a_message_into_crumbs_are_refused():
+    r = Reassembler()
+    r.accept(A, DataChunk(S, 1, 10, 0, b"abcdef"))
+    with pytest.raises(ChunkError, match="overlap"):
+        r.accept(A, DataChunk(S, 1, 10, 2, b"cdefgh"))
+    assert r.held(A) == 0
+    with pytest.raises(ChunkError, match="more pieces"):
+        for offset in range(0, 4096):
+            r.accept(A, DataChunk(S, 2, 4096, offset, b"z"))
+    assert r.held(A) == 0

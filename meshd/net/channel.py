@@ -243,6 +243,7 @@ class DataChannel:
         self.counters: dict[str, int] = {
             "sent": 0, "delivered": 0, "resent": 0, "bad_frames": 0, "streams_in": 0,
             "streams_refused": 0, "handshake_failures": 0, "dials": 0, "dial_failures": 0,
+            "reader_errors": 0,
         }
 
     # ------------------------------------------------------------- serving
@@ -252,7 +253,17 @@ class DataChannel:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             nursery.start_soon(trio.serve_listeners, self._handle_inbound, listeners)
+            nursery.start_soon(self._expire_loop)
             task_status.started()
+
+    async def _expire_loop(self) -> None:
+        """Drop what peers left unfinished: a message nobody completes must not be held for ever."""
+        while True:
+            await trio.sleep(self.reassembler.idle_expiry / 4)
+            dropped = self.reassembler.expire(trio.current_time())
+            if dropped:
+                log.info("dropped %d data-channel sessions that made no progress for %gs",
+                         dropped, self.reassembler.idle_expiry)
 
     async def _handle_inbound(self, stream: trio.SocketStream) -> None:
         self.counters["streams_in"] += 1
@@ -297,6 +308,16 @@ class DataChannel:
             raise HandshakeError(f"{prefix(node)}'s signature does not verify")
 
     async def _read_stream(self, stream: trio.SocketStream, expect: bytes, buf: bytearray) -> None:
+        """Read frames from ``expect`` until the stream ends or breaks the protocol; whatever
+        handling a frame raises drops this stream only, counted and logged, never the node."""
+        try:
+            await self._read_frames(stream, expect, buf)
+        except Exception:
+            self.counters["reader_errors"] += 1
+            log.exception("data stream from %s dropped: its frames could not be handled",
+                          self.describe(expect))
+
+    async def _read_frames(self, stream: trio.SocketStream, expect: bytes, buf: bytearray) -> None:
         """Read frames from ``expect`` until the stream ends; acks go back on the same stream.
 
         Every frame that one read brings is handled, its messages delivered,
@@ -376,7 +397,7 @@ class DataChannel:
                     event.set()
             elif isinstance(msg, DataChunk):
                 try:
-                    ack, whole = self.reassembler.accept(sender, msg)
+                    ack, whole = self.reassembler.accept(sender, msg, trio.current_time())
                 except ChunkError as exc:
                     self.counters["bad_frames"] += 1
                     log.warning("data from %s refused: %s", self.describe(sender), exc)

@@ -6,47 +6,96 @@ its messages 1, 2, 3, ...; the receiver keeps, per sender, the next id it
 will deliver, the messages it is still assembling, and the complete ones that
 wait for an earlier id.  A message is acknowledged as soon as it is whole, and
 again whenever a copy of it arrives later, so the sender can stop resending.
+
+What a peer makes us hold is bounded, whatever it sends: the first chunk of a
+message claims the message's declared size (plus a fixed overhead) from the
+peer's budget and from the budget of all peers, and is refused when either
+would run over; the claim is given back when the message is delivered.
+Nothing is allocated ahead of the bytes that arrive.  A peer has a few
+sessions at most (a new one replaces its least recently used), the channel
+holds a bounded number in all, and a session that holds data but makes no
+progress for ``idle_expiry`` seconds is dropped with everything it holds.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from ..wire import MAX_DATA_MESSAGE_BYTES, DataChunk
 
 
 class ChunkError(ValueError):
-    """A chunk that contradicts what we already hold for its message."""
+    """A chunk that contradicts what we already hold for its message, or would run over a budget."""
 
 
 @dataclass
 class _Assembly:
     total: int
-    buf: bytearray
+    claim: int
+    pieces: dict[int, bytes] = field(default_factory=dict)  # offset -> chunk
     have: int = 0
-    offsets: set[int] = field(default_factory=set)
 
 
 @dataclass
 class _FromSender:
+    active_at: float
     next_id: int = 1
     assembling: dict[int, _Assembly] = field(default_factory=dict)
-    complete: dict[int, bytes] = field(default_factory=dict)
+    complete: dict[int, tuple[bytes, int]] = field(default_factory=dict)  # id -> (message, claim)
+    claimed: int = 0
 
 
 # How far ahead of the next deliverable id a sender may run before we refuse.
 MAX_AHEAD = 4096
+# Charged per message on top of its size: the bookkeeping of a message costs memory
+# even when it declares no bytes, so a flood of tiny messages runs out of budget too.
+MESSAGE_OVERHEAD = 64 * 1024
+# Room for two of the largest messages from one peer at once, and for four in all.
+PEER_BUDGET = 2 * (MAX_DATA_MESSAGE_BYTES + MESSAGE_OVERHEAD)
+TOTAL_BUDGET = 4 * (MAX_DATA_MESSAGE_BYTES + MESSAGE_OVERHEAD)
+MAX_SESSIONS_PER_PEER = 4
+MAX_SESSIONS = 4096
+IDLE_EXPIRY_S = 60.0
+# Chunks per message at most: a sender cuts at 63 KiB, so this leaves room for
+# any honest cut while a made-up one cannot split a message into millions of entries.
+MIN_PIECE_BYTES = 1024
+
+
+def _max_pieces(total: int) -> int:
+    return total // MIN_PIECE_BYTES + 16
 
 
 class Reassembler:
-    def __init__(self) -> None:
-        self._senders: dict[tuple[bytes, int], _FromSender] = {}
+    def __init__(
+        self,
+        peer_budget: int = PEER_BUDGET,
+        total_budget: int = TOTAL_BUDGET,
+        idle_expiry: float = IDLE_EXPIRY_S,
+        max_sessions: int = MAX_SESSIONS,
+    ) -> None:
+        self.peer_budget = peer_budget
+        self.total_budget = total_budget
+        self.idle_expiry = idle_expiry
+        self.max_sessions = max_sessions
+        # Least recently active first.
+        self._senders: OrderedDict[tuple[bytes, int], _FromSender] = OrderedDict()
+        self._claimed: dict[bytes, int] = {}  # per peer, over all its sessions
+        self.claimed_total = 0
         self.duplicates = 0
+        self.expired = 0
 
-    def accept(self, sender: bytes, chunk: DataChunk) -> tuple[bool, list[bytes]]:
-        """Take one chunk; returns (acknowledge it?, messages now deliverable in order)."""
-        # Keyed by the sender's session too: a restarted peer numbers from 1 again.
-        state = self._senders.setdefault((sender, chunk.session), _FromSender())
+    def held(self, sender: bytes) -> int:
+        """Bytes claimed by ``sender``'s unfinished and undelivered messages."""
+        return self._claimed.get(sender, 0)
+
+    def accept(self, sender: bytes, chunk: DataChunk, now: float = 0.0) -> tuple[bool, list[bytes]]:
+        """Take one chunk; returns (acknowledge it?, messages now deliverable in order).
+
+        Raises ChunkError for a chunk that contradicts its message or would run
+        over a budget; nothing of it is kept.
+        """
+        state = self._session(sender, chunk.session, now)
         msg_id = chunk.msg_id
         if msg_id < state.next_id or msg_id in state.complete:
             self.duplicates += 1
@@ -60,22 +109,107 @@ class Reassembler:
             raise ChunkError(f"chunk at {chunk.offset} runs past the end of message {msg_id}")
         asm = state.assembling.get(msg_id)
         if asm is None:
-            asm = state.assembling[msg_id] = _Assembly(chunk.total, bytearray(chunk.total))
+            asm = state.assembling[msg_id] = self._claim(sender, state, msg_id, chunk.total)
         elif asm.total != chunk.total:
             raise ChunkError(f"message {msg_id} changed its size from {asm.total} to {chunk.total}")
-        if chunk.offset not in asm.offsets:
+        if chunk.offset in asm.pieces:
             # Every sender cuts a message at the same offsets, whatever the path.
-            asm.offsets.add(chunk.offset)
-            asm.buf[chunk.offset:end] = chunk.chunk
-            asm.have += len(chunk.chunk)
-        else:
             self.duplicates += 1
+        else:
+            if len(asm.pieces) >= _max_pieces(asm.total):
+                self._drop(sender, state, msg_id)
+                raise ChunkError(f"message {msg_id} comes in more pieces than {asm.total} bytes need")
+            asm.pieces[chunk.offset] = chunk.chunk
+            asm.have += len(chunk.chunk)
         if asm.have < asm.total:
             return False, []
         del state.assembling[msg_id]
-        state.complete[msg_id] = bytes(asm.buf)
+        data = _joined(asm)
+        if data is None:
+            self._release(sender, state, asm.claim)
+            raise ChunkError(f"message {msg_id}'s chunks overlap or leave a gap")
+        state.complete[msg_id] = (data, asm.claim)
         ready = []
         while state.next_id in state.complete:
-            ready.append(state.complete.pop(state.next_id))
+            data, claim = state.complete.pop(state.next_id)
+            self._release(sender, state, claim)
+            ready.append(data)
             state.next_id += 1
         return True, ready
+
+    def expire(self, now: float) -> int:
+        """Drop sessions that hold data and made no progress for ``idle_expiry``; returns how many."""
+        horizon = now - self.idle_expiry
+        stale = [key for key, state in self._senders.items()
+                 if state.active_at < horizon and (state.assembling or state.complete)]
+        for key in stale:
+            self._forget_session(key)
+        self.expired += len(stale)
+        return len(stale)
+
+    def forget(self, sender: bytes) -> None:
+        """Drop every session of ``sender`` and all it holds."""
+        for key in [key for key in self._senders if key[0] == sender]:
+            self._forget_session(key)
+
+    # ------------------------------------------------------------- budgets
+
+    def _session(self, sender: bytes, session: int, now: float) -> _FromSender:
+        key = (sender, session)
+        state = self._senders.get(key)
+        if state is not None:
+            state.active_at = now
+            self._senders.move_to_end(key)
+            return state
+        # Keyed by the sender's session too: a restarted peer numbers from 1 again.
+        mine = [k for k in self._senders if k[0] == sender]
+        if len(mine) >= MAX_SESSIONS_PER_PEER:
+            self._forget_session(mine[0])  # its least recently used
+        if len(self._senders) >= self.max_sessions:
+            self._forget_session(next(iter(self._senders)))
+        state = self._senders[key] = _FromSender(active_at=now)
+        return state
+
+    def _claim(self, sender: bytes, state: _FromSender, msg_id: int, total: int) -> _Assembly:
+        claim = total + MESSAGE_OVERHEAD
+        held = self._claimed.get(sender, 0)
+        if held + claim > self.peer_budget:
+            raise ChunkError(f"message {msg_id} ({total} bytes) would make this peer's unfinished "
+                             f"messages hold more than {self.peer_budget} bytes")
+        if self.claimed_total + claim > self.total_budget:
+            raise ChunkError(f"message {msg_id} ({total} bytes) would make all peers' unfinished "
+                             f"messages hold more than {self.total_budget} bytes")
+        self._claimed[sender] = held + claim
+        self.claimed_total += claim
+        state.claimed += claim
+        return _Assembly(total, claim)
+
+    def _release(self, sender: bytes, state: _FromSender, claim: int) -> None:
+        state.claimed -= claim
+        self.claimed_total -= claim
+        left = self._claimed.get(sender, 0) - claim
+        if left > 0:
+            self._claimed[sender] = left
+        else:
+            self._claimed.pop(sender, None)
+
+    def _drop(self, sender: bytes, state: _FromSender, msg_id: int) -> None:
+        asm = state.assembling.pop(msg_id)
+        self._release(sender, state, asm.claim)
+
+    def _forget_session(self, key: tuple[bytes, int]) -> None:
+        state = self._senders.pop(key)
+        if state.claimed:
+            self._release(key[0], state, state.claimed)
+
+
+def _joined(asm: _Assembly) -> bytes | None:
+    """The message's bytes in order, or None when its pieces do not tile it exactly."""
+    parts, at = [], 0
+    for offset in sorted(asm.pieces):
+        if offset != at:
+            return None
+        piece = asm.pieces[offset]
+        parts.append(piece)
+        at += len(piece)
+    return b"".join(parts) if at == asm.total else None
