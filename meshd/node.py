@@ -17,13 +17,14 @@ import trio
 
 from . import __version__
 from .identity import Identity
-from .net.channel import RELAY_DATA, DataChannel
+from .net.amplification import AmplificationGuard
+from .net.channel import DataChannel
 from .net.faults import Faults
 from .net.path_table import RELAY, PathTable
 from .net.udp import MAX_DATAGRAM, AddressError, format_addr, open_udp_and_tcp, parse_addr
 from .snapshot import SnapshotWriter, snapshot, stage_sort_key
 from .swim import PROFILES, EventKind, State, Swim
-from .wire import Meta, WireError, encode
+from .wire import RELAY_DATA, Meta, Packet, WireError, encode, packet_sender
 
 log = logging.getLogger("meshd.node")
 
@@ -36,6 +37,9 @@ LEAVE_LINGER_S = 0.3
 # Our outbound path summary is gossiped when a path changes, and at least this often.
 PATH_SUMMARY_CHECK_S = 0.5
 PATH_SUMMARY_REFRESH_S = 5.0
+
+# A handler's unexpected error is logged with its traceback this many times, then counted only.
+MAX_LOGGED_HANDLER_ERRORS = 20
 
 
 @dataclass
@@ -84,6 +88,8 @@ class Node:
         self._snapshots: SnapshotWriter | None = None
         self._nursery: trio.Nursery | None = None
         self.paths = PathTable()
+        self.guard = AmplificationGuard()
+        self._handler_errors_logged = 0
         self.relay = None
         if options.relay:
             from .relay.client import RelayClient
@@ -258,11 +264,32 @@ class Node:
                 swim.counters["rx_fault_dropped"] += 1
                 continue
             now = trio.current_time()
-            sender = swim.receive_datagram(data, format_addr(addr[0], addr[1]), now)
+            source = format_addr(addr[0], addr[1])
+            self.guard.received(source, len(data), now)
+            sender = self._receive(data, source, now)
             if sender is not None:
                 self.paths.received(sender, "direct", now)
+            for answered in swim.answered_addrs():
+                self.guard.verified(answered)
             self._after()
             await self._flush()
+
+    def _receive(self, data: bytes, addr: str, now: float, via: str | None = None) -> bytes | None:
+        """The core's receive boundary, made total: bad bytes are counted by the core, and
+        anything else a handler raises is counted and logged here, never fatal."""
+        try:
+            return self.swim.receive_datagram(data, addr, now, via=via)
+        except Exception:
+            self.handler_error("gossip packet", addr)
+            return None
+
+    def handler_error(self, what: str, source: str) -> None:
+        """Count (and log, the first few times) an error raised while handling ``what``."""
+        assert self.swim is not None
+        self.swim.counters["rx_handler_errors"] += 1
+        if self._handler_errors_logged < MAX_LOGGED_HANDLER_ERRORS:
+            self._handler_errors_logged += 1
+            log.exception("error handling a %s from %s (dropped; the node carries on)", what, source)
 
     async def _relay_receive_loop(self) -> None:
         from .relay.protocol import Recv
@@ -275,15 +302,25 @@ class Node:
                 swim.counters["rx_fault_dropped"] += 1
                 continue
             if item.payload[:1] == RELAY_DATA:
-                await self.data.on_relay_payload(item.src, item.payload)
+                try:
+                    await self.data.on_relay_payload(item.src, item.payload)
+                except Exception:
+                    self.handler_error("relayed data frame", item.src.hex()[:8])
+                continue
+            try:
+                claimed = packet_sender(item.payload)
+            except WireError:
+                swim.counters["rx_bad_packet"] += 1
+                continue
+            if claimed != item.src:
+                # The relay vouches only for the connection that sent it.
+                swim.counters["rx_relay_sender_mismatch"] += 1
                 continue
             now = trio.current_time()
             m = swim.members.get(item.src)
             addr = m.addr if m is not None else f"{RELAY_ADDR_PREFIX}{item.src.hex()[:8]}"
-            sender = swim.receive_datagram(item.payload, addr, now, via=RELAY)  # answered the same way
+            sender = self._receive(item.payload, addr, now, via=RELAY)  # answered the same way
             if sender is not None:
-                if sender != item.src:
-                    swim.counters["rx_relay_sender_mismatch"] += 1
                 self.paths.received(item.src, RELAY, now)
             self._after()
             await self._flush()
@@ -371,11 +408,18 @@ class Node:
                 swim.counters["tx_too_big"] += 1
                 log.warning("not sent to %s: %s", out.addr, exc)
                 continue
+            except Exception:  # a value no codec takes: never the end of the node
+                swim.counters["tx_encode_errors"] += 1
+                log.exception("not sent to %s: the packet does not encode", out.addr)
+                continue
             via = out.via or self.paths.out_path(out.node)
             if out.addr.startswith(RELAY_ADDR_PREFIX):
                 via = RELAY  # we only know this peer through the relay so far
             if via == RELAY and self.relay is not None and out.node is not None:
                 await self._send_relay(out.node, data)
+                continue
+            data = self._within_budget(out.addr, out.packet, data)
+            if data is None:
                 continue
             if faults.direct_out_lost(out.addr):
                 swim.counters["tx_fault_dropped"] += 1
@@ -384,6 +428,19 @@ class Node:
                 self._nursery.start_soon(self._send_later, data, out.addr, faults.delay_s)
             else:
                 await self._sendto(data, out.addr, out.node)
+
+    def _within_budget(self, addr: str, packet: Packet, data: bytes) -> bytes | None:
+        """``data``, or its first message alone (the piggybacked gossip left off), or None:
+        what the amplification guard lets us send to ``addr`` now."""
+        now = trio.current_time()
+        if self.guard.may_send(addr, len(data), now):
+            return data
+        if len(packet.messages) > 1:
+            first = encode(Packet(packet.sender, packet.messages[:1], packet.version))
+            if self.guard.may_send(addr, len(first), now):
+                return first
+        self.swim.counters["tx_amplification_limited"] += 1
+        return None
 
     async def _send_relay(self, node: bytes, data: bytes) -> None:
         from .relay.client import RelayError

@@ -47,6 +47,9 @@ MAX_DATA_MESSAGE_BYTES = 64 * 1024 * 1024 + 64 * 1024
 MAX_CHUNK_BYTES = 1024 * 1024
 # A stream frame holds one chunk plus its envelope.
 MAX_FRAME_BYTES = MAX_CHUNK_BYTES + 1024
+# First byte of a relay payload that carries a data-channel frame (a packet follows);
+# any other relay payload is a gossip packet.
+RELAY_DATA = b"D"
 
 
 class WireError(Exception):

@@ -184,7 +184,8 @@ messages = st.one_of(
         names=st.lists(name_claims, max_size=4).map(tuple),
     ),
     name_claims,
-    st.builds(wire.DataChunk, session=u64s, msg_id=counters, total=st.integers(0, wire.MAX_DATA_MESSAGE_BYTES),
+    st.builds(wire.DataChunk, session=u64s, msg_id=counters,
+              total=st.integers(0, wire.MAX_DATA_MESSAGE_BYTES),
               offset=st.integers(0, wire.MAX_DATA_MESSAGE_BYTES), chunk=st.binary(max_size=64)),
     st.builds(wire.DataAck, session=u64s, msg_id=u64s),
 )

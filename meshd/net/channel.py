@@ -35,6 +35,7 @@ import trio
 from ..identity import prefix, verify
 from ..wire import (
     MAX_FRAME_BYTES,
+    RELAY_DATA,
     STREAM_NONCE_BYTES,
     DataAck,
     DataChunk,
@@ -53,7 +54,6 @@ log = logging.getLogger("meshd.channel")
 # One chunk size for every path, so chunks of a message resent over another
 # path line up with those already received.  It fits one relay frame.
 CHUNK_BYTES = 63 * 1024
-RELAY_DATA = b"D"  # first byte of a relay payload that carries the data channel
 ACKS_PER_PACKET = 256
 WINDOW = 256  # messages written ahead of the oldest unacked one
 MAX_BACKLOG = 1024  # messages from one sender waiting for its handler before its reader waits too

@@ -131,8 +131,9 @@ class Swim:
         self._events: list[Event] = []
         self._seeds: tuple[str, ...] = ()
         self._rx_via: str | None = None  # the path the packet being handled came in on
-        # Addresses that answered a direct ping we sent there (see ``answered_addrs``).
-        self._answered: list[str] = []
+        # Addresses that answered a direct ping we sent there (see ``answered_addrs``);
+        # a dict as an ordered set, bounded for drivers that never ask.
+        self._answered: dict[str, None] = {}
 
         # Stagger the first timers so nodes started together do not tick in step.
         self._next_probe = now + rng.uniform(0, config.probe_interval)
@@ -303,8 +304,7 @@ class Swim:
         self._send(addr, sender, acks, via="relay")
 
     def _handle_ping_req(self, msg: PingReq, sender: bytes, addr: str, now: float) -> None:
-        requester = self.members.get(sender)
-        if requester is None or not requester.state.live:
+        if sender not in self.members:
             # Only members may make us probe: a stranger's ping-req would turn us
             # into a reflector towards any address it names.
             self.counters["rx_ping_req_refused"] += 1
@@ -313,7 +313,9 @@ class Swim:
             self._send(addr, sender, [Ack(msg.seq)], via=self._rx_via)
             return
         target = self.members.get(msg.target)
-        if target is None or target.addr != msg.target_addr or not target.state.live:
+        if target is None or target.addr != msg.target_addr:
+            # Whatever its state here (the requester may know better), a member we know is
+            # at that address; any other address is the asker's to name, not ours to probe.
             self.counters["rx_ping_req_refused"] += 1
             return
         seq = self._next_seq()
@@ -336,8 +338,8 @@ class Swim:
             rtt = now - probe.sent_at
             if direct:
                 self.members[probe.target].rtt = rtt
-                if self._rx_via != "relay":
-                    self._answered.append(addr)
+                if self._rx_via != "relay" and len(self._answered) < 1024:
+                    self._answered[addr] = None
             if from_target:
                 self.path_checks[probe.target] = self.path_checks.get(probe.target, 0) + 1
             if from_target and self._direct_ok.get(probe.target, True) != direct:
@@ -373,7 +375,22 @@ class Swim:
 
     def _handle_push_pull(self, msg: PushPull, sender: bytes, addr: str, now: float) -> None:
         self.counters["rx_push_pull"] += 1
+        # A member, or a seed answering the join we are still waiting on, tells us the
+        # whole mesh.  A stranger speaks for itself only (a joiner knows nobody else
+        # yet): its word must not fill our member list with made-up members at others'
+        # addresses.
+        known = sender in self.members or (self._next_join != INF and not msg.reply)
+        if msg.reply:
+            # Our whole state goes only to a member we know, or one that joins in this very
+            # push-pull (a restarted one needs it to learn what to refute): a stranger's
+            # empty push-pull gets nothing back.
+            if known or any(ms.node == sender for ms in msg.members):
+                self._out.append(Outgoing(addr, sender, self._packet([self._push_pull(False, False)]), True))
+            else:
+                self.counters["rx_push_pull_refused"] += 1
         for ms in msg.members:
+            if not known and ms.node != sender:
+                continue
             if ms.state == State.ALIVE:
                 self._on_alive(Alive(ms.incarnation, ms.node, ms.addr, ms.meta), now)
             elif ms.state == State.LEFT:
@@ -385,15 +402,8 @@ class Swim:
                 # will reach us.
                 self._on_suspect(Suspect(ms.incarnation, ms.node, sender), now)
         for claim in msg.names:
-            self._on_name(claim, now)
-        if msg.reply:
-            # Our whole state goes only to a member we know (a joiner is one once its
-            # own entry is merged above; a restarted one needs it to learn what to
-            # refute): a stranger's empty push-pull gets nothing back.
-            if sender in self.members:
-                self._out.append(Outgoing(addr, sender, self._packet([self._push_pull(False, False)]), True))
-            else:
-                self.counters["rx_push_pull_refused"] += 1
+            if known or claim.owner == sender:
+                self._on_name(claim, now)
         if self.live_count() > 1:
             self._next_join = INF
 
@@ -732,7 +742,7 @@ class Swim:
         address really is the member's, not one a stranger wrote into a packet:
         the driver may send it more than it has received from it.
         """
-        out, self._answered = self._answered, []
+        out, self._answered = list(self._answered), {}
         return out
 
     def _send(self, addr: str, node: bytes | None, msgs: list[Message], via: str | None = None) -> None:

@@ -1,0 +1,82 @@
+"""What a stranger on the network can do to a mesh, for the adversarial tests.
+
+A stranger knows no mesh secret: it writes raw msgpack (so it can put any
+number in any field, past what meshd's own records check), makes a fresh key
+whenever it likes, and reaches a node's gossip port (UDP), its data port
+(TCP, where any key passes the stream handshake for its own id) and the relay.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import msgpack
+import trio
+
+from ..identity import Identity
+from ..net.channel import _frame, _proof_data, _read_packet
+from ..wire import PROTOCOL_VERSION, RELAY_DATA, STREAM_NONCE_BYTES, DataChunk, Packet, StreamProof
+
+
+def raw_packet(sender: bytes, *messages: tuple[int, list]) -> bytes:
+    """A packet of ``(tag, body)`` messages, with no check on any field."""
+    return msgpack.packb([PROTOCOL_VERSION, sender, [[tag, body] for tag, body in messages]],
+                         use_bin_type=True)
+
+
+def send_udp(addr: str, data: bytes, *, sock: socket.socket | None = None) -> None:
+    host, _, port = addr.rpartition(":")
+    own = sock or socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        own.sendto(data, (host, int(port)))
+    finally:
+        if sock is None:
+            own.close()
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of process ``pid``."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+async def open_data_stream(addr: str, identity: Identity, claimed: bytes | None = None
+                           ) -> tuple[trio.SocketStream, Packet | None]:
+    """Dial a node's data port and run the stream handshake as ``claimed`` (default: our own
+    id), signing with ``identity``.  Returns the stream and the node's proof (None when it
+    refused us and closed the stream)."""
+    from ..net.channel import HandshakeError
+
+    claimed = claimed or identity.node_id
+    host, _, port = addr.rpartition(":")
+    stream = await trio.open_tcp_stream(host, int(port))
+    buf = bytearray()
+    challenge = await _read_packet(stream, buf)
+    target = challenge.sender
+    nonce = b"\x05" * STREAM_NONCE_BYTES
+    proof = StreamProof(nonce, identity.sign(_proof_data(challenge.messages[0].nonce, target, claimed)))
+    await stream.send_all(_frame(Packet(claimed, (proof,))))
+    try:
+        answer = await _read_packet(stream, buf)
+    except HandshakeError:
+        return stream, None
+    return stream, answer
+
+
+def chunk_frame(sender: bytes, chunk: DataChunk) -> bytes:
+    """One data-channel chunk as a stream frame."""
+    return _frame(Packet(sender, (chunk,)))
+
+
+def relay_data(sender: bytes, chunk: DataChunk) -> bytes:
+    """One data-channel chunk as a relay payload."""
+    return RELAY_DATA + chunk_frame(sender, chunk)[4:]
+
+
+def snapshot_counter(snapshot: dict[str, Any], name: str) -> int:
+    """A counter of a node's snapshot (``/api/snapshot``), 0 when absent."""
+    return int(snapshot.get("counters", {}).get(name, 0))

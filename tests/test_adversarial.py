@@ -1,0 +1,376 @@
+"""Attacks a stranger can make without any key, against real nodes on loopback.
+
+One mesh (a relay, an orchestrator, two stages; one ``meshd run`` process
+each) takes every attack in turn.  After each one the processes must be
+alive, every member alive at every node, every name resolving, and memory
+flat: nothing a stranger sends may crash a node, grow its memory without
+bound, or make it attack somebody else.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import httpx
+import pytest
+import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from meshd import wire
+from meshd.identity import Identity
+from meshd.net.amplification import AmplificationGuard
+from meshd.relay.client import RelayClient
+from meshd.testing.processes import MeshProcess, start_mesh, wait_converged
+from meshd.testing.stranger import (
+    chunk_frame,
+    open_data_stream,
+    raw_packet,
+    relay_data,
+    rss_bytes,
+    send_udp,
+    snapshot_counter,
+)
+
+pytestmark = pytest.mark.processes
+
+U64_MAX = 2**64 - 1
+BIG = 64 * 1024 * 1024
+MiB = 1024 * 1024
+
+
+class Mesh:
+    def __init__(self, relay: MeshProcess, procs: list[MeshProcess]) -> None:
+        self.relay = relay
+        self.procs = procs
+        self.relay_url = relay.wait_for(lambda s: s.startswith("meshd relay url="), 10, "relay url"
+                                        ).split()[2].split("=", 1)[1]
+        self.urls = {}
+        for p in procs:
+            line = p.wait_for(lambda s: s.startswith("meshd dashboard url="), 15, "dashboard url")
+            self.urls[p.name] = line.split()[2].split("=", 1)[1]
+        self.by_name = {p.name: p for p in procs}
+
+    def id(self, name: str) -> bytes:
+        return bytes.fromhex(self.by_name[name].boot.id)
+
+    def addr(self, name: str) -> str:
+        return self.by_name[name].boot.addr
+
+    def get(self, name: str, path: str) -> dict:
+        return httpx.get(self.urls[name] + path, timeout=5).json()
+
+    def snapshot(self, name: str) -> dict:
+        return self.get(name, "/api/snapshot")
+
+    def assert_unharmed(self) -> None:
+        """Every process alive; every node sees every member alive and every name resolving."""
+        for p in [self.relay, *self.procs]:
+            assert p.proc.poll() is None, f"{p.name} exited ({p.proc.returncode}): {p.lines[-8:]}"
+        ids = {p.boot.id for p in self.procs}
+        for p in self.procs:
+            snap = self.snapshot(p.name)
+            states = {m["id"]: m["state"] for m in snap["members"]}
+            others = ids - {p.boot.id}
+            assert {i: states.get(i) for i in others} == {i: "alive" for i in others}, (p.name, states)
+            names = snap["names"]
+            for name in ("pp-orchestrator", "pp-entry", "pp-stage-0", "pp-stage-1", "pp-exit"):
+                assert names.get(name, {}).get("resolves"), (p.name, name, names.get(name))
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    relay = MeshProcess("relay", ["relay", "--bind", "127.0.0.1:0"])
+    procs: list[MeshProcess] = []
+    try:
+        url = relay.wait_for(lambda s: s.startswith("meshd relay url="), 10, "relay url").split()[2][4:]
+        procs = start_mesh(2, extra=["--relay", url, "--dashboard", "127.0.0.1:0"])
+        wait_converged(procs)
+        m = Mesh(relay, procs)
+        _wait(lambda: _settled(m), 20, "names resolving everywhere")
+        yield m
+    finally:
+        for p in procs:
+            p.stop(timeout=3)
+        relay.stop(timeout=3)
+
+
+def _settled(m: Mesh) -> bool:
+    try:
+        m.assert_unharmed()
+    except AssertionError:
+        return False
+    return True
+
+
+def _wait(pred, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {what} within {timeout:g}s")
+        time.sleep(0.2)
+
+
+def _stranger() -> bytes:
+    return os.urandom(32)
+
+
+def _settle_and_check(mesh: Mesh, seconds: float = 1.5) -> None:
+    time.sleep(seconds)
+    mesh.assert_unharmed()
+
+
+# --- one datagram with a number the node cannot answer ---
+
+
+def _poisoned(mesh: Mesh, target: str) -> list[bytes]:
+    """Each forged fact that made a node refute (or bury) at 2^64 and die."""
+    victim, other = mesh.id(target), mesh.id("orchestrator" if target != "orchestrator" else "stage-0")
+    third = mesh.id("stage-1" if target != "stage-1" else "stage-0")
+    meta = ["stage", 1, 2, [], None, "", U64_MAX]
+    return [
+        raw_packet(_stranger(), (wire.Suspect.TAG, [U64_MAX, victim, other])),
+        raw_packet(_stranger(), (wire.NameClaim.TAG, ["pp-stage-1", mesh.id("stage-1"), U64_MAX, True])),
+        raw_packet(_stranger(), (wire.Dead.TAG, [U64_MAX, third, other])),
+        raw_packet(_stranger(), (wire.Alive.TAG, [U64_MAX, victim, "127.0.0.1:1", meta])),
+        raw_packet(other, (wire.Alive.TAG, [1, third, "127.0.0.1:1", meta])),
+        raw_packet(_stranger(), (wire.PathSummary.TAG, [victim, U64_MAX, []])),
+    ]
+
+
+def test_a_forged_datagram_with_an_unanswerable_number_changes_nothing(mesh):
+    before = {p.name: snapshot_counter(mesh.snapshot(p.name), "rx_bad_packet") for p in mesh.procs}
+    for p in mesh.procs:
+        for data in _poisoned(mesh, p.name):
+            send_udp(p.boot.addr, data)
+    _settle_and_check(mesh)
+    for p in mesh.procs:
+        refused = snapshot_counter(mesh.snapshot(p.name), "rx_bad_packet") - before[p.name]
+        assert refused >= len(_poisoned(mesh, p.name)), (p.name, refused)
+
+
+async def test_the_same_datagrams_through_the_relay_change_nothing(mesh):
+    attacker = Identity.generate()
+    client = RelayClient(mesh.relay_url, attacker)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(client.run)
+            for p in mesh.procs:
+                for data in _poisoned(mesh, p.name):
+                    # The relay forwards only packets in the connection's own name.
+                    sender_at = data.index(b"\xc4\x20") + 2
+                    await client.send(mesh.id(p.name), data[:sender_at] + attacker.node_id
+                                      + data[sender_at + 32:])
+            await trio.sleep(1.5)
+            nursery.cancel_scope.cancel()
+    mesh.assert_unharmed()
+
+
+# --- the topology in somebody else's name ---
+
+
+def test_a_path_summary_forged_for_the_orchestrator_is_replaced_by_its_own(mesh):
+    orch, stage1 = mesh.id("orchestrator"), mesh.id("stage-1")
+    forged_entry = [stage1, "none", 0, 99, "forged by a stranger", 0]
+    # At 2^64-1 it is refused outright; at 2^62 it is taken, and the orchestrator answers it.
+    for sender, version in ((_stranger(), U64_MAX), (stage1, 2**62)):
+        forged = raw_packet(sender, (wire.PathSummary.TAG, [orch, version, [forged_entry]]))
+        send_udp(mesh.addr("stage-0"), forged)
+
+    def forged_shown() -> bool:
+        topo = mesh.get("stage-0", "/api/topology")
+        edges = [e for e in topo["edges"] if (e["from"], e["to"]) == ("orchestrator", "stage-1")]
+        return any(not e["ok"] for e in edges) or "forged" in str(topo)
+
+    _wait(lambda: not forged_shown(), 15, "the orchestrator's own summary at stage-0")
+    assert snapshot_counter(mesh.snapshot("orchestrator"), "path_summary_refuted") >= 1
+    mesh.assert_unharmed()
+
+
+# --- data-channel memory ---
+
+
+def _unfinished(sender: bytes, session: int, count: int) -> list[wire.DataChunk]:
+    return [wire.DataChunk(session, msg_id, BIG, 0, b"x") for msg_id in range(1, count + 1)]
+
+
+async def test_unfinished_64_mib_messages_on_a_direct_stream_leave_memory_flat(mesh):
+    target = mesh.by_name["stage-1"]
+    start = rss_bytes(target.proc.pid)
+    with trio.fail_after(30):
+        for session in range(1, 11):  # a fresh key and sessions at will
+            stranger = Identity.generate()
+            stream, proof = await open_data_stream(target.boot.addr, stranger)
+            assert proof is not None, "a stranger's own key passes the stream handshake"
+            async with stream:
+                for chunk in _unfinished(stranger.node_id, session, 2):
+                    try:
+                        await stream.send_all(chunk_frame(stranger.node_id, chunk))
+                    except trio.BrokenResourceError:
+                        break  # refused: the node dropped the stream
+                await trio.sleep(0.1)
+    await trio.sleep(1.0)
+    grown = rss_bytes(target.proc.pid) - start
+    print(f"stage-1 RSS {start / MiB:.1f} MiB -> +{grown / MiB:.1f} MiB after 20 unfinished 64 MiB messages")
+    assert grown < 20 * MiB
+    mesh.assert_unharmed()
+
+
+async def test_unfinished_64_mib_messages_through_the_relay_leave_memory_flat(mesh):
+    target = mesh.by_name["stage-0"]
+    start = rss_bytes(target.proc.pid)
+    with trio.fail_after(30):
+        for round_ in range(4):
+            stranger = Identity.generate()
+            client = RelayClient(mesh.relay_url, stranger)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(client.run)
+                for chunk in _unfinished(stranger.node_id, round_ + 1, 5):
+                    await client.send(mesh.id("stage-0"), relay_data(stranger.node_id, chunk))
+                await trio.sleep(0.3)
+                nursery.cancel_scope.cancel()
+    await trio.sleep(1.0)
+    grown = rss_bytes(target.proc.pid) - start
+    print(f"stage-0 RSS {start / MiB:.1f} MiB -> +{grown / MiB:.1f} MiB after 20 relayed unfinished messages")
+    assert grown < 20 * MiB
+    mesh.assert_unharmed()
+
+
+async def test_whole_messages_behind_a_withheld_first_one_are_held_to_the_peer_budget(mesh):
+    from meshd.net.reassembly import PEER_BUDGET
+
+    target = mesh.by_name["orchestrator"]
+    start = rss_bytes(target.proc.pid)
+    stranger = Identity.generate()
+    payload = os.urandom(wire.MAX_CHUNK_BYTES)
+    sent = 0
+    with trio.fail_after(60):
+        stream, _ = await open_data_stream(target.boot.addr, stranger)
+        async with stream:
+            try:
+                for msg_id in range(2, 400):  # message 1 never comes: 400 MiB if all were held
+                    chunk = wire.DataChunk(7, msg_id, len(payload), 0, payload)
+                    await stream.send_all(chunk_frame(stranger.node_id, chunk))
+                    sent += len(payload)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass  # refused once over budget: the node drops the stream
+    await trio.sleep(1.0)
+    grown = rss_bytes(target.proc.pid) - start
+    print(f"orchestrator RSS +{grown / MiB:.1f} MiB after {sent / MiB:.0f} MiB sent behind a withheld one")
+    assert sent < 399 * len(payload), "the node must refuse before taking them all"
+    assert grown < PEER_BUDGET + 32 * MiB
+    mesh.assert_unharmed()
+
+
+# --- reflection: no node may be turned against a third party ---
+
+
+def _listening_victim() -> socket.socket:
+    victim = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    victim.bind(("127.0.0.1", 0))
+    victim.settimeout(0.2)
+    return victim
+
+
+def _bytes_received(sock: socket.socket, seconds: float) -> int:
+    total, deadline = 0, time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            total += len(sock.recv(65536))
+        except TimeoutError:
+            pass
+    return total
+
+
+def test_a_strangers_push_pull_gets_no_member_list_back(mesh):
+    with _listening_victim() as asker:
+        request = raw_packet(_stranger(), (wire.PushPull.TAG, [True, True, [], []]))
+        assert len(request) < 50
+        for p in mesh.procs:
+            asker.sendto(request, ("127.0.0.1", int(p.boot.addr.rpartition(":")[2])))
+        assert _bytes_received(asker, 1.5) == 0
+    mesh.assert_unharmed()
+
+
+def test_a_strangers_ping_req_makes_no_node_probe_another_address(mesh):
+    with _listening_victim() as victim:
+        victim_addr = f"127.0.0.1:{victim.getsockname()[1]}"
+        for p in mesh.procs:
+            for target in (mesh.id("stage-1"), _stranger()):
+                forged = raw_packet(_stranger(), (wire.PingReq.TAG, [1, target, victim_addr, True]))
+                send_udp(p.boot.addr, forged)
+            # Even in a member's name: that member is not at the address it names.
+            send_udp(p.boot.addr, raw_packet(mesh.id("stage-0"),
+                                             (wire.PingReq.TAG, [2, mesh.id("stage-1"), victim_addr, False])))
+        assert _bytes_received(victim, 1.5) == 0
+    mesh.assert_unharmed()
+
+
+def test_a_fake_member_at_a_third_partys_address_draws_little_traffic_there(mesh):
+    guard = AmplificationGuard()
+    seconds = 10.0
+    with _listening_victim() as victim:
+        victim_addr = f"127.0.0.1:{victim.getsockname()[1]}"
+        fake = _stranger()
+        me = [fake, victim_addr, 0, wire.STATE_ALIVE, ["stage", 7, 9, [victim_addr], None, "", 0]]
+        sent = 0
+        for p in mesh.procs:
+            packet = raw_packet(fake, (wire.PushPull.TAG, [True, False, [me], []]))
+            send_udp(p.boot.addr, packet)
+            sent += len(packet)
+        got = _bytes_received(victim, seconds)
+    bound = len(mesh.procs) * (guard.allowance + guard.refill_per_s * seconds + guard.factor * sent)
+    print(f"fake member at a third party: {sent} B sent by the stranger, {got} B reached the address "
+          f"in {seconds:g} s (bound {bound:.0f} B)")
+    assert got <= bound
+
+
+# --- a fuzz of well-formed messages with extreme values ---
+
+EXTREME = st.sampled_from([wire.COUNTER_MAX + 1, 2**63, U64_MAX, 2**64, -1, -(2**63), 2**70])
+ANY_INT = EXTREME | st.sampled_from([0, 1, 2**32, wire.COUNTER_MAX])
+TEXT = st.sampled_from(["", "pp-entry", "x" * 512, "x" * 513, "\u0000", "\ufffd" * 100])
+
+
+def _fuzz_messages(ids: list[bytes]):
+    node = st.sampled_from(ids) | st.binary(min_size=32, max_size=32)
+    meta = st.tuples(TEXT, ANY_INT | st.none(), ANY_INT | st.none(), st.lists(TEXT, max_size=9),
+                     TEXT | st.none(), TEXT, ANY_INT).map(list)
+    member = st.tuples(node, TEXT, EXTREME, st.sampled_from([0, 1, 2, 3, 4, -1]), meta).map(list)
+    return st.one_of(
+        st.tuples(st.just(wire.Alive.TAG), st.tuples(EXTREME, node, TEXT, meta).map(list)),
+        st.tuples(st.just(wire.Suspect.TAG), st.tuples(EXTREME, node, node).map(list)),
+        st.tuples(st.just(wire.Dead.TAG), st.tuples(EXTREME, node, node).map(list)),
+        st.tuples(st.just(wire.NameClaim.TAG), st.tuples(TEXT, node, EXTREME, st.booleans()).map(list)),
+        st.tuples(st.just(wire.PathSummary.TAG), st.tuples(node, EXTREME, st.just([])).map(list)),
+        st.tuples(st.just(wire.PushPull.TAG),
+                  st.tuples(st.booleans(), st.booleans(), st.lists(member, min_size=1, max_size=3),
+                            st.just([])).map(list)),
+        st.tuples(st.just(wire.Ping.TAG), st.tuples(EXTREME, node).map(list)),
+        st.tuples(st.just(wire.DataChunk.TAG), st.tuples(ANY_INT, EXTREME, ANY_INT, ANY_INT,
+                                                         st.binary(max_size=8), st.booleans()).map(list)),
+    )
+
+
+def test_a_fuzz_of_messages_with_extreme_values_changes_nothing(mesh):
+    ids = [mesh.id(p.name) for p in mesh.procs]
+    targets = [p.boot.addr for p in mesh.procs]
+    sent = []
+
+    @settings(max_examples=300, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    @given(st.sampled_from(ids) | st.binary(min_size=32, max_size=32),
+           st.lists(_fuzz_messages(ids), min_size=1, max_size=4), st.sampled_from(targets))
+    def fire(sender, messages, addr):
+        try:
+            data = raw_packet(sender, *messages)
+        except (OverflowError, ValueError):
+            return  # msgpack itself cannot carry it: nobody can send it
+        send_udp(addr, data)
+        sent.append(len(data))
+
+    fire()
+    assert len(sent) > 100
+    _settle_and_check(mesh, 2.0)
