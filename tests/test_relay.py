@@ -20,6 +20,7 @@ from meshd.relay import protocol, stun
 from meshd.relay.client import ClientConfig, RelayClient, RelayNotConnected, stun_query
 from meshd.relay.protocol import PeerNotHere, Recv, Replaced
 from meshd.relay.server import Relay, RelayBindError, RelayConfig, serve_relay
+from meshd.wire import MAX_FRAME_BYTES, RELAY_DATA, DataChunk, Packet, encode
 
 HOST = "127.0.0.1"
 WAIT = 10  # seconds: the bound on every wait in this file; a healthy run needs a fraction of it
@@ -63,17 +64,32 @@ async def start_client(nursery: trio.Nursery, port: int, identity: Identity | No
     return client
 
 
+def packet(sender: bytes, body: bytes = b"", *, size: int | None = None, data: bool = False) -> bytes:
+    """A payload the relay forwards from ``sender``: a packet from it with ``body`` in one chunk
+    (padded so the payload is ``size`` bytes in all), bare or, with ``data``, behind the
+    data-channel prefix."""
+    head = RELAY_DATA if data else b""
+    chunk = body
+    for _ in range(4):  # the padding's length changes the msgpack headers around it; settle it
+        out = head + encode(Packet(sender, (DataChunk(1, 1, len(chunk), 0, chunk),)), MAX_FRAME_BYTES)
+        if size is None or len(out) == size:
+            return out
+        chunk = body + b"\0" * (len(chunk) - len(body) + size - len(out))
+    raise AssertionError(f"cannot build a {size}-byte packet")
+
+
 async def next_frame(client: RelayClient):
     with trio.fail_after(WAIT):
         return await client.received.receive()
 
 
 async def assert_exchange(a: RelayClient, b: RelayClient, tag: bytes = b"") -> None:
-    """A frame each way, a->b and b->a, arrives with its sender and payload intact."""
-    await a.send(b.identity.node_id, b"a->b " + tag)
-    assert await next_frame(b) == Recv(a.identity.node_id, b"a->b " + tag)
-    await b.send(a.identity.node_id, b"b->a " + tag)
-    assert await next_frame(a) == Recv(b.identity.node_id, b"b->a " + tag)
+    """A packet each way, a->b and b->a, arrives with its sender and payload intact."""
+    ab, ba = packet(a.identity.node_id, b"a->b " + tag), packet(b.identity.node_id, b"b->a " + tag, data=True)
+    await a.send(b.identity.node_id, ab)
+    assert await next_frame(b) == Recv(a.identity.node_id, ab)
+    await b.send(a.identity.node_id, ba)
+    assert await next_frame(a) == Recv(b.identity.node_id, ba)
 
 
 async def wait_until(predicate, what: str) -> None:
@@ -89,7 +105,7 @@ async def test_two_clients_exchange_frames_both_ways():
         b = await start_client(nursery, port)
         for i in range(20):
             await assert_exchange(a, b, str(i).encode())
-        big = os.urandom(protocol.MAX_PAYLOAD)
+        big = packet(a.identity.node_id, os.urandom(1000), size=protocol.MAX_PAYLOAD)
         await a.send(b.identity.node_id, big)
         assert await next_frame(b) == Recv(a.identity.node_id, big)
         snap = relay.snapshot()
@@ -104,7 +120,7 @@ async def test_frame_to_absent_peer_is_answered_peer_not_here():
         _, port, relay = await start_relay(nursery)
         a = await start_client(nursery, port)
         absent = Identity.generate().node_id
-        await a.send(absent, b"anyone there?")
+        await a.send(absent, packet(a.identity.node_id, b"anyone there?"))
         assert await next_frame(a) == PeerNotHere(absent)
         assert relay.snapshot()["peer_not_here"] == 1
         assert a.counters["peer_not_here"] == 1
@@ -273,7 +289,7 @@ async def test_rate_limit_drops_excess_frames_and_refills():
         a = await start_client(nursery, port)
         b = await start_client(nursery, port)
         for i in range(50):
-            await a.send(b.identity.node_id, i.to_bytes(2, "big") + b"x" * 498)
+            await a.send(b.identity.node_id, packet(a.identity.node_id, i.to_bytes(2, "big"), size=500))
         await wait_until(lambda: relay.snapshot()["clients"][a.identity.prefix]["frames_in"] == 50, "50 in")
         snap = relay.snapshot()
         forwarded = snap["frames_forwarded"]
@@ -284,8 +300,9 @@ async def test_rate_limit_drops_excess_frames_and_refills():
         for _ in range(forwarded):
             assert isinstance(await next_frame(b), Recv)
         await trio.sleep(0.6)  # refill: 1200 bytes, two frames' worth
-        await a.send(b.identity.node_id, b"after the pause")
-        assert await next_frame(b) == Recv(a.identity.node_id, b"after the pause")
+        after = packet(a.identity.node_id, b"after the pause")
+        await a.send(b.identity.node_id, after)
+        assert await next_frame(b) == Recv(a.identity.node_id, after)
         nursery.cancel_scope.cancel()
 
 
@@ -329,7 +346,7 @@ async def test_dead_client_is_dropped_and_an_idle_live_one_is_kept():
         assert relay.dead == 1
         await trio.sleep(1.0)  # several ping intervals: the idle live client answers its pings
         assert relay.is_connected(live.identity.node_id)
-        await live.send(doomed.identity.node_id, b"still there?")
+        await live.send(doomed.identity.node_id, packet(live.identity.node_id, b"still there?"))
         assert await next_frame(live) == PeerNotHere(doomed.identity.node_id)
         nursery.cancel_scope.cancel()
 

@@ -2,8 +2,18 @@
 
 One TCP listener (WebSocket) and one UDP socket (STUN binding) on the same
 port number.  Each client proves it owns its NodeId by signing a fresh nonce;
-then its ``Send`` frames go to the destination's queue as ``Recv`` frames.  A
-slow or dead client is dropped; it never holds up the others.
+then its ``Send`` frames go to the destination's queue as ``Recv`` frames.
+
+The relay vouches for the sender of every ``Recv``, so it forwards only
+payloads that the proven connection itself sent: a gossip packet, or a data
+channel frame (``RELAY_DATA`` followed by a packet), whose sender field is the
+connection's node id.  Anything else is dropped and counted.
+
+What the relay queues stays bounded whoever connects: each destination's queue holds at most
+``queue_bytes``, all queues together at most ``total_queue_bytes``; frames
+beyond either are dropped (the nodes resend, as over UDP).  A client whose
+writer makes no progress for ``send_timeout`` is dropped; it never holds up
+the others.
 """
 
 from __future__ import annotations
@@ -12,6 +22,7 @@ import contextvars
 import errno
 import logging
 import secrets
+from collections import deque
 from dataclasses import dataclass, field
 from typing import NoReturn
 
@@ -19,6 +30,7 @@ import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest, WebSocketServer
 
 from ..identity import prefix, verify
+from ..wire import RELAY_DATA, WireError, packet_sender
 from . import protocol, stun
 from .protocol import (
     CLOSE_AUTH_TIMEOUT,
@@ -53,15 +65,35 @@ class RelayConfig:
     auth_timeout: float = 10.0  # challenge sent -> signed answer received
     ping_interval: float = 15.0  # ping a client this long after its last message
     ping_timeout: float = 10.0
-    send_timeout: float = 10.0  # a client that reads nothing for this long is dropped
+    # A client whose writer cannot hand one frame to the socket for this long is dropped.
+    # The kernel's socket buffers (megabytes on a fast link) are full by then, so the client
+    # has taken nothing for longer still; the slowest SWIM profile's probe timeout is 3 s.
+    send_timeout: float = 5.0
     close_timeout: float = 2.0
-    outbox_frames: int = 256  # per client; at 64 KiB a frame, at most 16 MiB queued
+    # Bytes waiting for one destination, counting the frame being written.  16 full frames:
+    # an eighth of a second at the default per-client rate, enough to ride out a reader's
+    # pause; beyond it frames are dropped and the nodes resend.
+    queue_bytes: int = 1024 * 1024
+    # Bytes waiting for all destinations together: what a crowd of clients that stop reading
+    # can make the relay hold, however many there are (32 of them at queue_bytes each).
+    total_queue_bytes: int = 32 * 1024 * 1024
+    # Complete messages trio-websocket holds per connection before it stops reading the
+    # socket.  One: the reader takes each at once, and TCP pushes back on the sender.
+    # With max_frame as trio-websocket's max_message_size, a connection holds at most
+    # this many frames plus the one being assembled.
+    receive_messages: int = 1
 
     def __post_init__(self) -> None:
         if not 0 < self.max_payload <= MAX_PAYLOAD:
             raise ValueError(f"max_payload must be in 1..{MAX_PAYLOAD}")
         if self.burst_bytes < self.max_frame:
             raise ValueError(f"burst_bytes must hold at least one full frame ({self.max_frame} bytes)")
+        if self.queue_bytes < self.max_frame:
+            raise ValueError(f"queue_bytes must hold at least one full frame ({self.max_frame} bytes)")
+        if self.total_queue_bytes < self.queue_bytes:
+            raise ValueError("total_queue_bytes must be at least queue_bytes")
+        if self.receive_messages < 1:
+            raise ValueError("receive_messages must be at least 1")
 
     @property
     def max_frame(self) -> int:
@@ -79,9 +111,12 @@ class _Client:
     remote: str
     bucket: TokenBucket
     connected_at: float
-    outbox: trio.MemorySendChannel
-    inbox: trio.MemoryReceiveChannel
     last_rx: float
+    # Encoded frames for this client, oldest first; its writer sends them in order.
+    outbox: deque[bytes] = field(default_factory=deque)
+    queued_bytes: int = 0  # in outbox, plus the frame the writer is sending
+    outbox_ready: trio.Event = field(default_factory=trio.Event)  # set when outbox gains a frame
+    closed: bool = False  # the session ended: nothing more is queued for it
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     frames_in: int = 0
     bytes_in: int = 0
@@ -104,7 +139,11 @@ class Relay:
         self.bytes_forwarded = 0
         self.peer_not_here = 0
         self.rate_limited = 0
-        self.dropped_queue_full = 0
+        self.dropped_queue_full = 0  # the destination's queue held queue_bytes already
+        self.dropped_relay_full = 0  # all queues together held total_queue_bytes already
+        self.dropped_sender_mismatch = 0  # a packet claiming a sender other than its connection
+        self.dropped_malformed = 0  # a payload that is not a packet
+        self.queued_bytes = 0  # in every client's queue, counting frames being written
         self.accepted = 0
         self.replaced = 0
         self.dead = 0
@@ -126,6 +165,7 @@ class Relay:
                     "frames_out": c.frames_out,
                     "rate_limited": c.rate_limited,
                     "dropped": c.dropped,
+                    "queued_bytes": c.queued_bytes,
                 }
                 for c in self._clients.values()
             },
@@ -135,6 +175,10 @@ class Relay:
             "peer_not_here": self.peer_not_here,
             "rate_limited": self.rate_limited,
             "dropped_queue_full": self.dropped_queue_full,
+            "dropped_relay_full": self.dropped_relay_full,
+            "dropped_sender_mismatch": self.dropped_sender_mismatch,
+            "dropped_malformed": self.dropped_malformed,
+            "queued_bytes": self.queued_bytes,
             "replaced": self.replaced,
             "dead": self.dead,
             "refused": dict(self.refused),
@@ -201,11 +245,9 @@ class Relay:
 
     async def _session(self, ws: WebSocketConnection, node_id: bytes, remote: str) -> None:
         now = trio.current_time()
-        outbox, inbox = trio.open_memory_channel(self.config.outbox_frames)
         client = _Client(
             node_id=node_id, ws=ws, remote=remote, connected_at=now, last_rx=now,
             bucket=TokenBucket(self.config.rate_bytes_per_s, self.config.burst_bytes, now),
-            outbox=outbox, inbox=inbox,
         )
         old = self._clients.get(node_id)
         self._clients[node_id] = client
@@ -228,7 +270,11 @@ class Relay:
                 await self._reader(client)
                 nursery.cancel_scope.cancel()
         finally:
-            client.outbox.close()
+            # The writer has ended with the nursery: what is still queued will never be sent.
+            client.closed = True
+            client.outbox.clear()
+            self.queued_bytes -= client.queued_bytes
+            client.queued_bytes = 0
             if self._clients.get(node_id) is client:
                 del self._clients[node_id]
             log.info("relay: %s disconnected (%s)", client.prefix, _close_text(ws))
@@ -283,6 +329,8 @@ class Relay:
     def _forward(self, client: _Client, frame: protocol.Send, size: int) -> None:
         client.frames_in += 1
         client.bytes_in += size
+        if not self._sent_by(client, frame):
+            return
         if not client.bucket.take(size, trio.current_time()):
             client.rate_limited += 1
             self.rate_limited += 1
@@ -290,25 +338,78 @@ class Relay:
         dst = self._clients.get(frame.dst)
         if dst is None:
             self.peer_not_here += 1
-            _enqueue(client, protocol.PeerNotHere(frame.dst).encode())
+            self._enqueue(client, protocol.PeerNotHere(frame.dst).encode())
             return
-        if _enqueue(dst, protocol.Recv(client.node_id, frame.payload).encode()):
+        if self._enqueue(dst, protocol.Recv(client.node_id, frame.payload).encode()):
             self.frames_forwarded += 1
             self.bytes_forwarded += len(frame.payload)
-        else:
+
+    def _sent_by(self, client: _Client, frame: protocol.Send) -> bool:
+        """Whether the payload is a packet whose sender is the client's proven id.
+
+        The receiving node takes the ``Recv`` source as vouched for by the relay, so a
+        payload claiming another sender would let one node speak for another.  Bad
+        frames are dropped one by one; the connection stays (its other frames may be fine).
+        """
+        payload = frame.payload
+        if payload[:1] == RELAY_DATA:  # a data-channel frame: the prefix, then a packet
+            payload = payload[1:]
+        try:
+            sender = packet_sender(payload)
+        except WireError as exc:
+            self.dropped_malformed += 1
+            client.dropped += 1
+            log.debug("relay: dropped a frame from %s to %s: %s", client.prefix, prefix(frame.dst), exc)
+            return False
+        if sender != client.node_id:
+            self.dropped_sender_mismatch += 1
+            client.dropped += 1
+            log.debug("relay: dropped a frame from %s to %s claiming to be from %s",
+                      client.prefix, prefix(frame.dst), prefix(sender))
+            return False
+        return True
+
+    def _enqueue(self, client: _Client, data: bytes) -> bool:
+        """Queue ``data`` for ``client``'s writer; False (and counted) when a byte limit is reached."""
+        size = len(data)
+        if client.closed:
+            client.dropped += 1
+            return False
+        if client.queued_bytes + size > self.config.queue_bytes:
+            client.dropped += 1
             self.dropped_queue_full += 1
+            return False
+        if self.queued_bytes + size > self.config.total_queue_bytes:
+            client.dropped += 1
+            self.dropped_relay_full += 1
+            return False
+        client.outbox.append(data)
+        client.queued_bytes += size
+        self.queued_bytes += size
+        client.outbox_ready.set()
+        return True
 
     async def _writer(self, client: _Client) -> None:
-        async for data in client.inbox:
-            with trio.move_on_after(self.config.send_timeout) as scope:
-                try:
-                    await client.ws.send_message(data)
-                except ConnectionClosed:
-                    return
+        # The only task that sends frames on this connection: trio-websocket copies a message
+        # into a wire frame before it waits for the stream, so one sender means one copy.
+        while True:
+            while not client.outbox:
+                client.outbox_ready = trio.Event()
+                await client.outbox_ready.wait()
+            data = client.outbox.popleft()
+            try:
+                with trio.move_on_after(self.config.send_timeout) as scope:
+                    try:
+                        await client.ws.send_message(data)
+                    except ConnectionClosed:
+                        return
+            finally:
+                client.queued_bytes -= len(data)
+                self.queued_bytes -= len(data)
             if scope.cancelled_caught:
                 self.dead += 1
                 t = self.config.send_timeout
-                log.warning("relay: %s read nothing for %gs; dropping it", client.prefix, t)
+                log.warning("relay: %s took no frame for %gs; dropping it", client.prefix, t)
                 await self._close(client, CLOSE_SLOW_READER, f"not reading: a send took over {t:g}s")
                 return
             client.frames_out += 1
@@ -364,15 +465,6 @@ def _unmapped(host: str, port: int) -> tuple[str, int]:
     return host, port
 
 
-def _enqueue(client: _Client, data: bytes) -> bool:
-    try:
-        client.outbox.send_nowait(data)
-    except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
-        client.dropped += 1
-        return False
-    return True
-
-
 def _closed_too_big(ws: WebSocketConnection) -> bool:
     return ws.closed is not None and ws.closed.code == CLOSE_TOO_BIG
 
@@ -403,6 +495,7 @@ class _Server(WebSocketServer):
     def __init__(self, relay: Relay, listeners: list[trio.SocketListener]) -> None:
         config = relay.config
         super().__init__(relay.handle, listeners, max_message_size=config.max_frame,
+                         message_queue_size=config.receive_messages,
                          connect_timeout=config.handshake_timeout, disconnect_timeout=config.close_timeout)
         self._relay = relay
 
