@@ -6,8 +6,11 @@ It reads node state only through ``node.snapshot()``, joins only through
 ``/api/peers/add``, ``/api/topology``, ``/api/snapshot``, ``/api/traces``,
 ``/metrics``) and, on the orchestrator, ``/api/generate`` and ``/v1/completions``.
 
-Bound beyond loopback, mutating endpoints need the node's token (printed at
-boot) as ``Authorization: Bearer TOKEN``, ``X-Meshd-Token`` or ``?token=``.
+Every request passes ``guard.DashboardGuard`` first: the Host must name this
+dashboard, a state-changing request must come from its own page (Origin) with
+a bounded JSON body, and bound beyond loopback everything but the page, its
+static files and ``/metrics`` needs the node's token (printed at boot) as
+``Authorization: Bearer TOKEN``, ``X-Meshd-Token`` or ``?token=``.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import ipaddress
 import json
 import logging
 import math
+import os
 import secrets
 import time
 import uuid
@@ -26,12 +30,14 @@ import trio
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
 
 if TYPE_CHECKING:
     from meshd.node import Node
 
 from . import views
+from .guard import HOSTS_ENV, TOKEN_ENV, DashboardGuard
 
 log = logging.getLogger("meshd.dashboard")
 
@@ -59,11 +65,10 @@ def _field(body: dict, name: str, kind: type, default: Any, *, low: float | None
 
 
 async def _json_body(request: Request) -> dict:
+    """The body as a JSON object; the guard has bounded its size and nesting, as UTF-8 text."""
     raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise BadRequest(f"body over {MAX_BODY_BYTES} bytes")
     try:
-        body = json.loads(raw or b"null")
+        body = json.loads(raw.decode("utf-8") or "null")
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadRequest(f"body is not JSON: {exc}") from None
     if not isinstance(body, dict):
@@ -144,7 +149,10 @@ def token_breakdown(traces: list[dict]) -> list[dict]:
             for name, (k, path, total, n) in sums.items()]
 
 
-def create_app(node: Node, token: str | None = None) -> Starlette:
+def create_app(node: Node, token: str | None = None, allowed_hosts: list[str] | None = None
+               ) -> DashboardGuard:
+    """The app behind its guard; ``allowed_hosts`` are extra Host names (``NAME`` or ``NAME:PORT``)."""
+
     def orchestrator():
         from meshd.pipeline.service import Orchestrator
 
@@ -260,20 +268,10 @@ def create_app(node: Node, token: str | None = None) -> Starlette:
     async def api_snapshot(request: Request):
         return JSONResponse(node.snapshot())
 
-    def authorized(request: Request) -> bool:
-        if token is None:
-            return True
-        given = (request.headers.get("x-meshd-token") or request.query_params.get("token")
-                 or request.headers.get("authorization", "").removeprefix("Bearer ").strip())
-        return secrets.compare_digest(given.encode(), token.encode())
-
     async def api_peers(request: Request):
         return JSONResponse(views.peers(node.snapshot()))
 
     async def api_peers_add(request: Request):
-        if not authorized(request):
-            return error(401, "this dashboard is bound beyond loopback: send the node's token "
-                              "(printed at boot) as 'Authorization: Bearer TOKEN'")
         try:
             body = await _json_body(request)
             addr = parse_peer_addr(body.get("addr"))
@@ -304,8 +302,9 @@ def create_app(node: Node, token: str | None = None) -> Starlette:
         log.exception("dashboard %s %s failed", request.method, request.url.path)
         return error(500, f"internal error: {type(exc).__name__}")
 
-    return Starlette(routes=[
+    app = Starlette(routes=[
         Route("/", page, methods=["GET"]),
+        Mount("/static", StaticFiles(directory=STATIC), name="static"),
         Route("/api/peers", api_peers, methods=["GET"]),
         Route("/api/peers/add", api_peers_add, methods=["POST"]),
         Route("/api/topology", api_topology, methods=["GET"]),
@@ -315,10 +314,17 @@ def create_app(node: Node, token: str | None = None) -> Starlette:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/api/snapshot", api_snapshot, methods=["GET"]),
     ], exception_handlers={Exception: crashed})
+    return DashboardGuard(app, token=token, allowed_hosts=allowed_hosts or (), max_body=MAX_BODY_BYTES)
 
 
-async def serve_dashboard(node: Node, bind: str, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Serve the app on ``bind`` (HOST:PORT, port 0 picks one); reports the URL."""
+async def serve_dashboard(node: Node, bind: str, *, allowed_hosts: list[str] | None = None,
+                          task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Serve the app on ``bind`` (HOST:PORT, port 0 picks one); reports the URL.
+
+    Requests must name the dashboard in their Host: its address, localhost, the host
+    in ``bind``, or one of ``allowed_hosts`` and of MESHD_DASHBOARD_HOSTS (comma-separated
+    ``NAME`` or ``NAME:PORT``), for a name the user reaches it by (a proxy, /etc/hosts).
+    """
     from hypercorn.config import Config
     from hypercorn.trio import serve
 
@@ -326,9 +332,19 @@ async def serve_dashboard(node: Node, bind: str, *, task_status=trio.TASK_STATUS
     config.bind = [bind]
     config.accesslog = None
     config.errorlog = None
-    token = None if is_loopback_bind(bind) else secrets.token_urlsafe(24)
+    # Beyond loopback: the operator's token (MESHD_DASHBOARD_TOKEN, so scripts and containers
+    # can know it beforehand), else a fresh one, printed at boot.
+    token = None if is_loopback_bind(bind) else (os.environ.get(TOKEN_ENV, "").strip()
+                                                   or secrets.token_urlsafe(24))
     node.dashboard_token = token
-    app = create_app(node, token)
+    host = bind.rpartition(":")[0].strip("[]")
+    wildcard = host in ("", "0.0.0.0", "::")
+    extra = [*(allowed_hosts or ()), *os.environ.get(HOSTS_ENV, "").split(","),
+             *([] if wildcard else [f"[{host}]" if ":" in host else host])]
+    try:
+        app = create_app(node, token, extra)
+    except ValueError as exc:
+        raise ValueError(f"dashboard: allowed hosts (allowed_hosts, {HOSTS_ENV}): {exc}") from exc
 
     async def run(*, task_status=trio.TASK_STATUS_IGNORED):
         await serve(app, config, task_status=task_status)

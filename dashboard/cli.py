@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from . import views
+from .guard import TOKEN_ENV
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -35,13 +37,21 @@ class FetchError(Exception):
 
 
 def fetch_snapshot(url: str, timeout: float = 5.0) -> dict:
+    from urllib.parse import parse_qs, urlsplit
+
     import httpx
 
-    target = url.rstrip("/") + "/api/snapshot"
     if "://" not in url:
-        target = "http://" + target
+        url = "http://" + url
+    parts = urlsplit(url)
+    # A dashboard bound beyond loopback wants the token: from URL?token=TOKEN or the environment.
+    token = (parse_qs(parts.query).get("token") or [os.environ.get(TOKEN_ENV, "")])[0]
+    target = f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}/api/snapshot"
     try:
-        r = httpx.get(target, timeout=timeout)
+        r = httpx.get(target, timeout=timeout, headers={"X-Meshd-Token": token} if token else {})
+        if r.status_code == 401:
+            raise FetchError(f"{target} wants the node's token (printed when it starts): "
+                             f"URL?token=TOKEN or {TOKEN_ENV}=TOKEN")
         r.raise_for_status()
         snap = r.json()
     except httpx.HTTPError as exc:

@@ -18,6 +18,7 @@ elif ! docker info >/dev/null 2>&1; then
     exit 3
 fi
 export MESHD_STAGES=$n COMPOSE_PROJECT_NAME="meshd-e2e-$$" MESHD_DASHBOARD_PORT=${MESHD_DASHBOARD_PORT:-18080}
+export MESHD_DASHBOARD_TOKEN=${MESHD_DASHBOARD_TOKEN:-$(python3 -c "import secrets; print(secrets.token_urlsafe(24))")}
 compose=(docker compose -f docker/compose.yaml)
 cleanup() {
     "${compose[@]}" down --remove-orphans --timeout 5 >/dev/null 2>&1 || true
@@ -32,9 +33,10 @@ trap cleanup EXIT
 url="http://127.0.0.1:$MESHD_DASHBOARD_PORT/api/generate"
 for _ in $(seq 1 120); do
     if out=$(python3 - "$url" <<'PY'
-import json, sys, urllib.request
+import json, os, sys, urllib.request
 req = urllib.request.Request(sys.argv[1], json.dumps({"prompt": "Once upon a time", "max_tokens": 16}).encode(),
-                             {"Content-Type": "application/json"})
+                             {"Content-Type": "application/json",
+                              "Authorization": "Bearer " + os.environ["MESHD_DASHBOARD_TOKEN"]})
 try:
     out = json.loads(urllib.request.urlopen(req, timeout=60).read())
 except Exception:

@@ -15,6 +15,7 @@ from starlette.testclient import TestClient
 from dashboard.app import create_app, is_loopback_bind, parse_peer_addr
 from meshd.testing.mesh import start_one_way_drop_mesh, wait_asymmetric
 
+JSON = {"Content-Type": "application/json"}
 PEER_FIELDS = {"id", "prefix", "role", "stage", "state", "incarnation", "addr", "relay_url", "path_out",
                "path_in", "rtt_ms", "out_ok", "out_fail", "in_seen", "last_seen_s"}
 
@@ -127,7 +128,7 @@ def client():
     (b'{"addr": "0.0.0.0:7946"}', "cannot be a peer"),
 ])
 def test_bad_add_peer_bodies_get_400_with_a_message(client, body, message):
-    r = client.post("/api/peers/add", content=body)
+    r = client.post("/api/peers/add", content=body, headers=JSON)
     assert r.status_code == 400
     assert message in r.json()["error"]
     assert client.node.joined == []
@@ -149,7 +150,8 @@ def test_beyond_loopback_add_peer_needs_the_token():
         assert c.post("/api/peers/add", json={"addr": "10.0.0.1:7946"},
                       headers={"Authorization": "Bearer s3cret"}).status_code == 202
         assert c.post("/api/peers/add?token=s3cret", json={"addr": "10.0.0.1:7946"}).status_code == 202
-        assert c.get("/api/peers").status_code == 200, "reading needs no token"
+        assert c.get("/api/peers").status_code == 401, "reading needs the token too"
+        assert c.get("/api/peers", headers={"X-Meshd-Token": "s3cret"}).status_code == 200
     assert node.joined == [["10.0.0.1:7946"]] * 2
 
 
@@ -175,7 +177,7 @@ _json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | s
     _json.map(lambda v: json.dumps(v).encode()),
 ))
 def test_fuzzed_add_peer_never_gives_a_500(client, body):
-    r = client.post("/api/peers/add", content=body)
+    r = client.post("/api/peers/add", content=body, headers=JSON)
     assert r.status_code in (202, 400), r.text
     if r.status_code == 202:
         assert parse_peer_addr(json.loads(body)["addr"]) == r.json()["joining"]

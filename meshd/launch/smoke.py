@@ -105,13 +105,24 @@ class Progress:
             self._status.stop()
 
 
-def _url_line(proc: LocalProcess, prefix: str, timeout: float) -> str:
+@dataclass(frozen=True)
+class _Dashboard:
+    """A node's dashboard URL and, bound beyond loopback (netns), the token it asks for."""
+
+    url: str
+    headers: dict[str, str]
+
+
+def _dashboard(proc: LocalProcess, timeout: float) -> _Dashboard:
+    prefix = "meshd dashboard url="
     line = proc.wait_for(lambda s: s.startswith(prefix), timeout, prefix.strip())
-    return line[len(prefix):].split()[0]
+    url, *rest = line[len(prefix):].split()
+    token = next((word[len("token="):] for word in rest if word.startswith("token=")), None)
+    return _Dashboard(url, {"X-Meshd-Token": token} if token else {})
 
 
-def _snapshot(client, url: str) -> dict:
-    r = client.get(f"{url}/api/snapshot")
+def _snapshot(client, dashboard: _Dashboard) -> dict:
+    r = client.get(f"{dashboard.url}/api/snapshot", headers=dashboard.headers)
     r.raise_for_status()
     return r.json()
 
@@ -295,7 +306,7 @@ def run_smoke(args) -> int:
         driver.wait_started(["relay", *names], args.timeout)
         by_name = driver.procs
         procs = list(by_name.values())
-        urls = {name: _url_line(by_name[name], "meshd dashboard url=", 30) for name in names}
+        urls = {name: _dashboard(by_name[name], 30) for name in names}
         prefixes = {by_name[n].boot.prefix: n for n in names}
 
         progress.update("converging")
@@ -332,7 +343,8 @@ def run_smoke(args) -> int:
             progress.update("generating")
             tokens, first_token_s, t_gen = [], None, time.monotonic()
             body = {"prompt": args.prompt, "max_tokens": args.max_tokens, "stream": True}
-            with client.stream("POST", f"{urls['orchestrator']}/v1/completions", json=body,
+            with client.stream("POST", f"{urls['orchestrator'].url}/v1/completions", json=body,
+                               headers=urls["orchestrator"].headers,
                                timeout=httpx.Timeout(args.timeout, connect=10)) as r:
                 if r.status_code != 200:
                     r.read()

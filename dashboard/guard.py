@@ -1,0 +1,255 @@
+"""What a request must be before the dashboard app sees it: an ASGI middleware.
+
+The dashboard listens on a port any page in the user's browser can reach, so
+every request is checked here, in one place, before a handler runs:
+
+* **Host** must name this dashboard (the address the connection arrived on,
+  the bound host, localhost / 127.0.0.1 / [::1], or a name the user allowed):
+  a page whose DNS name was rebound to us sends its own name, and gets 421.
+* **Origin** of a state-changing request must be the origin the Host names
+  (or, without Origin, ``Sec-Fetch-Site`` must not say another site): another
+  page's POST gets 403, even from another port of the same host.
+* **Token**: bound beyond loopback, everything but the page, its static files
+  and ``/metrics`` needs the node's token (401 without it).
+* **Body** of a state-changing request: ``Content-Type: application/json``
+  (415 otherwise: a form or a ``text/plain`` fetch is how a page posts without
+  asking), at most ``max_body`` bytes counted while it streams in (413 as soon
+  as it passes), UTF-8, and nested at most ``max_depth`` arrays/objects deep
+  (400), measured without recursion so ``json.loads`` never recurses further.
+
+Every response, refused or not, carries a strict Content-Security-Policy and
+the headers that keep the page out of frames and its URL out of Referer.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from array import array
+from collections.abc import Iterable
+from itertools import accumulate
+from urllib.parse import parse_qs, urlsplit
+
+from starlette.datastructures import Headers
+
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+HOSTS_ENV = "MESHD_DASHBOARD_HOSTS"
+TOKEN_ENV = "MESHD_DASHBOARD_TOKEN"  # the token, set by the operator or printed at boot
+
+SECURITY_HEADERS = [
+    (b"content-security-policy",
+     b"default-src 'self'; object-src 'none'; base-uri 'none'; form-action 'none'; "
+     b"frame-ancestors 'none'"),
+    (b"x-content-type-options", b"nosniff"),
+    (b"x-frame-options", b"DENY"),
+    (b"referrer-policy", b"no-referrer"),
+]
+
+# A JSON string literal (escapes included), or a run of characters that are neither
+# brackets nor quotes: removing both leaves the brackets outside strings.
+_NOT_STRUCTURE = re.compile(r'"(?:[^"\\]++|\\.)*+"|[^\[\]{}"]++', re.DOTALL)
+# Opening brackets count +1, closing ones -1 (as signed bytes); a stray quote counts 0.
+_STEP = bytes.maketrans(b"[{]}\"", b"\x01\x01\xff\xff\x00")
+
+
+def json_depth(text: str) -> int:
+    """How deep ``json.loads(text)`` would nest arrays and objects before it finishes or fails.
+
+    Strings are skipped exactly as JSON reads them, so brackets inside them do not
+    count; the running sum over the remaining brackets is taken in C (translate,
+    accumulate), so a megabyte costs milliseconds and never a Python recursion.
+    """
+    skeleton = _NOT_STRUCTURE.sub("", text).encode("ascii")
+    return max(accumulate(array("b", skeleton.translate(_STEP))), default=0)
+
+
+def split_host(value: str) -> tuple[str, int | None] | None:
+    """``name:port`` / ``[v6]:port`` / ``name`` as (lowercased name, port or None); None if malformed."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        name, sep, rest = value[1:].partition("]")
+        if not sep or (rest and not rest.startswith(":")):
+            return None
+        port = rest[1:] or None
+    else:
+        name, _, port = value.partition(":")
+        port = port or None
+    if not name or (port is not None and not (port.isdigit() and 0 < int(port) < 65536)):
+        return None
+    return name, None if port is None else int(port)
+
+
+def parse_allowed(entries: Iterable[str]) -> list[tuple[str, int | None]]:
+    """User-allowed hosts (``name`` allows any port, ``name:port`` that port); blanks skipped."""
+    out = []
+    for entry in entries:
+        if not entry.strip():
+            continue
+        parsed = split_host(entry)
+        if parsed is None:
+            raise ValueError(f"{entry!r} is not a host name or HOST:PORT")
+        out.append(parsed)
+    return out
+
+
+def authorized(token: str | None, headers: Headers, query: str) -> bool:
+    """The node's token as ``X-Meshd-Token``, ``?token=`` or ``Authorization: Bearer``."""
+    if token is None:
+        return True
+    given = (headers.get("x-meshd-token") or (parse_qs(query).get("token") or [""])[0]
+             or headers.get("authorization", "").removeprefix("Bearer ").strip())
+    return secrets.compare_digest(given.encode(), token.encode())
+
+
+class Refused(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class DashboardGuard:
+    """Wraps the dashboard's ASGI app; see the module docstring for what it refuses."""
+
+    def __init__(self, app, *, token: str | None = None, allowed_hosts: Iterable[str] = (),
+                 max_body: int, max_depth: int = 32, open_paths: Iterable[str] = ("/", "/metrics"),
+                 open_prefixes: Iterable[str] = ("/static/",)):
+        self.app = app
+        self.token = token
+        self.allowed = parse_allowed(allowed_hosts)
+        self.max_body = max_body
+        self.max_depth = max_depth
+        self.open_paths = frozenset(open_paths)
+        self.open_prefixes = tuple(open_prefixes)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_secured(message) -> None:
+            if message["type"] == "http.response.start":
+                names = {k.lower() for k, _ in message.get("headers", [])}
+                extra = [(k, v) for k, v in SECURITY_HEADERS if k not in names]
+                message = {**message, "headers": [*message.get("headers", []), *extra]}
+            await send(message)
+
+        try:
+            receive = await self._admit(scope, receive)
+        except Refused as refusal:
+            await self._refuse(send_secured, refusal)
+            return
+        if receive is None:  # the client left while sending its body
+            return
+        await self.app(scope, receive, send_secured)
+
+    async def _refuse(self, send, refusal: Refused) -> None:
+        body = json.dumps({"error": str(refusal)}).encode()
+        await send({"type": "http.response.start", "status": refusal.status,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+
+    # -- the checks, in order -------------------------------------------------------------
+    async def _admit(self, scope, receive):
+        """``receive`` for the app (the body replayed, when read here), or None; Refused otherwise."""
+        headers = Headers(scope=scope)
+        server = scope.get("server") or (None, None)
+        self._check_host(headers, server)
+        state_changing = scope["method"] not in SAFE_METHODS
+        if state_changing:
+            self._check_origin(headers)
+        path = scope["path"]
+        if (path not in self.open_paths and not path.startswith(self.open_prefixes)
+                and not authorized(self.token, headers, scope.get("query_string", b"").decode("latin-1"))):
+            raise Refused(401, "this dashboard is bound beyond loopback: send the node's token (printed "
+                               "at boot) as 'Authorization: Bearer TOKEN', 'X-Meshd-Token: TOKEN' or "
+                               "?token=TOKEN")
+        if not state_changing:
+            return receive
+        media_type = headers.get("content-type", "").partition(";")[0].strip().lower()
+        if media_type != "application/json" and not media_type.endswith("+json"):
+            raise Refused(415, f"send the body as 'Content-Type: application/json', not "
+                               f"{media_type or 'no Content-Type'!r}")
+        body = await self._read_body(headers, receive)
+        if body is None:
+            return None
+        self._check_json(body)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()  # after the body: the client's disconnect
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        return replay
+
+    def _host_allowed(self, name: str, port: int | None, server: tuple) -> bool:
+        local_host, local_port = server
+        ours = set(LOOPBACK_NAMES)
+        if local_host is not None:
+            ours.add(str(local_host).lower())
+        if name in ours and port in (None, local_port):
+            return True
+        return any(name == a_name and a_port in (None, port) for a_name, a_port in self.allowed)
+
+    def _check_host(self, headers: Headers, server: tuple) -> None:
+        raw = headers.get("host", "")
+        parsed = split_host(raw)
+        if parsed is None or not self._host_allowed(*parsed, server):
+            raise Refused(421, f"Host {raw!r} is not this dashboard (a DNS name pointed at it by "
+                               f"someone else is refused); to open it under that name, allow it: "
+                               f"{HOSTS_ENV}={raw or 'NAME:PORT'}")
+
+    def _check_origin(self, headers: Headers) -> None:
+        """Origin, when sent, must be the Host asked for (already checked to be ours): scheme,
+        name and port; without Origin, Sec-Fetch-Site must not name another site."""
+        origin = headers.get("origin")
+        if origin is None:
+            site = headers.get("sec-fetch-site", "").lower()
+            if site in ("cross-site", "same-site"):
+                raise Refused(403, f"a request from another site (Sec-Fetch-Site: {site}) cannot "
+                                   "change this node")
+            return
+        try:
+            parts = urlsplit(origin)
+            default = {"http": 80, "https": 443}.get(parts.scheme)
+            theirs = (parts.hostname, parts.port or default)
+        except ValueError:  # a port that is not a number
+            default, theirs = None, None
+        name, port = split_host(headers.get("host", "")) or (None, None)
+        if default is None or theirs != (name, port or default):
+            raise Refused(403, f"a request from the page at Origin {origin!r} cannot change this node; "
+                               "only this dashboard's own page can")
+
+    async def _read_body(self, headers: Headers, receive) -> bytes | None:
+        """The whole body, or Refused(413) once it passes ``max_body``: never more is held."""
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body:
+            raise Refused(413, f"body of {length} bytes; at most {self.max_body}")
+        chunks: list[bytes] = []
+        total = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            total += len(chunk)
+            if total > self.max_body:
+                raise Refused(413, f"body over {self.max_body} bytes")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    def _check_json(self, body: bytes) -> None:
+        try:
+            text = body.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise Refused(400, f"body is not UTF-8 JSON: {exc}") from None
+        depth = json_depth(text)
+        if depth > self.max_depth:
+            raise Refused(400, f"JSON nested {depth} levels deep; at most {self.max_depth}")
