@@ -765,3 +765,49 @@ def test_a_relayed_ping_also_confirms_the_direct_ping_that_got_through():
     a.receive(answer.packet, b.me.addr, t4 + 0.002, via="relay")
     paths = [e for e in a.events() if e.kind is EventKind.PATH]
     assert [(e.node, e.detail["direct"]) for e in paths] == [(b.id, False)]
+
+
+# --- a stranger cannot turn a member into a reflector or fill its tables ---
+
+
+def test_a_strangers_empty_push_pull_gets_nothing_back_and_a_joiner_gets_the_mesh():
+    bench = Bench(3)
+    a = bench.swims[0]
+    assert bench.tell(a, STRANGER, wire.PushPull(True, True, (), ()), now=1.0) == []
+    assert a.counters["rx_push_pull_refused"] == 1
+    joiner = b"\x77" * 32
+    me = wire.MemberState(joiner, "10.0.0.77:7946", 0, int(State.ALIVE), Meta(stage=5))
+    (reply,) = bench.tell(a, joiner, wire.PushPull(True, True, (me,), ()), now=2.0)
+    assert reply.addr == STRANGER_ADDR and len(found(reply, wire.PushPull)[0].members) == 3
+
+
+def test_a_strangers_push_pull_adds_only_itself():
+    bench = Bench(2)
+    a = bench.swims[0]
+    fake_at_victim = wire.MemberState(b"\x66" * 32, "192.0.2.9:53", 0, int(State.ALIVE), Meta())
+    itself = wire.MemberState(STRANGER, "10.0.0.99:7946", 0, int(State.ALIVE), Meta())
+    claim = wire.NameClaim("pp-stage-9", b"\x66" * 32, 1, False)
+    bench.tell(a, STRANGER, wire.PushPull(False, False, (fake_at_victim, itself), (claim,)), now=1.0)
+    assert b"\x66" * 32 not in a.members and "pp-stage-9" not in a.registry.claims
+    assert a.members[STRANGER].state is State.ALIVE
+
+
+def test_a_ping_req_is_served_only_from_a_member_for_a_member_at_its_address():
+    bench = Bench(3)
+    a, b, c = bench.swims
+    assert bench.tell(a, STRANGER, PingReq(1, c.id, c.me.addr, False), now=1.0) == []
+    assert bench.tell(a, b, PingReq(2, c.id, "192.0.2.9:53", False), now=1.0) == []
+    assert bench.tell(a, b, PingReq(3, b"\x66" * 32, "192.0.2.9:53", False), now=1.0) == []
+    assert a.counters["rx_ping_req_refused"] == 3
+    (ping,) = bench.tell(a, b, PingReq(4, c.id, c.me.addr, False), now=1.0)
+    assert ping.addr == c.me.addr and found(ping, Ping)[0].target == c.id
+
+
+def test_a_forged_incarnation_at_the_limit_is_refuted_at_the_limit_not_past_it():
+    bench = Bench(2)
+    a, b = bench.swims
+    bench.tell(a, b, wire.Suspect(wire.COUNTER_MAX - 1, a.id, b.id), now=1.0)
+    assert a.incarnation == wire.COUNTER_MAX
+    bench.tell(a, b, wire.Suspect(wire.COUNTER_MAX, a.id, b.id), now=2.0)
+    assert a.incarnation == wire.COUNTER_MAX
+    wire.encode(Packet(a.id, (a._alive_self(),)))  # still encodes, and decodes at every peer
