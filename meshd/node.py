@@ -11,7 +11,7 @@ import random
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import trio
 
@@ -24,7 +24,7 @@ from .net.path_table import RELAY, PathTable
 from .net.udp import MAX_DATAGRAM, AddressError, format_addr, open_udp_and_tcp, parse_addr
 from .snapshot import SnapshotWriter, snapshot, stage_sort_key
 from .swim import PROFILES, EventKind, State, Swim
-from .wire import RELAY_DATA, Meta, Packet, WireError, encode, packet_sender
+from .wire import RELAY_DATA, Meta, Packet, PushPull, WireError, encode, packet_sender
 
 log = logging.getLogger("meshd.node")
 
@@ -430,17 +430,24 @@ class Node:
                 await self._sendto(data, out.addr, out.node)
 
     def _within_budget(self, addr: str, packet: Packet, data: bytes) -> bytes | None:
-        """``data``, or its first message alone (the piggybacked gossip left off), or None:
-        what the amplification guard lets us send to ``addr`` now."""
+        """What the amplification guard lets us send to ``addr`` now: ``data``; else its first
+        message alone (the piggybacked gossip left off), or a push-pull cut to the members
+        that fit (a joiner learns the rest from them); else None."""
         now = trio.current_time()
         if self.guard.may_send(addr, len(data), now):
             return data
-        if len(packet.messages) > 1:
-            first = encode(Packet(packet.sender, packet.messages[:1], packet.version))
-            if self.guard.may_send(addr, len(first), now):
-                return first
         self.swim.counters["tx_amplification_limited"] += 1
-        return None
+        first = packet.messages[0]
+        room = self.guard.room(addr, now)
+        if isinstance(first, PushPull):
+            smaller = _cut_push_pull(packet.sender, first, room)
+        elif len(packet.messages) > 1:
+            smaller = encode(Packet(packet.sender, (first,), packet.version))
+        else:
+            return None
+        if smaller is None or not self.guard.may_send(addr, len(smaller), now):
+            return None
+        return smaller
 
     async def _send_relay(self, node: bytes, data: bytes) -> None:
         from .relay.client import RelayError
@@ -475,6 +482,26 @@ class Node:
             log.debug("sendto %s: %s", addr, exc)
         else:
             swim.counters["tx_bytes"] += len(data)
+
+
+def _cut_push_pull(sender: bytes, push_pull: PushPull, room: float) -> bytes | None:
+    """The push-pull with its names and as many of its members (ourselves first) as fit
+    in ``room`` bytes, encoded; None if not even one fits."""
+    members = push_pull.members
+
+    def encoded(k: int) -> bytes:
+        return encode(Packet(sender, (replace(push_pull, members=members[:k]),)))
+
+    low, high = 0, len(members)  # encoded(low) fits or low == 0; encoded(high) does not
+    while high - low > 1:
+        mid = (low + high) // 2
+        if len(encoded(mid)) <= room:
+            low = mid
+        else:
+            high = mid
+    if low == 0:
+        return None
+    return encoded(low)
 
 
 def _print_line(line: str) -> None:

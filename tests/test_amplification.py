@@ -36,3 +36,20 @@ def test_the_guard_remembers_a_bounded_number_of_addresses():
         guard.received(f"10.0.{n // 256}.{n % 256}:1", 100, now=0.0)
         guard.verified(f"10.1.{n // 256}.{n % 256}:1")
     assert len(guard._budgets) <= 16 and len(guard._verified) <= 16
+
+
+def test_a_push_pull_over_the_budget_is_cut_to_the_members_that_fit_ourselves_first():
+    from meshd import wire
+    from meshd.node import _cut_push_pull
+
+    members = tuple(wire.MemberState(bytes([n]) * 32, f"10.0.0.{n}:7946", 0, wire.STATE_ALIVE,
+                                     wire.Meta(stage=n, addrs=(f"10.0.0.{n}:7946",)))
+                    for n in range(1, 41))
+    names = (wire.NameClaim("pp-entry", bytes([1]) * 32, 1, False),)
+    push_pull = wire.PushPull(False, False, members, names)
+    assert len(wire.encode(wire.Packet(b"\1" * 32, (push_pull,)))) > 2048
+    data = _cut_push_pull(b"\1" * 32, push_pull, 2048)
+    assert data is not None and len(data) <= 2048
+    (cut,) = wire.decode(data).messages
+    assert cut.names == names and cut.members == members[:len(cut.members)] and len(cut.members) >= 10
+    assert _cut_push_pull(b"\1" * 32, push_pull, 100) is None

@@ -50,6 +50,12 @@ class AmplificationGuard:
         budget = self._budget(addr, now)
         budget.tokens += self.factor * size
 
+    def room(self, addr: str, now: float) -> float:
+        """Bytes we may send to ``addr`` now (infinite once it has proven itself)."""
+        if addr in self._verified:
+            return float("inf")
+        return self._budget(addr, now).tokens
+
     def may_send(self, addr: str, size: int, now: float) -> bool:
         """Whether ``size`` more bytes to ``addr`` stay within its budget; if so, they are spent."""
         if addr in self._verified:
