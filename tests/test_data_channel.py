@@ -14,7 +14,6 @@ from meshd.identity import Identity
 from meshd.net.channel import (
     CHUNK_BYTES,
     DeliveryError,
-    HandshakeError,
     _frame,
     _next_frame,
     _proof_data,
@@ -25,6 +24,7 @@ from meshd.node import NodeOptions
 from meshd.relay.server import RelayBindError, serve_relay
 from meshd.swim import LOCAL
 from meshd.testing.inprocess import start_node, wait_converged
+from meshd.testing.stranger import open_data_stream
 from meshd.wire import (
     MAX_FRAME_BYTES,
     STREAM_NONCE_BYTES,
@@ -253,18 +253,9 @@ async def _handshake_as(addr: str, claimed: bytes, signer: Identity, then: bytes
     """Dial ``addr`` as ``claimed``, signing with ``signer``'s key; then write ``then``.
 
     Returns the node's proof packet, or None if it closed the stream instead."""
-    host, _, port = addr.rpartition(":")
-    stream = await trio.open_tcp_stream(host, int(port))
+    stream, answer = await open_data_stream(addr, signer, claimed)
     async with stream:
-        buf = bytearray()
-        challenge = (await _read_packet(stream, buf))
-        target = challenge.sender
-        nonce = b"\x05" * STREAM_NONCE_BYTES
-        proof = StreamProof(nonce, signer.sign(_proof_data(challenge.messages[0].nonce, target, claimed)))
-        await stream.send_all(_frame(Packet(claimed, (proof,))))
-        try:
-            answer = await _read_packet(stream, buf)
-        except HandshakeError:
+        if answer is None:
             return None
         await stream.send_all(then)
         await trio.sleep(0.5)

@@ -54,16 +54,19 @@ async def open_data_stream(addr: str, identity: Identity, claimed: bytes | None 
     claimed = claimed or identity.node_id
     host, _, port = addr.rpartition(":")
     stream = await trio.open_tcp_stream(host, int(port))
-    buf = bytearray()
-    challenge = await _read_packet(stream, buf)
-    target = challenge.sender
-    nonce = b"\x05" * STREAM_NONCE_BYTES
-    proof = StreamProof(nonce, identity.sign(_proof_data(challenge.messages[0].nonce, target, claimed)))
-    await stream.send_all(_frame(Packet(claimed, (proof,))))
     try:
-        answer = await _read_packet(stream, buf)
-    except HandshakeError:
-        return stream, None
+        buf = bytearray()
+        challenge = await _read_packet(stream, buf)
+        nonce = b"\x05" * STREAM_NONCE_BYTES
+        signature = identity.sign(_proof_data(challenge.messages[0].nonce, challenge.sender, claimed))
+        await stream.send_all(_frame(Packet(claimed, (StreamProof(nonce, signature),))))
+        try:
+            answer = await _read_packet(stream, buf)
+        except HandshakeError:
+            return stream, None
+    except BaseException:
+        await stream.aclose()
+        raise
     return stream, answer
 
 
