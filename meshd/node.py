@@ -38,6 +38,9 @@ LEAVE_LINGER_S = 0.3
 PATH_SUMMARY_CHECK_S = 0.5
 PATH_SUMMARY_REFRESH_S = 5.0
 
+# Push-pull answers held for addresses that have not proven themselves yet.
+MAX_HELD_ANSWERS = 64
+
 # A handler's unexpected error is logged with its traceback this many times, then counted only.
 MAX_LOGGED_HANDLER_ERRORS = 20
 
@@ -89,6 +92,9 @@ class Node:
         self._nursery: trio.Nursery | None = None
         self.paths = PathTable()
         self.guard = AmplificationGuard()
+        # Push-pull answers cut to fit an unproven address's budget, whole, to send once it
+        # proves itself (answers our ping); oldest dropped first.
+        self._held_answers: dict[str, bytes] = {}
         self._handler_errors_logged = 0
         self.relay = None
         if options.relay:
@@ -269,8 +275,7 @@ class Node:
             sender = self._receive(data, source, now)
             if sender is not None:
                 self.paths.received(sender, "direct", now)
-            for answered in swim.answered_addrs():
-                self.guard.verified(answered)
+            await self._proven()
             self._after()
             await self._flush()
 
@@ -322,6 +327,7 @@ class Node:
             sender = self._receive(item.payload, addr, now, via=RELAY)  # answered the same way
             if sender is not None:
                 self.paths.received(item.src, RELAY, now)
+            await self._proven()
             self._after()
             await self._flush()
 
@@ -430,24 +436,43 @@ class Node:
                 await self._sendto(data, out.addr, out.node)
 
     def _within_budget(self, addr: str, packet: Packet, data: bytes) -> bytes | None:
-        """What the amplification guard lets us send to ``addr`` now: ``data``; else its first
-        message alone (the piggybacked gossip left off), or a push-pull cut to the members
-        that fit (a joiner learns the rest from them); else None."""
-        now = trio.current_time()
-        if self.guard.may_send(addr, len(data), now):
+        """What the amplification guard lets us send to ``addr`` now.
+
+        To an address that has proven itself, ``data``.  To any other, only the
+        packet's first message (a ping, an ack: no piggybacked gossip), and a
+        push-pull answer cut to the members that fit, its whole kept until the
+        address proves itself; None when not even that fits.
+        """
+        if self.guard.is_verified(addr):
             return data
-        self.swim.counters["tx_amplification_limited"] += 1
+        now = trio.current_time()
         first = packet.messages[0]
-        room = self.guard.room(addr, now)
         if isinstance(first, PushPull):
-            smaller = _cut_push_pull(packet.sender, first, room)
+            if self.guard.may_send(addr, len(data), now):
+                return data
+            self._held_answers.pop(addr, None)
+            self._held_answers[addr] = data
+            if len(self._held_answers) > MAX_HELD_ANSWERS:
+                del self._held_answers[next(iter(self._held_answers))]
+            smaller = _cut_push_pull(packet.sender, first, self.guard.room(addr, now))
         elif len(packet.messages) > 1:
             smaller = encode(Packet(packet.sender, (first,), packet.version))
         else:
-            return None
+            smaller = data
         if smaller is None or not self.guard.may_send(addr, len(smaller), now):
+            self.swim.counters["tx_amplification_limited"] += 1
             return None
+        if smaller is not data:
+            self.swim.counters["tx_cut_for_unproven"] += 1
         return smaller
+
+    async def _proven(self) -> None:
+        """Addresses that answered our pings may have all we send, and what we held for them."""
+        for addr in self.swim.answered_addrs():
+            self.guard.verified(addr)
+            held = self._held_answers.pop(addr, None)
+            if held is not None:
+                await self._sendto(held, addr)
 
     async def _send_relay(self, node: bytes, data: bytes) -> None:
         from .relay.client import RelayError

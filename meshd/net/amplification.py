@@ -25,8 +25,8 @@ class AmplificationGuard:
     def __init__(
         self,
         factor: float = 3.0,
-        allowance: float = 2048.0,  # a join's answer in a small mesh, or a ping with its gossip
-        refill_per_s: float = 64.0,  # a bare ping every second or so
+        allowance: float = 512.0,  # a few bare pings; a join's answer is paid by the join (x3)
+        refill_per_s: float = 16.0,  # a bare ping every five seconds
         max_addresses: int = 4096,
     ) -> None:
         self.factor = factor
@@ -49,6 +49,9 @@ class AmplificationGuard:
             return
         budget = self._budget(addr, now)
         budget.tokens += self.factor * size
+
+    def is_verified(self, addr: str) -> bool:
+        return addr in self._verified
 
     def room(self, addr: str, now: float) -> float:
         """Bytes we may send to ``addr`` now (infinite once it has proven itself)."""

@@ -336,10 +336,11 @@ class Swim:
                 if not probe.indirect_sent:
                     self.awareness.apply_delta(-1)
             rtt = now - probe.sent_at
+            if msg.seq == probe.seq and from_target and len(self._answered) < 1024:
+                # It received our direct ping at its address, whichever path the ack took.
+                self._answered[self.members[probe.target].addr] = None
             if direct:
                 self.members[probe.target].rtt = rtt
-                if self._rx_via != "relay" and len(self._answered) < 1024:
-                    self._answered[addr] = None
             if from_target:
                 self.path_checks[probe.target] = self.path_checks.get(probe.target, 0) + 1
             if from_target and self._direct_ok.get(probe.target, True) != direct:
@@ -736,11 +737,12 @@ class Swim:
         return out
 
     def answered_addrs(self) -> list[str]:
-        """Addresses that acked a direct ping of ours since the last call.
+        """Addresses whose member acked a direct ping we sent there, since the last call.
 
-        The ack echoes a sequence number only the ping's receiver saw, so the
-        address really is the member's, not one a stranger wrote into a packet:
-        the driver may send it more than it has received from it.
+        The ack (direct, or over the relay, which vouches for its sender) echoes a
+        sequence number only the ping's receiver saw, so the address really is the
+        member's, not one a stranger wrote into a packet: the driver may send it
+        more than it has received from it.
         """
         out, self._answered = list(self._answered), {}
         return out
