@@ -438,18 +438,17 @@ class Node:
     def _within_budget(self, addr: str, packet: Packet, data: bytes) -> bytes | None:
         """What the amplification guard lets us send to ``addr`` now.
 
-        To an address that has proven itself, ``data``.  To any other, only the
-        packet's first message (a ping, an ack: no piggybacked gossip), and a
-        push-pull answer cut to the members that fit, its whole kept until the
-        address proves itself; None when not even that fits.
+        To an address that has proven itself, ``data``.  To any other, ``data``
+        while it fits the guard's budget; past it, only the packet's first
+        message (a ping, an ack: no piggybacked gossip), and a push-pull cut to
+        the members that fit, its whole kept until the address proves itself;
+        None when not even that fits.
         """
-        if self.guard.is_verified(addr):
-            return data
         now = trio.current_time()
+        if self.guard.may_send(addr, len(data), now):
+            return data
         first = packet.messages[0]
         if isinstance(first, PushPull):
-            if self.guard.may_send(addr, len(data), now):
-                return data
             self._held_answers.pop(addr, None)
             self._held_answers[addr] = data
             if len(self._held_answers) > MAX_HELD_ANSWERS:
@@ -458,12 +457,11 @@ class Node:
         elif len(packet.messages) > 1:
             smaller = encode(Packet(packet.sender, (first,), packet.version))
         else:
-            smaller = data
+            smaller = None
         if smaller is None or not self.guard.may_send(addr, len(smaller), now):
             self.swim.counters["tx_amplification_limited"] += 1
             return None
-        if smaller is not data:
-            self.swim.counters["tx_cut_for_unproven"] += 1
+        self.swim.counters["tx_cut_for_unproven"] += 1
         return smaller
 
     async def _proven(self) -> None:

@@ -331,8 +331,12 @@ def test_a_fake_member_at_a_third_partys_address_draws_little_traffic_there(mesh
         elapsed = time.monotonic() - start
     # The stranger's packets came from its own address: the victim's earned nothing.
     bound = len(mesh.procs) * (guard.allowance + guard.refill_per_s * elapsed)
-    print(f"fake member at a third party: {got} B reached it in {elapsed:.1f} s (bound {bound:.0f} B)")
+    limited = sum(snapshot_counter(mesh.snapshot(p.name), "tx_amplification_limited")
+                  + snapshot_counter(mesh.snapshot(p.name), "tx_cut_for_unproven") for p in mesh.procs)
+    print(f"fake member at a third party: {got} B reached it in {elapsed:.1f} s (bound {bound:.0f} B); "
+          f"{limited} packets cut or held back")
     assert got <= bound
+    assert limited > 0, "the mesh kept probing the address: the guard must have held some of it back"
     mesh.assert_unharmed()
 
 

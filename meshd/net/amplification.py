@@ -25,8 +25,8 @@ class AmplificationGuard:
     def __init__(
         self,
         factor: float = 3.0,
-        allowance: float = 512.0,  # a few bare pings; a join's answer is paid by the join (x3)
-        refill_per_s: float = 16.0,  # a bare ping every five seconds
+        allowance: float = 1024.0,  # a ping with some gossip; a join pays for its answer (x3)
+        refill_per_s: float = 32.0,  # a bare ping every few seconds
         max_addresses: int = 4096,
     ) -> None:
         self.factor = factor
