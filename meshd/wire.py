@@ -59,8 +59,8 @@ class WireError(Exception):
 class UnsupportedVersion(WireError):
     """A packet from a node speaking a newer protocol than ours."""
 
-    def __init__(self, version: int) -> None:
-        super().__init__(f"protocol version {version} is newer than ours ({PROTOCOL_VERSION})")
+    def __init__(self, version: int, ours: int = PROTOCOL_VERSION) -> None:
+        super().__init__(f"protocol version {version} is newer than ours ({ours})")
         self.version = version
 
 
@@ -352,124 +352,6 @@ class DataAck(Message):
     _fields_ = (_uint, _uint)
 
 
-# --- the pipeline, carried over the data channel ---
-
-
-@dataclass(frozen=True, slots=True)
-class Sampling(_Record):
-    max_tokens: int
-    temperature: float
-    top_k: int
-    seed: int
-    want_logits: bool  # send each step's logits back (tests compare them)
-    _fields_ = (_uint, _float, _uint, _uint, _bool)
-
-
-@dataclass(frozen=True, slots=True)
-class Hop(_Record):
-    """One line of an activation's trace: a stage's compute or a hop's transit."""
-
-    kind: str  # "compute" or "transit"
-    name: str  # "stage-1" or "stage-0->stage-1"
-    ms: float
-    path: str  # for transit: "direct" or "relay"
-    _fields_ = (_str, _str, _float, _str)
-
-
-_trace = _tuple_of(_nested(Hop), 64)
-
-
-@dataclass(frozen=True, slots=True)
-class Activation(Message):
-    """Hidden states for positions [pos, pos + rows) of request ``req_id``, on their way
-    to the next stage; stage 0 sends token ids (``tokens``) to itself this way too."""
-
-    TAG = 12
-    req_id: str
-    origin: bytes  # the orchestrator, who gets the tokens
-    pos: int
-    step: int  # the index of the token this pass will produce
-    rows: int
-    dims: int
-    hidden: bytes  # (rows, dims) float32, C order
-    tokens: tuple[int, ...]  # for stage 0: the ids to embed
-    sampling: Sampling
-    sent_at: float  # sender's wall clock, for transit time
-    trace: tuple[Hop, ...]
-    _fields_ = (_str, _node_id, _uint, _uint, _uint, _uint, _blob, _tuple_of(_uint, 65536),
-                _nested(Sampling), _float, _trace)
-
-
-@dataclass(frozen=True, slots=True)
-class Token(Message):
-    """The last stage's sample for step ``step``; to the orchestrator and back to stage 0."""
-
-    TAG = 13
-    req_id: str
-    origin: bytes
-    step: int
-    token: int
-    pos: int  # where this token goes when fed back
-    done: str  # "" while generating, else "eos" or "length"
-    logits: bytes  # (vocab,) float32 when asked for, else empty
-    sampling: Sampling
-    sent_at: float
-    trace: tuple[Hop, ...]
-    _fields_ = (_str, _node_id, _uint, _uint, _uint, _str, _blob, _nested(Sampling), _float, _trace)
-
-
-@dataclass(frozen=True, slots=True)
-class Release(Message):
-    """Request ``req_id`` is over: drop its KV cache, and pass this on down the chain."""
-
-    TAG = 14
-    req_id: str
-    _fields_ = (_str,)
-
-
-@dataclass(frozen=True, slots=True)
-class StageError(Message):
-    """A stage could not serve ``req_id``; the orchestrator fails the request with it."""
-
-    TAG = 15
-    req_id: str
-    stage: str
-    message: str
-    _fields_ = (_str, _str, _str)
-
-
-@dataclass(frozen=True, slots=True)
-class HeadInput(Message):
-    """The last stage's final hidden state for step ``step``, normalised, sent to stage 0,
-    which computes its rows of the LM head while the last stage computes the rest."""
-
-    TAG = 17
-    req_id: str
-    origin: bytes
-    step: int
-    pos: int  # where the sampled token goes
-    hidden: bytes  # (dims,) float32
-    sampling: Sampling
-    sent_at: float
-    trace: tuple[Hop, ...]
-    _fields_ = (_str, _node_id, _uint, _uint, _blob, _nested(Sampling), _float, _trace)
-
-
-@dataclass(frozen=True, slots=True)
-class HeadPart(Message):
-    """The last stage's rows of the LM head for step ``step``, cut to the entries that can
-    be sampled (``meshd.pipeline.sampling.shortlist``), sent to stage 0, which samples."""
-
-    TAG = 18
-    req_id: str
-    origin: bytes
-    step: int
-    ids: bytes  # int64 token ids, ascending
-    values: bytes  # float32, one per id
-    ms: float  # the last stage's compute for its rows
-    _fields_ = (_str, _node_id, _uint, _blob, _blob, _float)
-
-
 # --- the data channel's stream handshake: each end proves its node id ---
 
 STREAM_NONCE_BYTES = 16
@@ -552,11 +434,12 @@ class PathSummary(Message):
     _fields_ = (_node_id, _counter, _tuple_of(_nested(PathEntry), MAX_PATH_ENTRIES))
 
 
+# Tags 12-15, 17 and 18 are taken (they carried pipeline messages, which now travel as
+# data-channel payloads with their own table: meshd.pipeline.messages); never reuse them.
 MESSAGE_TYPES: dict[int, type[Message]] = {
     cls.TAG: cls
     for cls in (Ping, PingReq, Ack, Nack, Alive, Suspect, Dead, PushPull, NameClaim, DataChunk, DataAck,
-                Activation, Token, Release, StageError, PathSummary, HeadInput, HeadPart, StreamChallenge,
-                StreamProof)
+                PathSummary, StreamChallenge, StreamProof)
 }
 
 
@@ -674,8 +557,12 @@ def packet_sender(data: bytes) -> bytes:
     return _node_id(sender)
 
 
-def decode(data: bytes, max_bytes: int = MAX_PACKET_BYTES) -> Packet:
-    """Parse one packet. Raises WireError, and nothing else, on bad input."""
+def decode(data: bytes, max_bytes: int = MAX_PACKET_BYTES, *,
+           types: dict[int, type[Message]] = MESSAGE_TYPES, newest: int = PROTOCOL_VERSION) -> Packet:
+    """Parse one packet of ``types`` (gossip's by default) at protocol ``newest`` or older.
+
+    Raises WireError, and nothing else, on bad input.
+    """
     if len(data) > max_bytes:
         raise WireError(f"packet of {len(data)} bytes exceeds the {max_bytes}-byte limit")
     try:
@@ -697,8 +584,8 @@ def decode(data: bytes, max_bytes: int = MAX_PACKET_BYTES) -> Packet:
     version, sender, messages = raw
     if type(version) is not int or version < 1:
         raise WireError("bad protocol version")
-    if version > PROTOCOL_VERSION:
-        raise UnsupportedVersion(version)
+    if version > newest:
+        raise UnsupportedVersion(version, newest)
     sender = _node_id(sender)
     if type(messages) is not list or len(messages) > MAX_MESSAGES_PER_PACKET:
         raise WireError("bad message list")
@@ -710,8 +597,16 @@ def decode(data: bytes, max_bytes: int = MAX_PACKET_BYTES) -> Packet:
         if type(tag) is not int:
             # Never repr() untrusted structures: a deeply nested one overflows the stack.
             raise WireError(f"message tag is a {type(tag).__name__}, not an integer")
-        cls = MESSAGE_TYPES.get(tag)
+        cls = types.get(tag)
         if cls is None:
             raise WireError(f"unknown message tag {tag}")
         out.append(cls.from_body(body))
     return Packet(sender=sender, messages=tuple(out), version=version)
+
+
+# The codec's parts, for message types defined beside their service (the pipeline's,
+# in meshd.pipeline.messages): same checks, same encoding, their own tag table.
+Record = _Record
+check_uint, check_str, check_bool, check_float = _uint, _str, _bool, _float
+check_node_id, check_blob = _node_id, _blob
+optional, tuple_of, nested = _optional, _tuple_of, _nested

@@ -23,24 +23,21 @@ import numpy as np
 import trio
 
 from ..net.channel import DeliveryError
-from ..wire import (
-    MAX_DATA_MESSAGE_BYTES,
+from ..wire import Message, WireError
+from .config import LlamaConfig
+from .generate import check_context, prompt_ids
+from .messages import (
     Activation,
     HeadInput,
     HeadPart,
     Hop,
-    Message,
-    Packet,
     Release,
     Sampling,
     StageError,
     Token,
-    WireError,
-    decode,
-    encode,
+    decode_app,
+    encode_app,
 )
-from .config import LlamaConfig
-from .generate import check_context, prompt_ids
 from .model import KVCache, StageModel, head_cut, split_layers
 from .sampling import Sampler, Shortlist, is_greedy, merge, shortlist
 from .tokenizer import load_tokenizer
@@ -86,14 +83,6 @@ class NotReady(PipelineError):
     def __init__(self, missing: list[str]) -> None:
         super().__init__("pipeline not ready: " + ", ".join(f"{n} does not resolve" for n in missing))
         self.missing = missing
-
-
-def encode_app(sender: bytes, *msgs: Message) -> bytes:
-    return encode(Packet(sender, msgs), MAX_DATA_MESSAGE_BYTES + 4096)
-
-
-def decode_app(data: bytes) -> Packet:
-    return decode(data, MAX_DATA_MESSAGE_BYTES + 4096)
 
 
 async def resolve(node: Node, name: str, timeout: float = RESOLVE_TIMEOUT_S) -> bytes:

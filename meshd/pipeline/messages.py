@@ -1,0 +1,165 @@
+"""The pipeline's messages: payloads of the data channel, opaque to the mesh.
+
+They share the gossip wire's codec (frozen records, msgpack bodies, every
+field checked at decode) but have their own tag table and version, so a
+pipeline change never bumps the gossip protocol, as memberlist keeps user
+messages opaque.
+
+ONLY APPEND TO THE TAG TABLE.  A tag, once shipped, keeps its meaning.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..wire import (
+    MAX_DATA_MESSAGE_BYTES,
+    Message,
+    Packet,
+    Record,
+    check_blob,
+    check_bool,
+    check_float,
+    check_node_id,
+    check_str,
+    check_uint,
+    decode,
+    encode,
+    nested,
+    tuple_of,
+)
+
+APP_VERSION = 1
+# A message and its envelope: an activation may be as large as the data channel carries.
+MAX_APP_BYTES = MAX_DATA_MESSAGE_BYTES + 4096
+
+@dataclass(frozen=True, slots=True)
+class Sampling(Record):
+    max_tokens: int
+    temperature: float
+    top_k: int
+    seed: int
+    want_logits: bool  # send each step's logits back (tests compare them)
+    _fields_ = (check_uint, check_float, check_uint, check_uint, check_bool)
+
+
+@dataclass(frozen=True, slots=True)
+class Hop(Record):
+    """One line of an activation's trace: a stage's compute or a hop's transit."""
+
+    kind: str  # "compute" or "transit"
+    name: str  # "stage-1" or "stage-0->stage-1"
+    ms: float
+    path: str  # for transit: "direct" or "relay"
+    _fields_ = (check_str, check_str, check_float, check_str)
+
+
+_trace = tuple_of(nested(Hop), 64)
+
+
+@dataclass(frozen=True, slots=True)
+class Activation(Message):
+    """Hidden states for positions [pos, pos + rows) of request ``req_id``, on their way
+    to the next stage; stage 0 sends token ids (``tokens``) to itself this way too."""
+
+    TAG = 1
+    req_id: str
+    origin: bytes  # the orchestrator, who gets the tokens
+    pos: int
+    step: int  # the index of the token this pass will produce
+    rows: int
+    dims: int
+    hidden: bytes  # (rows, dims) float32, C order
+    tokens: tuple[int, ...]  # for stage 0: the ids to embed
+    sampling: Sampling
+    sent_at: float  # sender's wall clock, for transit time
+    trace: tuple[Hop, ...]
+    _fields_ = (check_str, check_node_id, check_uint, check_uint, check_uint, check_uint, check_blob,
+                tuple_of(check_uint, 65536), nested(Sampling), check_float, _trace)
+
+
+@dataclass(frozen=True, slots=True)
+class Token(Message):
+    """The last stage's sample for step ``step``; to the orchestrator and back to stage 0."""
+
+    TAG = 2
+    req_id: str
+    origin: bytes
+    step: int
+    token: int
+    pos: int  # where this token goes when fed back
+    done: str  # "" while generating, else "eos" or "length"
+    logits: bytes  # (vocab,) float32 when asked for, else empty
+    sampling: Sampling
+    sent_at: float
+    trace: tuple[Hop, ...]
+    _fields_ = (check_str, check_node_id, check_uint, check_uint, check_uint, check_str, check_blob,
+                nested(Sampling), check_float, _trace)
+
+
+@dataclass(frozen=True, slots=True)
+class Release(Message):
+    """Request ``req_id`` is over: drop its KV cache, and pass this on down the chain."""
+
+    TAG = 3
+    req_id: str
+    _fields_ = (check_str,)
+
+
+@dataclass(frozen=True, slots=True)
+class StageError(Message):
+    """A stage could not serve ``req_id``; the orchestrator fails the request with it."""
+
+    TAG = 4
+    req_id: str
+    stage: str
+    message: str
+    _fields_ = (check_str, check_str, check_str)
+
+
+@dataclass(frozen=True, slots=True)
+class HeadInput(Message):
+    """The last stage's final hidden state for step ``step``, normalised, sent to stage 0,
+    which computes its rows of the LM head while the last stage computes the rest."""
+
+    TAG = 5
+    req_id: str
+    origin: bytes
+    step: int
+    pos: int  # where the sampled token goes
+    hidden: bytes  # (dims,) float32
+    sampling: Sampling
+    sent_at: float
+    trace: tuple[Hop, ...]
+    _fields_ = (check_str, check_node_id, check_uint, check_uint, check_blob, nested(Sampling), check_float,
+                _trace)
+
+
+@dataclass(frozen=True, slots=True)
+class HeadPart(Message):
+    """The last stage's rows of the LM head for step ``step``, cut to the entries that can
+    be sampled (``meshd.pipeline.sampling.shortlist``), sent to stage 0, which samples."""
+
+    TAG = 6
+    req_id: str
+    origin: bytes
+    step: int
+    ids: bytes  # int64 token ids, ascending
+    values: bytes  # float32, one per id
+    ms: float  # the last stage's compute for its rows
+    _fields_ = (check_str, check_node_id, check_uint, check_blob, check_blob, check_float)
+
+
+APP_TYPES: dict[int, type[Message]] = {
+    cls.TAG: cls for cls in (Activation, Token, Release, StageError, HeadInput, HeadPart)
+}
+
+
+def encode_app(sender: bytes, *msgs: Message) -> bytes:
+    """``msgs`` from ``sender`` as one data-channel payload."""
+    return encode(Packet(sender, msgs, APP_VERSION), MAX_APP_BYTES)
+
+
+def decode_app(data: bytes) -> Packet:
+    """One data-channel payload; raises WireError (UnsupportedVersion for a newer pipeline)."""
+    return decode(data, MAX_APP_BYTES, types=APP_TYPES, newest=APP_VERSION)
