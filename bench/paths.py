@@ -56,20 +56,20 @@ async def measure(path: str, messages: int, size: int, window: int) -> dict:
         async with trio.open_nursery() as n:
             n.start_soon(receive, 20)
             for _ in range(20):
-                used = await a.send_data(dst[1], _STAMP.pack(time.perf_counter()) + pad, timeout=30)
+                used = await a.send(dst[1], _STAMP.pack(time.perf_counter()) + pad, timeout=30)
         assert used == path, f"expected the {path} path, got {used}"
         latencies.clear()
 
         async with trio.open_nursery() as n:
             n.start_soon(receive, messages)
             for _ in range(messages):
-                await a.send_data(dst[1], _STAMP.pack(time.perf_counter()) + pad, timeout=30)
+                await a.send(dst[1], _STAMP.pack(time.perf_counter()) + pad, timeout=30)
         one_way = list(latencies)
         latencies.clear()
 
         async def sender(count: int) -> None:
             for _ in range(count):
-                await a.send_data(dst[1], _STAMP.pack(time.perf_counter()) + pad, timeout=30)
+                await a.send(dst[1], _STAMP.pack(time.perf_counter()) + pad, timeout=30)
 
         t0 = time.perf_counter()
         async with trio.open_nursery() as n:

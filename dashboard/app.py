@@ -24,7 +24,7 @@ import secrets
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import trio
 from starlette.applications import Starlette
@@ -33,8 +33,10 @@ from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from meshd.pipeline.api import Generator, NotReady, PipelineError
+
 if TYPE_CHECKING:
-    from meshd.node import Node
+    from meshd.mesh import Mesh
 
 from . import views
 from .guard import HOSTS_ENV, TOKEN_ENV, DashboardGuard
@@ -51,15 +53,16 @@ class BadRequest(ValueError):
 
 def _field(body: dict, name: str, kind: type, default: Any, *, low: float | None = None,
            high: float | None = None) -> Any:
-    value = body.get(name, default)
+    value: Any = body.get(name, default)
     if kind is float and type(value) is int:
         value = float(value)
     if type(value) is not kind:
         raise BadRequest(f"{name!r} must be {kind.__name__}")
     if kind in (int, float):
-        if kind is float and not math.isfinite(value):
+        number = cast(float, value)
+        if kind is float and not math.isfinite(number):
             raise BadRequest(f"{name!r} must be finite")
-        if (low is not None and value < low) or (high is not None and value > high):
+        if (low is not None and number < low) or (high is not None and number > high):
             raise BadRequest(f"{name!r} must be within [{low}, {high}]")
     return value
 
@@ -122,13 +125,12 @@ def is_loopback_bind(bind: str) -> bool:
         return False
 
 
-def _traces(node: Node) -> list[dict]:
+def _traces(generator: Generator | None) -> list[dict]:
     """The orchestrator's recent request traces (hops as dicts), newest last."""
-    traces = getattr(node.app, "recent_traces", None)
-    if traces is None:
+    if generator is None:
         return []
     out = []
-    for item in list(traces)[-32:]:
+    for item in list(generator.recent_traces)[-32:]:
         hops = [[{"kind": h[0], "name": h[1], "ms": h[2], "path": h[3]} for h in trace]
                 for trace in item.get("traces", [])]
         out.append({"req_id": item.get("req_id"), "traces": hops})
@@ -149,15 +151,13 @@ def token_breakdown(traces: list[dict]) -> list[dict]:
             for name, (k, path, total, n) in sums.items()]
 
 
-def create_app(node: Node, token: str | None = None, allowed_hosts: list[str] | None = None
-               ) -> DashboardGuard:
-    """The app behind its guard; ``allowed_hosts`` are extra Host names (``NAME`` or ``NAME:PORT``)."""
+def create_app(node: Mesh, generator: Generator | None = None, token: str | None = None,
+               allowed_hosts: list[str] | None = None) -> DashboardGuard:
+    """The app behind its guard: ``node``'s dashboard, and with ``generator`` (the orchestrator)
+    the generation API.  ``allowed_hosts`` are extra Host names (``NAME`` or ``NAME:PORT``)."""
 
-    def orchestrator():
-        from meshd.pipeline.service import Orchestrator
-
-        app = node.app
-        return app if isinstance(app, Orchestrator) else None
+    def orchestrator() -> Generator | None:
+        return generator
 
     def error(status: int, message: str, **extra) -> JSONResponse:
         return JSONResponse({"error": message, **extra}, status_code=status)
@@ -172,7 +172,6 @@ def create_app(node: Node, token: str | None = None, allowed_hosts: list[str] | 
             return None, error(400, str(exc))
         missing = orch.missing()
         if missing:
-            from meshd.pipeline.service import NotReady
 
             return None, error(503, str(NotReady(missing)), missing=missing)
         return (orch, params), None
@@ -180,7 +179,6 @@ def create_app(node: Node, token: str | None = None, allowed_hosts: list[str] | 
     async def _generate(orch, params: dict):
         """(result, None), or (None, the error response): 400 for a request that cannot run
         (e.g. the context does not fit), 503 for a pipeline that failed it."""
-        from meshd.pipeline.service import PipelineError
 
         try:
             return await orch.generate(**params), None
@@ -201,7 +199,6 @@ def create_app(node: Node, token: str | None = None, allowed_hosts: list[str] | 
                              "finish_reason": result["finish_reason"], "timings": result["timings"]})
 
     async def completions(request: Request):
-        from meshd.pipeline.service import PipelineError
 
         ready, failure = await _prepare(request, "prompt")
         if failure is not None:
@@ -241,7 +238,7 @@ def create_app(node: Node, token: str | None = None, allowed_hosts: list[str] | 
                 async def on_token(token: int) -> None:
                     nonlocal emitted
                     tokens.append(token)
-                    text = orch.tokenizer.decode(tokens)
+                    text = orch.decode(tokens)
                     # Hold back a character whose bytes are not all here yet.
                     stable = text.rstrip("\ufffd")
                     await send.send(event(stable[len(emitted):], None, token))
@@ -284,8 +281,8 @@ def create_app(node: Node, token: str | None = None, allowed_hosts: list[str] | 
         return JSONResponse(views.topology(node.snapshot()))
 
     async def api_traces(request: Request):
-        traces = _traces(node)
-        return JSONResponse({"orchestrator": hasattr(node.app, "recent_traces"), "requests": traces,
+        traces = _traces(generator)
+        return JSONResponse({"orchestrator": generator is not None, "requests": traces,
                              "per_token": token_breakdown(traces)})
 
     async def metrics(request: Request):
@@ -317,9 +314,21 @@ def create_app(node: Node, token: str | None = None, allowed_hosts: list[str] | 
     return DashboardGuard(app, token=token, allowed_hosts=allowed_hosts or (), max_body=MAX_BODY_BYTES)
 
 
-async def serve_dashboard(node: Node, bind: str, *, allowed_hosts: list[str] | None = None,
+def dashboard_token(bind: str) -> str | None:
+    """The token a dashboard on ``bind`` asks for: none on loopback; beyond it the operator's
+    (MESHD_DASHBOARD_TOKEN, so scripts and containers can know it beforehand), else a fresh one."""
+    if is_loopback_bind(bind):
+        return None
+    return os.environ.get(TOKEN_ENV, "").strip() or secrets.token_urlsafe(24)
+
+
+async def serve_dashboard(node: Mesh, bind: str, generator: Generator | None = None,
+                          token: str | None = None, *, allowed_hosts: list[str] | None = None,
                           task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve the app on ``bind`` (HOST:PORT, port 0 picks one); reports the URL.
+
+    ``token`` (see ``dashboard_token``) is asked of every request but for the page and
+    ``/metrics``.
 
     Requests must name the dashboard in their Host: its address, localhost, the host
     in ``bind``, or one of ``allowed_hosts`` and of MESHD_DASHBOARD_HOSTS (comma-separated
@@ -332,17 +341,12 @@ async def serve_dashboard(node: Node, bind: str, *, allowed_hosts: list[str] | N
     config.bind = [bind]
     config.accesslog = None
     config.errorlog = None
-    # Beyond loopback: the operator's token (MESHD_DASHBOARD_TOKEN, so scripts and containers
-    # can know it beforehand), else a fresh one, printed at boot.
-    token = None if is_loopback_bind(bind) else (os.environ.get(TOKEN_ENV, "").strip()
-                                                   or secrets.token_urlsafe(24))
-    node.dashboard_token = token
     host = bind.rpartition(":")[0].strip("[]")
     wildcard = host in ("", "0.0.0.0", "::")
     extra = [*(allowed_hosts or ()), *os.environ.get(HOSTS_ENV, "").split(","),
              *([] if wildcard else [f"[{host}]" if ":" in host else host])]
     try:
-        app = create_app(node, token, extra)
+        app = create_app(node, generator, token, extra)
     except ValueError as exc:
         raise ValueError(f"dashboard: allowed hosts (allowed_hosts, {HOSTS_ENV}): {exc}") from exc
 

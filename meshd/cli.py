@@ -88,8 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import trio
 
+    from .daemon import run_daemon
     from .launch import dstack_env
-    from .node import NodeOptions, run_node
+    from .node import NodeOptions
 
     try:  # flags absent: role, stage count and seed from DSTACK_NODE_RANK/NODES_NUM/MASTER_NODE_IP
         dstack_env.apply(args, os.environ)
@@ -158,7 +159,7 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         dashboard=None if args.dashboard == "off" else args.dashboard,
     )
     try:
-        return trio.run(run_node, identity, options)
+        return trio.run(run_daemon, identity, options)
     except BindError as exc:
         print(f"meshd: error: {exc.strerror}", file=sys.stderr)
         return 2

@@ -1,22 +1,25 @@
-"""One meshd node: a trio nursery that drives the SWIM core over UDP.
+"""The mesh runtime: one trio nursery that drives the SWIM core over UDP and the relay,
+the per-direction path table and the data channel.
 
-Every service is a child of the node's nursery; shutdown is a graceful SWIM
-leave followed by cancelling that nursery.
+Services (the pipeline, the dashboard) see it through :class:`meshd.mesh.Mesh`,
+which :class:`Node` implements; ``meshd.daemon`` builds a node and the services
+of a role.  Shutdown is a graceful SWIM leave followed by cancelling the nursery.
 """
 
 from __future__ import annotations
 
 import logging
 import random
-import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import trio
 
 from . import __version__
 from .identity import Identity
+from .mesh import Handler, MemberInfo
 from .net.amplification import AmplificationGuard
 from .net.channel import DataChannel
 from .net.faults import Faults
@@ -24,7 +27,8 @@ from .net.path_table import RELAY, PathTable
 from .net.udp import MAX_DATAGRAM, AddressError, format_addr, open_udp_and_tcp, parse_addr
 from .snapshot import SnapshotWriter, snapshot, stage_sort_key
 from .swim import PROFILES, EventKind, State, Swim
-from .wire import RELAY_DATA, Meta, Packet, PushPull, WireError, encode, packet_sender
+from .swim.state import Member
+from .wire import RELAY_DATA, Ack, Meta, Nack, Packet, Ping, PushPull, WireError, encode, packet_sender
 
 log = logging.getLogger("meshd.node")
 
@@ -37,6 +41,9 @@ LEAVE_LINGER_S = 0.3
 # Our outbound path summary is gossiped when a path changes, and at least this often.
 PATH_SUMMARY_CHECK_S = 0.5
 PATH_SUMMARY_REFRESH_S = 5.0
+
+# What failure detection needs, sent bare even past an unproven address's budget.
+PROBES = (Ping, Ack, Nack)
 
 # Push-pull answers held for addresses that have not proven themselves yet.
 MAX_HELD_ANSWERS = 64
@@ -58,8 +65,14 @@ class NodeOptions:
     snapshot_interval: float = 5.0
     faults: Faults = field(default_factory=Faults)
     relay: str | None = None  # home relay URL, ws://HOST:PORT
+    # Read by the daemon, which starts the services of this node's role:
     model: str | None = None  # checkpoint dir: this node serves its share of the pipeline
     dashboard: str | None = None  # HOST:PORT for the HTTP app; None = no dashboard
+
+    @property
+    def name(self) -> str:
+        """This node's run name: ``orchestrator`` or ``stage-K``."""
+        return f"stage-{self.stage}" if self.role == "stage" and self.stage is not None else self.role
 
     def names(self) -> list[str]:
         """Registry names this node owns."""
@@ -71,6 +84,10 @@ class NodeOptions:
         if self.stages is not None and self.stage == self.stages - 1:
             out.append("pp-exit")
         return out
+
+
+def _info(m: Member) -> MemberInfo:
+    return MemberInfo(m.id, m.prefix, m.name, m.state.name.lower())
 
 
 class Node:
@@ -85,7 +102,7 @@ class Node:
         self.out = out or _print_line
         self.swim: Swim | None = None
         self.addr: str | None = None
-        self._sock = None
+        self._sock: trio.socket.SocketType | None = None
         self._wake = trio.Event()
         self._last_map: str | None = None
         self._snapshots: SnapshotWriter | None = None
@@ -101,9 +118,7 @@ class Node:
             from .relay.client import RelayClient
 
             self.relay = RelayClient(options.relay, identity)
-        self._listeners = None
-        self.app = None
-        self.dashboard_url: str | None = None
+        self._listeners: list[trio.SocketListener] | None = None
         self.data = DataChannel(
             identity.node_id,
             addr_of=self._addr_of,
@@ -120,24 +135,11 @@ class Node:
         if self._sock is None:
             self._sock, self._listeners = await open_udp_and_tcp(self.options.bind)
 
-    def _load_app(self) -> None:
-        """The stage service or the orchestrator, if this node has a model to serve."""
-        opts = self.options
-        if opts.model is None or self.app is not None:
-            return
-        from .pipeline.service import Orchestrator, StageService
-
-        if opts.role == "orchestrator":
-            self.app = Orchestrator(self, opts.model, opts.stages or 1)
-        else:
-            self.app = StageService(self, opts.model, opts.stage, opts.stages)
-
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Run until cancelled; reports the bound gossip address via task_status."""
         opts = self.options
-        self._load_app()  # before our names are registered: a resolved stage can serve
         await self.bind()
-        with self._sock as sock:
+        with self._socket as sock:
             host, port = sock.getsockname()[:2]
             self.addr = opts.advertise or format_addr(host, port)
             self.candidates = [self.addr]
@@ -165,6 +167,9 @@ class Node:
             self.out(f"meshd candidates {' '.join(self.candidates)}")
             if opts.faults.active:
                 self.out(f"meshd faults {' '.join(opts.faults.describe())}")
+            # Our names go out with the join's push-pull.  A service that serves them was
+            # built before this (the daemon loads the model first); anything a peer sends it
+            # before its handler runs waits in the data channel's queue.
             for name in opts.names():
                 swim.register_name(name, now)
             if opts.seeds:
@@ -179,15 +184,6 @@ class Node:
                     await nursery.start(self.relay.run)
                     nursery.start_soon(self._relay_receive_loop)
                 await nursery.start(self.data.serve, self._listeners)
-                if self.app is not None:
-                    await nursery.start(self.app.serve)
-                if opts.dashboard is not None:
-                    from dashboard.app import serve_dashboard
-
-                    self.dashboard_url = await nursery.start(serve_dashboard, self, opts.dashboard)
-                    token = getattr(self, "dashboard_token", None)  # set beyond loopback only
-                    self.out(f"meshd dashboard url={self.dashboard_url}"
-                             + (f" token={token}" if token else ""))
                 nursery.start_soon(self._receive_loop)
                 nursery.start_soon(self._timer_loop)
                 nursery.start_soon(self._path_summary_loop)
@@ -199,6 +195,7 @@ class Node:
         """Our address as the relay sees this gossip socket (its STUN answer), or None."""
         from .relay.client import RelayError, parse_relay_url, stun_query
 
+        assert self.options.relay is not None
         host, port, _path, _tls = parse_relay_url(self.options.relay)
         try:
             ip, mapped = await stun_query(host, port, timeout=1.0, sock=self._sock)
@@ -209,7 +206,7 @@ class Node:
 
     async def leave(self) -> None:
         """Tell the cluster we are going, so peers mark us left, not dead."""
-        swim = self.swim
+        swim = self.core
         if swim is None or swim.leaving:
             return
         swim.leave(trio.current_time())
@@ -220,17 +217,70 @@ class Node:
         await self._flush()
         self.write_snapshot()
 
-    async def send_data(self, node: bytes, data: bytes, timeout: float = 30.0) -> str:
+    @property
+    def core(self) -> Swim:
+        """The membership core; it exists once ``serve`` has started."""
+        if self.swim is None:
+            raise RuntimeError("the node is not serving yet")
+        return self.swim
+
+    @property
+    def _socket(self) -> trio.socket.SocketType:
+        if self._sock is None:
+            raise RuntimeError("the node is not bound yet")
+        return self._sock
+
+    # ------------------------------------------------- the services' interface (Mesh)
+
+    @property
+    def node_id(self) -> bytes:
+        return self.identity.node_id
+
+    @property
+    def name(self) -> str:
+        return self.options.name
+
+    def resolve(self, name: str) -> bytes | None:
+        return self.swim.resolve(name) if self.swim is not None else None
+
+    def member(self, name: str) -> MemberInfo | None:
+        m = self.swim.member_by_name(name) if self.swim is not None else None
+        return _info(m) if m is not None else None
+
+    def members(self) -> list[MemberInfo]:
+        if self.swim is None:
+            return []
+        return [_info(m) for m in self.core.members.values() if m.id != self.core.id]
+
+    def register_name(self, name: str) -> None:
+        assert self.swim is not None, "register names once the node serves"
+        self.core.register_name(name, trio.current_time())
+        self._after()
+
+    async def send(self, node: bytes, data: bytes, timeout: float = 30.0) -> str:
         """Deliver ``data`` to ``node`` reliably and in order; returns the path used.
 
         Raises DeliveryError naming the peer and the paths tried.
         """
         return await self.data.send(node, data, timeout)
 
+    async def post(self, node: bytes, data: bytes, timeout: float,
+                   on_error: Callable[[Exception], Awaitable[None]] | None = None) -> Any:
+        return await self.data.post(node, data, timeout, on_error)
+
+    async def loopback(self, data: bytes) -> None:
+        await self.data.loopback(data)
+
+    async def dispatch(self, handler: Handler, *, inline: bool = False) -> None:
+        await self.data.dispatch(handler, inline=inline)
+
+    def path(self, node: bytes) -> str:
+        return self.data.path(node)
+
     def join(self, addrs: list[str]) -> None:
         """Join (again) through ``addrs`` (HOST:PORT each): the dashboard's add-peer."""
         assert self.swim is not None
-        self.swim.join(list(addrs), trio.current_time())
+        self.core.join(list(addrs), trio.current_time())
         self._wake.set()
 
     def describe(self, node: bytes) -> str:
@@ -258,7 +308,7 @@ class Node:
     # ---------------------------------------------------------------- loops
 
     async def _receive_loop(self) -> None:
-        sock, swim = self._sock, self.swim
+        sock, swim = self._socket, self.core
         while True:
             try:
                 data, addr = await sock.recvfrom(MAX_DATAGRAM)
@@ -283,7 +333,7 @@ class Node:
         """The core's receive boundary, made total: bad bytes are counted by the core, and
         anything else a handler raises is counted and logged here, never fatal."""
         try:
-            return self.swim.receive_datagram(data, addr, now, via=via)
+            return self.core.receive_datagram(data, addr, now, via=via)
         except Exception:
             self.handler_error("gossip packet", addr)
             return None
@@ -291,7 +341,7 @@ class Node:
     def handler_error(self, what: str, source: str) -> None:
         """Count (and log, the first few times) an error raised while handling ``what``."""
         assert self.swim is not None
-        self.swim.counters["rx_handler_errors"] += 1
+        self.core.counters["rx_handler_errors"] += 1
         if self._handler_errors_logged < MAX_LOGGED_HANDLER_ERRORS:
             self._handler_errors_logged += 1
             log.exception("error handling a %s from %s (dropped; the node carries on)", what, source)
@@ -299,8 +349,9 @@ class Node:
     async def _relay_receive_loop(self) -> None:
         from .relay.protocol import Recv
 
-        swim = self.swim
-        async for item in self.relay.received:
+        swim, relay = self.core, self.relay
+        assert relay is not None
+        async for item in relay.received:
             if not isinstance(item, Recv):
                 continue  # peer-not-here: the probe that needed it will time out and say so
             if self.options.faults.relay_blocked():
@@ -332,7 +383,7 @@ class Node:
             await self._flush()
 
     async def _timer_loop(self) -> None:
-        swim = self.swim
+        swim = self.core
         while True:
             with trio.move_on_at(swim.next_deadline()):
                 await self._wake.wait()
@@ -343,7 +394,7 @@ class Node:
 
     async def _path_summary_loop(self) -> None:
         """Gossip our outbound paths, so any node can draw the whole mesh."""
-        swim, version, last, last_at = self.swim, time.time_ns() // 1000, None, -PATH_SUMMARY_REFRESH_S
+        swim, version, last, last_at = self.core, time.time_ns() // 1000, None, -PATH_SUMMARY_REFRESH_S
         while True:
             now = trio.current_time()
             peers = [(m.id, m.rtt) for m in swim.members.values() if m.id != swim.id and m.state.live]
@@ -365,14 +416,16 @@ class Node:
     def _after(self, wake: bool = True) -> None:
         """React to what the core decided: log membership changes, wake the timer."""
         changed = False
-        for ev in self.swim.events():
+        for ev in self.core.events():
+            if ev.node is None:
+                continue  # every event a driver reacts to names a member
             if ev.kind is EventKind.PATH:
                 self._path_changed(ev.node, ev.detail["direct"], ev.detail["rtt"], ev.at)
                 continue
             if not ev.membership:
                 continue
-            m = self.swim.members.get(ev.node)
-            if m is not None and ev.node != self.swim.id:
+            m = self.core.members.get(ev.node)
+            if m is not None and ev.node != self.core.id:
                 detail = f" by={ev.detail['by']}" if "by" in ev.detail else ""
                 self.out(f"meshd member {ev.kind.value} prefix={m.prefix} name={m.name} "
                          f"incarnation={m.incarnation}{detail}")
@@ -390,15 +443,15 @@ class Node:
     def _path_changed(self, node: bytes, direct: bool, rtt: float, now: float) -> None:
         reason = "direct ping unanswered within the probe timeout; the relayed ping was answered"
         if self.paths.probe_verdict(node, direct, rtt, now, reason):
-            m = self.swim.members.get(node)
+            m = self.core.members.get(node)
             name = m.name if m is not None else "?"
             path = self.paths.out_path(node)
             detail = "" if direct else f" ({reason})"
-            self.out(f"meshd path {self.swim.me.name}->{name} prefix={node.hex()[:8]} "
+            self.out(f"meshd path {self.core.me.name}->{name} prefix={node.hex()[:8]} "
                      f"out={path} rtt_ms={rtt * 1000:.1f}{detail}")
 
     def _print_stage_map(self) -> None:
-        live = [m for m in self.swim.members.values() if m.state in (State.ALIVE, State.SUSPECT)]
+        live = [m for m in self.core.members.values() if m.state in (State.ALIVE, State.SUSPECT)]
         live.sort(key=lambda m: stage_sort_key(m.name))
         line = "meshd stage-map " + " ".join(f"{m.prefix}={m.name}" for m in live)
         if line != self._last_map:
@@ -406,7 +459,7 @@ class Node:
             self.out(line)
 
     async def _flush(self) -> None:
-        swim, faults = self.swim, self.options.faults
+        swim, faults = self.core, self.options.faults
         for out in swim.outbox():
             try:
                 data = encode(out.packet)
@@ -424,9 +477,10 @@ class Node:
             if via == RELAY and self.relay is not None and out.node is not None:
                 await self._send_relay(out.node, data)
                 continue
-            data = self._within_budget(out.addr, out.packet, data)
-            if data is None:
+            within = self._within_budget(out.addr, out.packet, data)
+            if within is None:
                 continue
+            data = within
             if faults.direct_out_lost(out.addr):
                 swim.counters["tx_fault_dropped"] += 1
                 continue
@@ -442,7 +496,9 @@ class Node:
         while it fits the guard's budget; past it, only the packet's first
         message (a ping, an ack: no piggybacked gossip), and a push-pull cut to
         the members that fit, its whole kept until the address proves itself;
-        None when not even that fits.
+        None when not even that fits.  A bare probe (ping, ack, nack) always
+        goes: failure detection must not depend on the budget, and the protocol
+        sends those at its own slow rate.
         """
         now = trio.current_time()
         if self.guard.may_send(addr, len(data), now):
@@ -457,16 +513,17 @@ class Node:
         elif len(packet.messages) > 1:
             smaller = encode(Packet(packet.sender, (first,), packet.version))
         else:
-            smaller = None
-        if smaller is None or not self.guard.may_send(addr, len(smaller), now):
-            self.swim.counters["tx_amplification_limited"] += 1
+            smaller = data if isinstance(first, PROBES) else None
+        if smaller is None or not (isinstance(first, PROBES) or self.guard.may_send(addr, len(smaller), now)):
+            self.core.counters["tx_amplification_limited"] += 1
             return None
-        self.swim.counters["tx_cut_for_unproven"] += 1
+        if smaller is not data:
+            self.core.counters["tx_cut_for_unproven"] += 1
         return smaller
 
     async def _proven(self) -> None:
         """Addresses that answered our pings may have all we send, and what we held for them."""
-        for addr in self.swim.answered_addrs():
+        for addr in self.core.answered_addrs():
             self.guard.verified(addr)
             held = self._held_answers.pop(addr, None)
             if held is not None:
@@ -475,11 +532,12 @@ class Node:
     async def _send_relay(self, node: bytes, data: bytes) -> None:
         from .relay.client import RelayError
 
-        swim = self.swim
+        swim = self.core
         if self.options.faults.relay_blocked():
             swim.counters["tx_fault_dropped"] += 1
             return
         self.paths.sent(node)
+        assert self.relay is not None
         try:
             await self.relay.send(node, data)
         except (RelayError, ValueError) as exc:
@@ -493,10 +551,10 @@ class Node:
         await self._sendto(data, addr)
 
     async def _sendto(self, data: bytes, addr: str, node: bytes | None = None) -> None:
-        swim = self.swim
+        swim = self.core
         self.paths.sent(node)
         try:
-            await self._sock.sendto(data, parse_addr(addr))
+            await self._socket.sendto(data, parse_addr(addr))
         except AddressError as exc:
             swim.counters["tx_bad_address"] += 1
             log.warning("not sent: %s", exc)
@@ -529,21 +587,3 @@ def _cut_push_pull(sender: bytes, push_pull: PushPull, room: float) -> bytes | N
 
 def _print_line(line: str) -> None:
     print(line, flush=True)
-
-
-async def run_node(identity: Identity, options: NodeOptions) -> int:
-    """``meshd run``: serve until SIGINT/SIGTERM, then leave and exit 0."""
-    import signal
-
-    node = Node(identity, options)
-    await node.bind()  # fail here, with a plain error, before any task starts
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(node.serve)
-            async for signum in signals:
-                print(f"meshd leaving ({signal.Signals(signum).name})", file=sys.stderr, flush=True)
-                with trio.move_on_after(1.5):
-                    await node.leave()
-                nursery.cancel_scope.cancel()
-                break
-    return 0

@@ -23,7 +23,6 @@ import trio
 from dashboard.app import MAX_BODY_BYTES
 from dashboard.guard import HOSTS_ENV
 from meshd.node import NodeOptions
-from meshd.pipeline.checkpoint import init_checkpoint
 from meshd.testing.inprocess import start_node, wait_converged
 
 CHROMIUM = "/usr/bin/chromium"
@@ -38,13 +37,6 @@ API = [("GET", "/api/peers"), ("GET", "/api/topology"), ("GET", "/api/traces"), 
 MIB = 1 << 20
 NOT_JSON = ("text/plain", "text/plain;charset=UTF-8", "application/x-www-form-urlencoded",
             "multipart/form-data; boundary=x", None)
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny")
-    init_checkpoint(path, "tiny", seed=0)
-    return path
 
 
 @asynccontextmanager
@@ -63,8 +55,8 @@ async def victim(checkpoint: Path | None = None, dashboard: str = "127.0.0.1:0")
             await wait_converged([node, stage])
             await node.app.wait_ready(10)
         node.acted = []
-        join = node.join
-        node.join = lambda addrs: (node.acted.append(("join", addrs)), join(addrs))[1]
+        join = node.node.join
+        node.node.join = lambda addrs: (node.acted.append(("join", addrs)), join(addrs))[1]
         if node.app is not None:
             generate = node.app.generate
 
@@ -372,6 +364,7 @@ def _browse_dashboard(url: str, wait_for: str) -> dict:
 
 
 @needs_chromium
+@pytest.mark.browser
 async def test_a_page_from_another_origin_cannot_make_the_node_act(checkpoint):
     with trio.fail_after(120):
         async with victim(checkpoint) as node:
@@ -390,6 +383,7 @@ async def test_a_page_from_another_origin_cannot_make_the_node_act(checkpoint):
 
 
 @needs_chromium
+@pytest.mark.browser
 async def test_the_page_works_under_its_csp_and_with_a_token_beyond_loopback():
     with trio.fail_after(90):
         async with victim(dashboard="0.0.0.0:0") as node:

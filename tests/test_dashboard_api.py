@@ -93,8 +93,6 @@ async def test_add_peer_joins_a_node_that_knew_nobody():
 class FakeNode:
     """Enough of a node for the app: a fixed snapshot, and joins recorded."""
 
-    app = None
-
     def __init__(self) -> None:
         self.joined: list[list[str]] = []
 
@@ -183,16 +181,14 @@ def test_fuzzed_add_peer_never_gives_a_500(client, body):
         assert parse_peer_addr(json.loads(body)["addr"]) == r.json()["joining"]
 
 
-async def test_the_orchestrator_shows_where_one_tokens_time_goes(tmp_path):
+async def test_the_orchestrator_shows_where_one_tokens_time_goes(checkpoint):
     from meshd.node import NodeOptions
-    from meshd.pipeline.checkpoint import init_checkpoint
     from meshd.testing.inprocess import start_node, wait_converged
 
-    init_checkpoint(tmp_path, "tiny", seed=0)
     lines: list[str] = []
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
-            opts = dict(profile="local", stages=2, model=str(tmp_path), dashboard="127.0.0.1:0")
+            opts = dict(profile="local", stages=2, model=str(checkpoint), dashboard="127.0.0.1:0")
             orch = await start_node(nursery, NodeOptions(role="orchestrator", **opts), lines)
             stages = [await start_node(nursery, NodeOptions(stage=k, seeds=[orch.addr], **opts), lines)
                       for k in range(2)]

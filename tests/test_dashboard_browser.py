@@ -18,6 +18,7 @@ FLAGS = ["--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-backgroun
          "--disable-component-update", "--disable-sync"]
 
 pytestmark = [
+    pytest.mark.browser,
     pytest.mark.skipif(not os.access(CHROMIUM, os.X_OK),
                        reason=f"{CHROMIUM} missing: .ci/run installs it as root "
                               "(apt-get install -y chromium)"),
@@ -101,15 +102,13 @@ def _token_bar(url: str, shot: Path) -> tuple[list[str], str]:
             browser.close()
 
 
-async def test_the_orchestrator_page_draws_where_one_tokens_time_goes(tmp_path):
+async def test_the_orchestrator_page_draws_where_one_tokens_time_goes(tmp_path, checkpoint):
     import httpx
 
     from meshd.node import NodeOptions
-    from meshd.pipeline.checkpoint import init_checkpoint
     from meshd.testing.inprocess import start_node, wait_converged
 
-    model = tmp_path / "tiny"
-    init_checkpoint(model, "tiny", seed=0)
+    model = checkpoint
     lines: list[str] = []
     with trio.fail_after(90):
         async with trio.open_nursery() as nursery:

@@ -9,16 +9,8 @@ import pytest
 import trio
 
 from meshd.node import NodeOptions
-from meshd.pipeline.checkpoint import init_checkpoint
 from meshd.pipeline.generate import generate
 from meshd.testing.inprocess import start_node, wait_converged
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny")
-    init_checkpoint(path, "tiny", seed=0)
-    return path
 
 
 async def _mesh(nursery, checkpoint, stages: int, lines: list[str], start_stages: int | None = None):

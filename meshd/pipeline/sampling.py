@@ -20,11 +20,12 @@ import numpy as np
 Shortlist = tuple[np.ndarray, np.ndarray]  # (token ids int64 ascending, values float32)
 
 
-def is_greedy(temperature: float, top_k: int) -> bool:
+def is_greedy(temperature: float | np.floating, top_k: int) -> bool:
     return temperature == 0 or top_k == 1
 
 
-def shortlist(logits: np.ndarray, temperature: float, top_k: int, offset: int = 0) -> Shortlist:
+def shortlist(logits: np.ndarray, temperature: float | np.floating, top_k: int, offset: int = 0
+              ) -> Shortlist:
     """From ``logits`` (V_slice,) float32 for token ids offset.., the entries that can be chosen."""
     if is_greedy(temperature, top_k):
         i = int(np.argmax(logits))

@@ -17,13 +17,14 @@ import uuid
 from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 import trio
 
-from ..net.channel import DeliveryError
+from ..mesh import Mesh
 from ..wire import Message, WireError
+from .api import NotReady, PipelineError, StageLost
 from .config import LlamaConfig
 from .generate import check_context, prompt_ids
 from .messages import (
@@ -41,9 +42,6 @@ from .messages import (
 from .model import KVCache, StageModel, head_cut, split_layers
 from .sampling import Sampler, Shortlist, is_greedy, merge, shortlist
 from .tokenizer import load_tokenizer
-
-if TYPE_CHECKING:
-    from ..node import Node
 
 log = logging.getLogger("meshd.pipeline")
 
@@ -65,38 +63,18 @@ TOKEN_BATCH_S = 0.02
 TOKEN_BATCH_MAX = 32
 
 
-class PipelineError(Exception):
-    """A request failed; the message names the stage and what went wrong."""
-
-
-class StageLost(PipelineError):
-    """A stage died mid-request; ``lost`` reads ``stage-2 (peer 2b91108e dead)``."""
-
-    def __init__(self, lost: str) -> None:
-        super().__init__(f"lost: {lost}")
-        self.lost = lost
-
-
-class NotReady(PipelineError):
-    """Some pipeline names do not resolve; ``missing`` lists them."""
-
-    def __init__(self, missing: list[str]) -> None:
-        super().__init__("pipeline not ready: " + ", ".join(f"{n} does not resolve" for n in missing))
-        self.missing = missing
-
-
-async def resolve(node: Node, name: str, timeout: float = RESOLVE_TIMEOUT_S) -> bytes:
+async def resolve(mesh: Mesh, name: str, timeout: float = RESOLVE_TIMEOUT_S) -> bytes:
     """The live owner of ``name``, waiting for it up to ``timeout`` seconds."""
-    owner = node.swim.resolve(name)
+    owner = mesh.resolve(name)
     if owner is not None:  # the usual case, on every hop: no cancel scope, no deadline
         return owner
     with trio.move_on_after(timeout):
         while True:
-            owner = node.swim.resolve(name)
+            owner = mesh.resolve(name)
             if owner is not None:
                 return owner
             await trio.sleep(0.05)
-    raise PipelineError(f"{node.swim.me.name}: name {name} did not resolve within {timeout:g}s")
+    raise PipelineError(f"{mesh.name}: name {name} did not resolve within {timeout:g}s")
 
 
 class _App:
@@ -108,8 +86,8 @@ class _App:
     compute never waits on a round trip.
     """
 
-    def __init__(self, node: Node) -> None:
-        self.node = node
+    def __init__(self, mesh: Mesh) -> None:
+        self.mesh = mesh
         self._nursery: trio.Nursery | None = None
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -118,18 +96,19 @@ class _App:
             task_status.started()
             # Handlers run in the stream's reader: a decode step is short, and a prefill
             # (the one long piece of work) gets a task of its own (see _handle).
-            await self.node.data.dispatch(self._handle, inline=True)
+            await self.mesh.dispatch(self._handle, inline=True)
 
     async def _handle(self, src: bytes, data: bytes) -> None:
         try:
             packet = decode_app(data)
         except WireError as exc:
-            log.warning("bad pipeline message from %s: %s", self.node.describe(src), exc)
+            log.warning("bad pipeline message from %s: %s", self.mesh.describe(src), exc)
             return
         for msg in packet.messages:
             if isinstance(msg, Activation) and max(msg.rows, len(msg.tokens)) > PREFILL_ROWS:
                 # Another request's message from the same sender may go first: requests
                 # are independent, and nothing else of this one comes before its prefill ends.
+                assert self._nursery is not None  # messages arrive only while serve() runs
                 self._nursery.start_soon(self._on_message, src, msg)
             else:
                 await self._on_message(src, msg)
@@ -138,7 +117,7 @@ class _App:
         try:
             await self.on_message(src, msg)
         except Exception as exc:  # one bad request must not stop the stage
-            log.exception("%s: %s failed", self.node.swim.me.name, type(msg).__name__)
+            log.exception("%s: %s failed", self.mesh.name, type(msg).__name__)
             await self.failed(msg, exc)
 
     async def send(self, dst: bytes, *msgs: Message) -> None:
@@ -147,23 +126,25 @@ class _App:
         Several messages go as one, in order.  A message that cannot be
         delivered fails its request (``failed``).
         """
-        data = encode_app(self.node.identity.node_id, *msgs)
-        if dst == self.node.identity.node_id:
-            await self.node.data.loopback(data)
+        data = encode_app(self.mesh.node_id, *msgs)
+        if dst == self.mesh.node_id:
+            await self.mesh.loopback(data)
             return
 
-        async def undelivered(exc: DeliveryError) -> None:
-            log.warning("%s: %s", self.node.swim.me.name, exc)
+        async def undelivered(exc: Exception) -> None:
+            log.warning("%s: %s", self.mesh.name, exc)
+            # The channel's error names the peer and every path tried: it is the request's error.
+            failure = PipelineError(str(exc))
             # One failure per request, though a batch may hold several of its tokens.
             for msg in {getattr(m, "req_id", id(m)): m for m in msgs}.values():
-                await self.failed(msg, exc)
+                await self.failed(msg, failure)
 
-        await self.node.data.post(dst, data, SEND_TIMEOUT_S, undelivered)
+        await self.mesh.post(dst, data, SEND_TIMEOUT_S, undelivered)
 
     def path_to(self, dst: bytes) -> str:
-        if dst == self.node.identity.node_id:
+        if dst == self.mesh.node_id:
             return "local"
-        return self.node.data.path(dst)
+        return self.mesh.path(dst)
 
     async def on_message(self, src: bytes, msg: Message) -> None:
         raise NotImplementedError
@@ -182,8 +163,8 @@ def _arrived(trace: tuple[Hop, ...], sent_at: float) -> tuple[Hop, ...]:
 
 
 class StageService(_App):
-    def __init__(self, node: Node, model_dir: str | Path, stage: int, stages: int) -> None:
-        super().__init__(node)
+    def __init__(self, mesh: Mesh, model_dir: str | Path, stage: int, stages: int) -> None:
+        super().__init__(mesh)
         self.stage, self.stages = stage, stages
         self.name = f"stage-{stage}"
         config = LlamaConfig.load(model_dir)
@@ -224,7 +205,7 @@ class StageService(_App):
         elif isinstance(msg, Release):
             self._forget(msg.req_id)
             if not self.last:
-                await self.send(await resolve(self.node, f"pp-stage-{self.stage + 1}"), msg)
+                await self.send(await resolve(self.mesh, f"pp-stage-{self.stage + 1}"), msg)
 
     async def _activation(self, msg: Activation) -> None:
         self.counters["activations"] += 1
@@ -254,10 +235,9 @@ class StageService(_App):
             trace = (*trace, Hop("compute", self.name, (time.perf_counter() - t0) * 1000, ""))
             await self._share_head(msg, normed, trace, pos)
             return
-        logits = model.logits(out[-1:])[0] if self.last else None
         trace = (*trace, Hop("compute", self.name, (time.perf_counter() - t0) * 1000, ""))
         if not self.last:
-            nxt = await resolve(self.node, f"pp-stage-{self.stage + 1}")
+            nxt = await resolve(self.mesh, f"pp-stage-{self.stage + 1}")
             hop = Hop("transit", f"{self.name}->stage-{self.stage + 1}", 0.0, self.path_to(nxt))
             await self.send(nxt, Activation(
                 msg.req_id, msg.origin, msg.pos, msg.step, out.shape[0], out.shape[1],
@@ -265,11 +245,12 @@ class StageService(_App):
                 (*trace, hop),
             ))
             return
+        logits = model.logits(out[-1:])[0]
         s = msg.sampling
         token = self._sampler(msg.req_id, s)(logits)
         done = self._done(token, msg.step, s)
         self.counters["tokens"] += 1
-        entry = await resolve(self.node, "pp-stage-0")
+        entry = await resolve(self.mesh, "pp-stage-0")
         if not done:
             # The feedback edge first: it is on the critical path of the next token.
             hop = Hop("transit", f"{self.name}->stage-0", 0.0, self.path_to(entry))
@@ -295,6 +276,7 @@ class StageService(_App):
         if token.step == 0 or token.done or token.logits or len(pending) >= TOKEN_BATCH_MAX:
             await self._flush(token.origin)
         elif len(pending) == 1:
+            assert self._nursery is not None
             self._nursery.start_soon(self._flush_later, token.origin)
 
     async def _flush_later(self, origin: bytes) -> None:
@@ -343,7 +325,7 @@ class StageService(_App):
         """At the last stage: stage 0 gets the normalised hidden state first, and computes its
         rows while we compute ours; then it gets our shortlist, and samples."""
         s = msg.sampling
-        entry = await resolve(self.node, "pp-stage-0")
+        entry = await resolve(self.mesh, "pp-stage-0")
         hop = Hop("transit", f"{self.name}->stage-0", 0.0, self.path_to(entry))
         await self.send(entry, HeadInput(msg.req_id, msg.origin, msg.step, pos,
                                          np.ascontiguousarray(normed[0], dtype="<f4").tobytes(), s,
@@ -400,7 +382,7 @@ class StageService(_App):
                  Hop("compute", f"stage-{self.stages - 1} head", join.their_ms, ""))
         if done:
             self._forget(req_id)
-            await self.send(await resolve(self.node, f"pp-stage-{self.stage + 1}"), Release(req_id))
+            await self.send(await resolve(self.mesh, f"pp-stage-{self.stage + 1}"), Release(req_id))
         else:
             # The next step first: it is the critical path; the orchestrator's copy after.
             await self._activation(Activation(req_id, msg.origin, msg.pos, step + 1, 0, 0, b"", (token,), s,
@@ -415,7 +397,7 @@ class StageService(_App):
         req_id = getattr(msg, "req_id", "")
         if origin is None:
             return
-        text = str(exc) if isinstance(exc, PipelineError | DeliveryError) else f"{type(exc).__name__}: {exc}"
+        text = str(exc) if isinstance(exc, PipelineError) else f"{type(exc).__name__}: {exc}"
         # Behind the tokens waiting in the outbox: the orchestrator stops listening to a
         # request at its error, and every token before the error belongs to its stream.
         self._outbox.setdefault(origin, []).append(StageError(req_id, self.name, text[:500]))
@@ -460,8 +442,8 @@ class _Request:
 
 
 class Orchestrator(_App):
-    def __init__(self, node: Node, model_dir: str | Path, stages: int) -> None:
-        super().__init__(node)
+    def __init__(self, mesh: Mesh, model_dir: str | Path, stages: int) -> None:
+        super().__init__(mesh)
         self.stages = stages
         self.config = LlamaConfig.load(model_dir)
         self.tokenizer = load_tokenizer(model_dir, self.config.bos_token_id, self.config.eos_token_ids)
@@ -471,7 +453,10 @@ class Orchestrator(_App):
     def missing(self) -> list[str]:
         """Pipeline names that do not resolve yet (for 503s and readiness)."""
         names = ["pp-entry", *(f"pp-stage-{k}" for k in range(self.stages)), "pp-exit"]
-        return [n for n in names if self.node.swim.resolve(n) is None]
+        return [n for n in names if self.mesh.resolve(n) is None]
+
+    def decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens)
 
     async def wait_ready(self, timeout: float) -> None:
         with trio.move_on_after(timeout):
@@ -488,14 +473,14 @@ class Orchestrator(_App):
         missing = self.missing()
         if missing:
             raise NotReady(missing)
-        entry = await resolve(self.node, "pp-entry", 1.0)
+        entry = await resolve(self.mesh, "pp-entry", 1.0)
         req = _Request(uuid.uuid4().hex[:12])
         self.requests[req.req_id] = req
         sampling = Sampling(max_tokens, float(temperature), top_k, seed, want_logits)
         t0 = time.perf_counter()
         try:
             hop = Hop("transit", "orchestrator->stage-0", 0.0, self.path_to(entry))
-            await self.send(entry, Activation(req.req_id, self.node.identity.node_id, 0, 0, 0, 0, b"",
+            await self.send(entry, Activation(req.req_id, self.mesh.node_id, 0, 0, 0, 0, b"",
                                               tuple(ids), sampling, time.time(), (hop,)))
             seen = 0
             waited = 0.0
@@ -524,7 +509,7 @@ class Orchestrator(_App):
             self.requests.pop(req.req_id, None)
         total = time.perf_counter() - t0
         first = req.token_times[0] - t0 if req.token_times else None
-        result = {
+        result: dict[str, Any] = {
             "tokens": req.tokens,
             "text": self.tokenizer.decode(req.tokens),
             "finish_reason": req.finish_reason,
@@ -546,19 +531,18 @@ class Orchestrator(_App):
         """``stage-2 (peer 2b91108e dead)`` if a stage of this run is dead or gone."""
         for k in range(self.stages):
             name = f"stage-{k}"
-            gone = [m for m in self.node.swim.members.values()
-                    if m.name == name and not m.state.live]
-            live = self.node.swim.member_by_name(name)
+            gone = [m for m in self.mesh.members() if m.name == name and not m.live]
+            live = self.mesh.member(name)
             if gone and live is None:
                 m = gone[0]
-                return f"{name} (peer {m.prefix} {m.state.name.lower()})"
+                return f"{name} (peer {m.prefix} {m.state})"
         return None
 
     def _stage_states(self) -> str:
         out = []
         for k in range(self.stages):
-            m = self.node.swim.member_by_name(f"stage-{k}")
-            out.append(f"stage-{k} {'missing' if m is None else m.state.name.lower() + ' ' + m.prefix}")
+            m = self.mesh.member(f"stage-{k}")
+            out.append(f"stage-{k} {'missing' if m is None else m.state + ' ' + m.prefix}")
         return ", ".join(out)
 
     async def on_message(self, src: bytes, msg: Message) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Any
 
 from ..wire import GOSSIP_BUDGET_BYTES
 
@@ -35,7 +36,7 @@ class Config:
     # Until a seed answers, the join is retried this often.
     join_retry_interval: float = 1.0
 
-    def with_(self, **changes) -> Config:
+    def with_(self, **changes: Any) -> Config:
         return replace(self, **changes)
 
     def suspicion_bounds(self, n: int) -> tuple[float, float]:

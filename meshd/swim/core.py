@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar
 
 from ..identity import prefix
 from ..wire import (
@@ -295,7 +297,7 @@ class Swim:
             self._direct_pings[sender] = (msg.seq, now)
             self._send(addr, sender, [Ack(msg.seq)], via=self._rx_via)
             return
-        acks = [Ack(msg.seq)]
+        acks: list[Message] = [Ack(msg.seq)]
         direct = self._direct_pings.pop(sender, None)
         if direct is not None and now - direct[1] <= self.config.probe_interval:
             # Its direct ping of this probe did reach us; only our answer got lost.
@@ -427,7 +429,7 @@ class Swim:
         self.path_summaries[msg.node] = (msg, now)
         self.broadcasts.queue(("paths", msg.node), msg, background=True)
 
-    _handlers = {
+    _handlers: ClassVar[dict[type[Message], Callable[[Swim, Any, bytes, str, float], None]]] = {
         Ping: _handle_ping,
         PingReq: _handle_ping_req,
         Ack: _handle_ack,
@@ -773,7 +775,7 @@ class Swim:
         self._seq = (self._seq + 1) & 0xFFFFFFFF
         return self._seq
 
-    def _emit(self, kind: EventKind, node: bytes | None, now: float, **detail) -> None:
+    def _emit(self, kind: EventKind, node: bytes | None, now: float, **detail: Any) -> None:
         self._events.append(Event(kind, node, now, detail))
 
     # --------------------------------------------------------- random picks

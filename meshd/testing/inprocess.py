@@ -2,20 +2,38 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import trio
 
+from ..daemon import Daemon, serve_daemon
 from ..identity import Identity
 from ..node import Node, NodeOptions
 
 
-async def start_node(nursery: trio.Nursery, options: NodeOptions, lines: list[str]) -> Node:
-    """Start a node in ``nursery``; its log lines go to ``lines``."""
-    node = Node(Identity.generate(), options, out=lines.append)
-    await nursery.start(node.serve)
-    return node
+class Running:
+    """A node and its services, started in a test's nursery: ``app``, ``dashboard_url`` and
+    ``dashboard_token`` are the daemon's; every other attribute is the node's."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+        self.node = daemon.node
+        self.app: Any = daemon.app
+        self.dashboard_url = daemon.dashboard_url
+        self.dashboard_token = daemon.dashboard_token
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.node, name)
 
 
-async def wait_converged(nodes: list[Node], timeout: float = 20.0) -> None:
+async def start_node(nursery: trio.Nursery, options: NodeOptions, lines: list[str],
+                     identity: Identity | None = None) -> Running:
+    """Start a node and its services in ``nursery``; its log lines go to ``lines``."""
+    node = Node(identity or Identity.generate(), options, out=lines.append)
+    return Running(await nursery.start(serve_daemon, node))
+
+
+async def wait_converged(nodes: list[Running] | list[Node], timeout: float = 20.0) -> None:
     """Until every node counts every node live; raises TooSlowError naming who lags."""
     try:
         with trio.fail_after(timeout):

@@ -7,13 +7,13 @@ from functools import partial
 import trio
 
 from ..net.faults import Faults
-from ..node import Node, NodeOptions
+from ..node import NodeOptions
 from ..relay.server import Relay, serve_relay
-from .inprocess import start_node, wait_converged
+from .inprocess import Running, start_node, wait_converged
 
 
 async def start_one_way_drop_mesh(nursery: trio.Nursery, lines: list[str], *,
-                                  dashboard: str = "127.0.0.1:0") -> dict[str, Node]:
+                                  dashboard: str = "127.0.0.1:0") -> dict[str, Running]:
     """orchestrator, stage-0 and stage-1 with a relay; stage-1's direct packets to the
     orchestrator are lost (``drop:stage-1->orchestrator``).  Every node serves a dashboard."""
     relay = Relay()
@@ -28,7 +28,7 @@ async def start_one_way_drop_mesh(nursery: trio.Nursery, lines: list[str], *,
     return nodes
 
 
-async def wait_asymmetric(node: Node, timeout: float = 30.0) -> dict:
+async def wait_asymmetric(node: Running, timeout: float = 30.0) -> dict:
     """Until ``node``'s topology shows an asymmetric pair and every pair reported; returns it."""
     from dashboard.views import topology
 

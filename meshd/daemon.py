@@ -1,0 +1,82 @@
+"""The composition root: one ``meshd run`` is a mesh node and the services of its role.
+
+This is the one module (besides the CLI) that knows both the mesh and the
+services.  It loads the pipeline service for the node's role (when it has a
+model) before the node serves and announces its names, so a stage whose name
+resolves can serve; then it starts the node, the service and the dashboard.
+``run_daemon`` owns the signals and the graceful leave.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import trio
+
+from .identity import Identity
+from .node import Node, NodeOptions
+
+if TYPE_CHECKING:
+    from .pipeline.service import Orchestrator, StageService
+
+
+@dataclass
+class Daemon:
+    """A running node and its services."""
+
+    node: Node
+    app: StageService | Orchestrator | None = None  # when the node has a model
+    dashboard_url: str | None = None
+    dashboard_token: str | None = None  # asked for when the dashboard is bound beyond loopback
+
+
+def _service(node: Node, options: NodeOptions) -> StageService | Orchestrator | None:
+    """The pipeline service of this node's role, its model loaded; None without a model."""
+    if options.model is None:
+        return None
+    from .pipeline.service import Orchestrator, StageService
+
+    if options.role == "orchestrator":
+        return Orchestrator(node, options.model, options.stages or 1)
+    assert options.stage is not None and options.stages is not None, "a stage knows its place"
+    return StageService(node, options.model, options.stage, options.stages)
+
+
+async def serve_daemon(node: Node, *,
+                       task_status: trio.TaskStatus[Daemon] = trio.TASK_STATUS_IGNORED) -> None:
+    """Run ``node`` and the services of its role until cancelled; reports the :class:`Daemon`."""
+    options, out = node.options, node.out
+    daemon = Daemon(node, _service(node, options))  # the model loads before anything serves
+    async with trio.open_nursery() as nursery:
+        await nursery.start(node.serve)
+        if daemon.app is not None:
+            await nursery.start(daemon.app.serve)
+        if options.dashboard is not None:
+            from dashboard.app import dashboard_token, serve_dashboard
+
+            daemon.dashboard_token = dashboard_token(options.dashboard)
+            generator = daemon.app if options.role == "orchestrator" else None  # the generation API
+            daemon.dashboard_url = await nursery.start(
+                serve_dashboard, node, options.dashboard, generator, daemon.dashboard_token)
+            out(f"meshd dashboard url={daemon.dashboard_url}"
+                + (f" token={daemon.dashboard_token}" if daemon.dashboard_token else ""))
+        task_status.started(daemon)
+
+
+async def run_daemon(identity: Identity, options: NodeOptions) -> int:
+    """``meshd run``: serve until SIGINT/SIGTERM, then leave and exit 0."""
+    node = Node(identity, options)
+    await node.bind()  # fail here, with a plain error (BindError), before any task starts
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            daemon: Daemon = await nursery.start(serve_daemon, node)
+            async for signum in signals:
+                print(f"meshd leaving ({signal.Signals(signum).name})", file=sys.stderr, flush=True)
+                with trio.move_on_after(1.5):
+                    await daemon.node.leave()
+                nursery.cancel_scope.cancel()
+                break
+    return 0

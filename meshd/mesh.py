@@ -1,0 +1,88 @@
+"""What a service sees of the mesh: the one interface the pipeline and the dashboard use.
+
+The services never reach into the node's protocol objects: they resolve
+names, look members up by run name, move bytes over the data channel, and
+read the node's snapshot, through :class:`Mesh`.  ``meshd.node.Node``
+implements it; tests may give a service any object that does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class MemberInfo:
+    """One member as a service needs it: who, under which run name, in which state."""
+
+    id: bytes
+    prefix: str
+    name: str  # "orchestrator" or "stage-K"
+    state: str  # "alive", "suspect", "dead" or "left"
+
+    @property
+    def live(self) -> bool:
+        return self.state in ("alive", "suspect")
+
+
+Handler = Callable[[bytes, bytes], Awaitable[None]]
+
+
+class Mesh(Protocol):
+    @property
+    def node_id(self) -> bytes: ...
+
+    @property
+    def name(self) -> str:
+        """Our own run name: ``orchestrator`` or ``stage-K``."""
+        ...
+
+    def resolve(self, name: str) -> bytes | None:
+        """The live owner of a registered name (``pp-stage-1``), or None."""
+        ...
+
+    def member(self, name: str) -> MemberInfo | None:
+        """The live member with this run name (``stage-1``), or None."""
+        ...
+
+    def members(self) -> list[MemberInfo]:
+        """Every member we know of, ourselves excluded, in any state."""
+        ...
+
+    def register_name(self, name: str) -> None: ...
+
+    def describe(self, node: bytes) -> str:
+        """``stage-2 (2b91108e)``: how logs and errors name a peer."""
+        ...
+
+    async def send(self, node: bytes, data: bytes, timeout: float) -> str:
+        """Deliver ``data`` and wait for its ack; returns the path that carried it."""
+        ...
+
+    async def post(self, node: bytes, data: bytes, timeout: float,
+                   on_error: Callable[[Exception], Awaitable[None]] | None = None) -> Any:
+        """Write ``data`` towards ``node`` without waiting for its ack; ``on_error`` hears of a
+        failure to deliver it within ``timeout``."""
+        ...
+
+    async def loopback(self, data: bytes) -> None:
+        """Hand ``data`` to our own ``dispatch`` handler, as if a peer had sent it."""
+        ...
+
+    async def dispatch(self, handler: Handler, *, inline: bool = False) -> None:
+        """Hand every data-channel message to ``handler(sender, data)`` until cancelled."""
+        ...
+
+    def path(self, node: bytes) -> str:
+        """The path our data to ``node`` takes now: ``direct`` or ``relay``."""
+        ...
+
+    def snapshot(self) -> dict[str, Any]:
+        """The JSON view of the node (what the snapshot dumper writes)."""
+        ...
+
+    def join(self, addrs: list[str]) -> None:
+        """Join (again) through ``addrs`` (HOST:PORT each)."""
+        ...
