@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 4  # 2: DataChunk.ack_now; 3: HeadInput, HeadPart; 4: stream handshake
+PROTOCOL_VERSION = 5  # 2: DataChunk.ack_now; 3: HeadInput, HeadPart; 4: stream handshake; 5: its epochs
 
 # A UDP datagram carries at most 65507 bytes of payload; we stay below it.
 MAX_PACKET_BYTES = 60_000
@@ -143,7 +143,7 @@ def _tuple_of(check: Callable[[Any], Any], limit: int) -> Callable[[Any], tuple]
     return checker
 
 
-def _nested(cls: type) -> Callable[[Any], Any]:
+def _nested(cls: type[_Record]) -> Callable[[Any], Any]:
     def checker(value: Any) -> Any:
         return cls.from_body(value)
 
@@ -162,7 +162,7 @@ class _Record:
         return [_plain(getattr(self, f.name)) for f in dataclasses.fields(self)]  # type: ignore[arg-type]
 
     @classmethod
-    def from_body(cls, body: Any):
+    def from_body(cls, body: Any) -> Any:
         fields = cls._fields_
         if type(body) is not list or len(body) != len(fields):
             raise WireError(f"{cls.__name__}: expected {len(fields)} fields")
@@ -232,6 +232,7 @@ class Message(_Record):
     # The message's encoding, filled on first use: a fact is piggybacked many
     # times, and the object is immutable, so it is packed once.
     __slots__ = ("_wire",)
+    _wire: bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -372,22 +373,26 @@ def _signature(value: Any) -> bytes:
 
 @dataclass(frozen=True, slots=True)
 class StreamChallenge(Message):
-    """The first frame on an accepted data stream: sign this to say who you are."""
+    """The first frame on an accepted data stream: sign this to say who you are.
+    ``epoch`` is the sender's process epoch (random per process: a new one means a restart)."""
 
     TAG = 19
     nonce: bytes
-    _fields_ = (_nonce,)
+    epoch: int
+    _fields_ = (_nonce, _counter)
 
 
 @dataclass(frozen=True, slots=True)
 class StreamProof(Message):
-    """The packet's sender signed the other end's nonce (see ``meshd.net.channel``);
-    ``nonce`` is the sender's own challenge back, for the dialler's first proof."""
+    """The packet's sender signed the other end's nonce and its own ``epoch`` (see
+    ``meshd.net.handshake``); ``nonce`` is the sender's own challenge back, for the
+    dialler's first proof."""
 
     TAG = 20
     nonce: bytes
     signature: bytes
-    _fields_ = (_nonce, _signature)
+    epoch: int
+    _fields_ = (_nonce, _signature, _counter)
 
 
 # --- path summaries: each node's own outbound view, gossiped for the topology ---

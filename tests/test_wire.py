@@ -82,9 +82,9 @@ EXAMPLES: dict[int, wire.Message] = {
         wire.PathEntry(NODE_B, "relay", 400, 3, "direct ping unanswered", 12_000),
         wire.PathEntry(SENDER, "direct", 0, 0, "", 0),
     )),
-    wire.StreamChallenge.TAG: wire.StreamChallenge(nonce=b"\x07" * wire.STREAM_NONCE_BYTES),
+    wire.StreamChallenge.TAG: wire.StreamChallenge(nonce=b"\x07" * wire.STREAM_NONCE_BYTES, epoch=2**63 - 1),
     wire.StreamProof.TAG: wire.StreamProof(nonce=b"\x08" * wire.STREAM_NONCE_BYTES,
-                                           signature=b"\x09" * wire.SIGNATURE_BYTES),
+                                           signature=b"\x09" * wire.SIGNATURE_BYTES, epoch=0),
 }
 
 

@@ -49,7 +49,9 @@ async def open_udp(bind: str) -> trio.socket.SocketType:
     return sock
 
 
-async def open_udp_and_tcp(bind: str, attempts: int = 20):
+async def open_udp_and_tcp(
+    bind: str, attempts: int = 20
+) -> tuple[trio.socket.SocketType, list[trio.SocketListener]]:
     """A UDP socket and TCP listeners on the same port (gossip and the data stream).
 
     With port 0, the port the kernel picks for UDP may be taken for TCP; then

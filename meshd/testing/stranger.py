@@ -15,7 +15,8 @@ import msgpack
 import trio
 
 from ..identity import Identity
-from ..net.channel import _frame, _proof_data, _read_packet
+from ..net.framing import FramingError, frame, read_packet
+from ..net.handshake import proof_data
 from ..wire import PROTOCOL_VERSION, RELAY_DATA, STREAM_NONCE_BYTES, DataChunk, Packet, StreamProof
 
 
@@ -44,25 +45,23 @@ def rss_bytes(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-async def open_data_stream(addr: str, identity: Identity, claimed: bytes | None = None
+async def open_data_stream(addr: str, identity: Identity, claimed: bytes | None = None, *, epoch: int = 1
                            ) -> tuple[trio.SocketStream, Packet | None]:
     """Dial a node's data port and run the stream handshake as ``claimed`` (default: our own
-    id), signing with ``identity``.  Returns the stream and the node's proof (None when it
-    refused us and closed the stream)."""
-    from ..net.channel import HandshakeError
-
+    id) in process ``epoch``, signing with ``identity``.  Returns the stream and the node's
+    proof (None when it refused us and closed the stream)."""
     claimed = claimed or identity.node_id
     host, _, port = addr.rpartition(":")
     stream = await trio.open_tcp_stream(host, int(port))
     try:
         buf = bytearray()
-        challenge = await _read_packet(stream, buf)
+        challenge = await read_packet(stream, buf)
         nonce = b"\x05" * STREAM_NONCE_BYTES
-        signature = identity.sign(_proof_data(challenge.messages[0].nonce, challenge.sender, claimed))
-        await stream.send_all(_frame(Packet(claimed, (StreamProof(nonce, signature),))))
+        signature = identity.sign(proof_data(challenge.messages[0].nonce, challenge.sender, claimed, epoch))
+        await stream.send_all(frame(Packet(claimed, (StreamProof(nonce, signature, epoch),))))
         try:
-            answer = await _read_packet(stream, buf)
-        except HandshakeError:
+            answer = await read_packet(stream, buf)
+        except FramingError:
             return stream, None
     except BaseException:
         await stream.aclose()
@@ -72,7 +71,7 @@ async def open_data_stream(addr: str, identity: Identity, claimed: bytes | None 
 
 def chunk_frame(sender: bytes, chunk: DataChunk) -> bytes:
     """One data-channel chunk as a stream frame."""
-    return _frame(Packet(sender, (chunk,)))
+    return frame(Packet(sender, (chunk,)))
 
 
 def relay_data(sender: bytes, chunk: DataChunk) -> bytes:

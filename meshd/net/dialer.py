@@ -1,0 +1,130 @@
+"""How the data channel reaches a peer: a dialled, proven stream, or the relay at a steady pace.
+
+Dial policy: one attempt at a time with a per-attempt timeout; a failed or
+broken stream is dropped, never reused, and the direct path is not dialled
+again for a backoff (doubling, with jitter) while the relay carries the data.
+The relay is paced below its per-client rate, so it never drops our chunks.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import trio
+
+from ..wire import RELAY_DATA
+from .handshake import HANDSHAKE_FAILURES, HandshakeError, LocalEnd, dial
+
+if TYPE_CHECKING:
+    from .channel import DataChannel
+
+# The relay may take this much ahead of its rate at once; past it, we keep to the rate.
+RELAY_BURST_S = 0.25
+
+
+class PathFailed(Exception):
+    """One attempt over one path failed; the reason goes into the DeliveryError."""
+
+
+@dataclass
+class Link:
+    """How we reach one peer: the stream we dialled, the path in use, the direct path's backoff."""
+
+    stream: trio.SocketStream | None = None
+    stream_lock: trio.Lock = field(default_factory=trio.Lock)  # whole frames, one at a time
+    dial_lock: trio.Lock = field(default_factory=trio.Lock)
+    path: str = "direct"
+    direct_retry_at: float = 0.0
+    dialing: bool = False  # a background re-probe of the direct path is under way
+    backoff: float = 0.0
+    last_failure: str | None = None
+
+    def direct_due(self) -> bool:
+        return trio.current_time() >= self.direct_retry_at
+
+
+class Dialer:
+    """Dials and proves streams to peers, backs off the direct path, and paces the relay."""
+
+    def __init__(self, channel: DataChannel) -> None:
+        self._ch = channel
+        self._relay_budget_at = 0.0
+
+    def back_off(self, link: Link) -> None:
+        """The direct path to ``link``'s peer failed: wait longer before dialling it again."""
+        cfg = self._ch.config
+        link.backoff = min(cfg.direct_backoff_max, max(cfg.direct_backoff, link.backoff * 2))
+        link.direct_retry_at = trio.current_time() + link.backoff * random.uniform(0.8, 1.2)
+
+    async def stream(self, node: bytes, link: Link) -> trio.SocketStream:
+        """``link``'s open stream, or a new one dialled to ``node`` and proven to be it.
+
+        A new stream gets a reader (acks come back on it) and is ``link.stream``
+        until it breaks.  Raises PathFailed saying why no stream could be had.
+        """
+        async with link.dial_lock:
+            if link.stream is not None:
+                return link.stream
+            addr = self._ch.addr_of(node)
+            if addr is None:
+                raise PathFailed("no known address")
+            stream = await self._connect(addr)
+            buf = bytearray()
+            ch = self._ch
+            timeout = ch.config.handshake_timeout
+            try:
+                with trio.fail_after(timeout):
+                    proven = await dial(stream, buf, node, LocalEnd(ch.id, ch.epoch, ch.sign))
+            except HANDSHAKE_FAILURES as exc:
+                ch.counters["handshake_failures"] += 1
+                await stream.aclose()
+                reason = str(exc) if isinstance(exc, HandshakeError) else (
+                    f"no handshake within {timeout:g}s"
+                    if isinstance(exc, trio.TooSlowError) else "the stream broke")
+                raise PathFailed(f"handshake with {addr} failed: {reason}") from None
+            ch._proven(proven)  # a restarted peer's sessions start again before this stream carries any
+            link.stream = stream
+            link.backoff = 0.0
+            ch._spawn(ch._read_dialled, node, stream, buf)
+            return stream
+
+    async def _connect(self, addr: str) -> trio.SocketStream:
+        self._ch.counters["dials"] += 1
+        timeout = self._ch.config.dial_timeout
+        host, _, port = addr.rpartition(":")
+        try:
+            with trio.fail_after(timeout):
+                if self._ch.faults.stream_blocked(addr):
+                    await trio.sleep_forever()  # the SYN goes nowhere, as behind a filter
+                return await trio.open_tcp_stream(host.strip("[]"), int(port))
+        except trio.TooSlowError:
+            self._ch.counters["dial_failures"] += 1
+            raise PathFailed(f"connect to {addr} timed out after {timeout:g}s") from None
+        except OSError as exc:
+            self._ch.counters["dial_failures"] += 1
+            raise PathFailed(f"connect to {addr} failed: {exc.strerror or exc}") from None
+
+    async def relay(self, node: bytes, frames: Iterable[bytes]) -> None:
+        """Send encoded packets to ``node`` through the relay, each as one relay frame."""
+        relay_send = self._ch.relay_send
+        if relay_send is None:
+            raise PathFailed("no relay configured")
+        if self._ch.faults.relay_blocked():
+            raise PathFailed("relay unreachable (isolated)")
+        for data in frames:
+            await self._pace(len(data))
+            try:
+                await relay_send(node, RELAY_DATA + data)
+            except Exception as exc:  # RelayError, RelayNotConnected
+                raise PathFailed(str(exc)) from None
+
+    async def _pace(self, n: int) -> None:
+        """Stay under the relay's per-client rate, so no chunk is dropped there."""
+        now = trio.current_time()
+        self._relay_budget_at = max(self._relay_budget_at, now) + n / self._ch.config.relay_rate
+        ahead = self._relay_budget_at - now
+        if ahead > RELAY_BURST_S:  # let a burst through, then keep to the rate
+            await trio.sleep(ahead - RELAY_BURST_S)

@@ -1,0 +1,270 @@
+"""The receiving half of the data channel: read frames, acknowledge them, hand messages over.
+
+Chunks from a stream or the relay go to the reassembler, which releases
+whole messages in order; acks go back the way the chunks came, held up to
+``ack_delay`` so that a burst's acks share a frame.  Messages go to the
+``dispatch`` handler (one task at a time per sender, in order), or onto
+``received`` while none is set.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+import trio
+
+from ..wire import MAX_FRAME_BYTES, RELAY_DATA, DataAck, DataChunk, Packet, WireError, decode, encode
+from .framing import RECV_BYTES, next_frame, prefixed, write_frame
+from .reassembly import ChunkError
+
+if TYPE_CHECKING:
+    from .channel import DataChannel
+
+log = logging.getLogger("meshd.channel")
+
+ACKS_PER_PACKET = 256
+MAX_BACKLOG = 1024  # messages from one sender waiting for its handler before its reader waits too
+
+Handler = Callable[[bytes, bytes], Awaitable[None]]
+# Where acks are owed: the peer, and the stream they go back on (None: the relay).
+_AckRoute = tuple[bytes, trio.SocketStream | None]
+
+
+class Receiver:
+    """Reads what peers send us, acknowledges it, and gives whole messages to their consumer."""
+
+    def __init__(self, channel: DataChannel) -> None:
+        self._ch = channel
+        self._recv_send, self.received = trio.open_memory_channel[tuple[bytes, bytes]](
+            channel.config.receive_queue
+        )
+        self._handler: Handler | None = None
+        self._inline = False
+        self._backlogs: dict[bytes, deque[bytes]] = {}  # per sender: delivered, not yet handled
+        self._running: dict[bytes, trio.Event] = {}  # senders whose backlog a task is running
+        self._owed: dict[_AckRoute, list[DataAck]] = {}
+
+    # ------------------------------------------------------------- reading
+
+    async def read_stream(self, stream: trio.SocketStream, expect: bytes, buf: bytearray) -> None:
+        """Read frames from ``expect`` until the stream ends or breaks the protocol; whatever
+        handling a frame raises drops this stream only, counted and logged, never the node."""
+        try:
+            await self._read_frames(stream, expect, buf)
+        except Exception:
+            self._ch.counters["reader_errors"] += 1
+            log.exception("data stream from %s dropped: its frames could not be handled",
+                          self._ch.describe(expect))
+
+    async def _read_frames(self, stream: trio.SocketStream, expect: bytes, buf: bytearray) -> None:
+        """Read frames from ``expect`` until the stream ends; acks go back on the same stream.
+
+        Every frame that one read brings is handled, its messages delivered,
+        and then one packet acknowledges all of them.  ``buf`` holds what the
+        handshake read past its last frame.
+        """
+        while True:
+            acks: list[DataAck] = []
+            ready: list[tuple[bytes, bytes]] = []
+            urgent, bad = self._take_frames(buf, expect, acks, ready)
+            # What came whole before a bad frame is ours: the reassembler has moved past it,
+            # so it is acked and handed over even when the stream is then dropped.
+            # Acks first: they say "received", whatever the handlers then take.
+            if acks:
+                await self._owe_acks(expect, acks, stream, urgent)
+            await self._hand_over(ready, reader=True)
+            if bad:
+                return
+            try:
+                data = await stream.receive_some(RECV_BYTES)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return
+            if not data:
+                return
+            buf += data
+
+    def _take_frames(self, buf: bytearray, expect: bytes, acks: list[DataAck],
+                     ready: list[tuple[bytes, bytes]]) -> tuple[bool, bool]:
+        """Take every whole frame in ``buf`` (see ``_take``); returns (an ack is asked for at once,
+        a frame broke the protocol and the stream is to be dropped)."""
+        urgent = False
+        while True:
+            try:
+                data = next_frame(buf)
+                if data is None:
+                    return urgent, False
+                packet = decode(data, MAX_FRAME_BYTES)
+            except WireError:
+                self._ch.counters["bad_frames"] += 1
+                return urgent, True  # not our protocol
+            if packet.sender != expect:
+                self._ch.counters["bad_frames"] += 1
+                return urgent, True
+            if self._ch._blocked(packet.sender):
+                # A filter on this link would have stopped the handshake.
+                self._ch.counters["streams_refused"] += 1
+                return urgent, True
+            urgent = self._take(packet, acks, ready) or urgent
+
+    async def on_relay_payload(self, src: bytes, payload: bytes) -> None:
+        """A relay frame whose first byte is RELAY_DATA."""
+        try:
+            packet = decode(payload[1:], MAX_FRAME_BYTES)
+        except WireError:
+            self._ch.counters["bad_frames"] += 1
+            return
+        if packet.sender != src:
+            self._ch.counters["bad_frames"] += 1  # the relay vouches for src, not for the claim
+            return
+        acks: list[DataAck] = []
+        ready: list[tuple[bytes, bytes]] = []
+        urgent = self._take(packet, acks, ready)
+        if acks:
+            await self._owe_acks(src, acks, None, urgent)
+        await self._hand_over(ready)
+
+    def _take(self, packet: Packet, acks: list[DataAck], ready: list[tuple[bytes, bytes]]) -> bool:
+        """Take acks and chunks: adds the acks we owe to ``acks`` and whole messages, in order, to
+        ``ready``.  True when one of those acks is asked for at once."""
+        sender = packet.sender
+        urgent = False
+        for msg in packet.messages:
+            if isinstance(msg, DataAck):
+                self._ch._sender.on_ack(sender, msg)
+            elif isinstance(msg, DataChunk):
+                try:
+                    ack, whole = self._ch.reassembler.accept(sender, msg, trio.current_time())
+                except ChunkError as exc:
+                    self._ch.counters["bad_frames"] += 1
+                    log.warning("data from %s refused: %s", self._ch.describe(sender), exc)
+                    return urgent
+                if ack:
+                    acks.append(DataAck(msg.session, msg.msg_id))
+                    if msg.ack_now:
+                        urgent = True
+                ready.extend((sender, data) for data in whole)
+        return urgent
+
+    # ------------------------------------------------------------- acks
+
+    async def _owe_acks(
+        self, node: bytes, acks: list[DataAck], stream: trio.SocketStream | None, now: bool
+    ) -> None:
+        """Acknowledge within ``ack_delay`` (so a burst's acks share a frame), or at once."""
+        route = (node, stream)
+        delay = self._ch.config.ack_delay
+        if now or delay <= 0:
+            await self._send_acks(node, self._owed.pop(route, []) + acks, stream)
+            return
+        owed = self._owed.get(route)
+        if owed is None:
+            owed = self._owed[route] = []
+            self._ch._spawn(self._flush_acks, route, delay)
+        owed.extend(acks)
+
+    async def _flush_acks(self, route: _AckRoute, delay: float) -> None:
+        await trio.sleep(delay)
+        acks = self._owed.pop(route, None)
+        if acks:
+            await self._send_acks(route[0], acks, route[1])
+
+    async def _send_acks(self, node: bytes, acks: list[DataAck], stream: trio.SocketStream | None) -> None:
+        ch = self._ch
+        for start in range(0, len(acks), ACKS_PER_PACKET):
+            data = encode(Packet(ch.id, tuple(acks[start:start + ACKS_PER_PACKET])))
+            try:
+                if stream is not None:
+                    await write_frame(ch._sender.link(node).stream_lock, stream, prefixed(data))
+                elif ch.relay_send is not None and not ch.faults.relay_blocked():
+                    await ch.relay_send(node, RELAY_DATA + data)
+            except Exception as exc:  # the sender resends; its copy will be acked again
+                log.debug("acks %d.. to %s lost: %s", acks[start].msg_id, ch.describe(node), exc)
+                return
+
+    # ------------------------------------------------------------- handing over
+
+    async def _hand_over(self, ready: list[tuple[bytes, bytes]], *, reader: bool = False,
+                         wait: bool = True) -> None:
+        """Give messages, released in order by the reassembler, to their consumer.
+
+        Without a handler: onto ``received``.  With one (``dispatch``): each
+        message joins its sender's backlog, all of them before anything can
+        run, and one task at a time handles a sender's backlog, in order.
+
+        That task is a new one, so a slow handler (a long prefill) never stops
+        a stream being read and acked; or, for a handler dispatched with
+        ``inline=True`` (it promises to hand long work to a task of its own),
+        the stream's ``reader`` itself, which saves a trip through the
+        scheduler per message: on a pipeline's critical path, one per hop.
+        A reader waits while its sender's backlog runs elsewhere or holds
+        MAX_BACKLOG messages (``wait``); the relay's loop only at MAX_BACKLOG.
+        """
+        if not ready:
+            return
+        self._ch.counters["delivered"] += len(ready)
+        handler = self._handler
+        if handler is None:
+            for sender, data in ready:
+                await self._recv_send.send((sender, data))
+            return
+        for sender, data in ready:
+            self._backlogs.setdefault(sender, deque()).append(data)
+        inline = reader and self._inline
+        for sender in dict.fromkeys(sender for sender, _ in ready):
+            backlog = self._backlogs[sender]
+            running = self._running.get(sender)
+            if running is None:
+                done = self._running[sender] = trio.Event()
+                if inline:
+                    await self._run_backlog(sender, handler, backlog, done)
+                else:
+                    self._ch._spawn(self._run_backlog, sender, handler, backlog, done)
+            elif wait and (inline or len(backlog) > MAX_BACKLOG):
+                await running.wait()
+
+    async def _run_backlog(self, sender: bytes, handler: Handler, backlog: deque[bytes], done: trio.Event
+                           ) -> None:
+        try:
+            while backlog:
+                data = backlog.popleft()
+                try:
+                    await handler(sender, data)
+                except Exception:  # one message's failure must not stop the rest
+                    log.exception("handling a message from %s failed", self._ch.describe(sender))
+        finally:
+            del self._running[sender]
+            if not backlog:
+                self._backlogs.pop(sender, None)
+            done.set()
+
+    async def dispatch(self, handler: Handler, *, inline: bool = False) -> None:
+        self._handler, self._inline = handler, inline
+        try:
+            while True:  # whatever reached ``received`` before, first
+                try:
+                    src, data = self.received.receive_nowait()
+                except trio.WouldBlock:
+                    break
+                self._ch.counters["delivered"] -= 1
+                await self._hand_over([(src, data)], wait=False)
+            await trio.sleep_forever()
+        finally:
+            self._handler = None
+
+    async def loopback(self, data: bytes) -> None:
+        if self._handler is None:
+            raise RuntimeError("loopback() delivers to the dispatch() handler, and none is set")
+        await self._hand_over([(self._ch.id, data)], wait=False)
+
+    async def expire_loop(self) -> None:
+        """Drop what peers left unfinished: a message nobody completes must not be held for ever."""
+        reassembler = self._ch.reassembler
+        while True:
+            await trio.sleep(reassembler.idle_expiry / 4)
+            dropped = reassembler.expire(trio.current_time())
+            if dropped:
+                log.info("dropped %d data-channel sessions that made no progress for %gs",
+                         dropped, reassembler.idle_expiry)

@@ -1,0 +1,393 @@
+"""The sending half of the data channel: per-peer sessions, the send window, and its supervisor.
+
+Every message to a peer carries its session and an id counting up from 1, so
+the receiver delivers it exactly once and in order whatever path each chunk
+took.  ``post`` writes a message at once where a path works; a task per peer
+(the supervisor) then sees each one acked, oldest first, sends again over
+whatever path works, and fails a message at its deadline.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from ..wire import MAX_FRAME_BYTES, DataAck, DataChunk, Packet, encode
+from .dialer import Dialer, Link, PathFailed
+from .framing import prefixed, write_frame, write_some
+
+if TYPE_CHECKING:
+    from .channel import DataChannel
+
+# One chunk size for every path, so chunks of a message resent over another
+# path line up with those already received.  It fits one relay frame.
+CHUNK_BYTES = 63 * 1024
+WINDOW = 256  # messages written ahead of the oldest unacked one
+
+
+class DeliveryError(Exception):
+    """A message could not be delivered in time; says to whom and over which paths."""
+
+
+@dataclass
+class Outgoing:
+    """One message on its way: written at once where it can be, then watched until acked."""
+
+    msg_id: int
+    data: bytes
+    timeout: float
+    deadline: float
+    session: int
+    on_error: Callable[[DeliveryError], Awaitable[None]] | None = None
+    urgent: bool = False  # the sender waits on it: ask for the ack at once
+    acked: trio.Event = field(default_factory=trio.Event)
+    done: trio.Event = field(default_factory=trio.Event)
+    written: str | None = None  # the path it was already written to, not yet acked
+    writing: bool = False  # post() is writing it now: nobody else should
+    path: str | None = None  # the path that delivered it
+    error: DeliveryError | None = None
+
+
+@dataclass
+class _Peer:
+    link: Link = field(default_factory=Link)
+    # Message ids count up per session; a new session starts the count again (see _renew).
+    session: int = field(default_factory=lambda: random.getrandbits(63))
+    next_id: int = 1
+    acks: dict[int, trio.Event] = field(default_factory=dict)
+    queue: deque[Outgoing] = field(default_factory=deque)  # unacked, oldest first
+    supervised: bool = False  # a task is watching the queue
+    retrying: bool = False  # the head of the queue failed a path: no writes ahead of it
+    sent: int = 0
+
+
+class Sender:
+    """Our sessions to every peer: what is on its way, and the task that sees it acked."""
+
+    def __init__(self, channel: DataChannel, dialer: Dialer) -> None:
+        self._ch = channel
+        self._dialer = dialer
+        self._peers: dict[bytes, _Peer] = {}
+
+    def _peer(self, node: bytes) -> _Peer:
+        peer = self._peers.get(node)
+        if peer is None:
+            peer = self._peers[node] = _Peer()
+        return peer
+
+    def link(self, node: bytes) -> Link:
+        return self._peer(node).link
+
+    def path(self, node: bytes) -> str:
+        """The path our messages to ``node`` take now ("direct" until we know better)."""
+        peer = self._peers.get(node)
+        return "direct" if peer is None else peer.link.path
+
+    def view(self, node: bytes) -> dict[str, Any]:
+        peer = self._peers.get(node)
+        if peer is None:
+            return {"data_out": None, "data_sent": 0, "data_last_failure": None}
+        link = peer.link
+        return {"data_out": link.path, "data_sent": peer.sent, "data_last_failure": link.last_failure}
+
+    def on_ack(self, node: bytes, ack: DataAck) -> None:
+        peer = self._peers.get(node)
+        if peer is None or ack.session != peer.session:
+            return  # not ours, or for an earlier session of ours with this peer
+        event = peer.acks.get(ack.msg_id)
+        if event is not None:
+            event.set()
+
+    def restart(self, node: bytes) -> None:
+        """``node`` runs a new process: nothing we sent its old one counts any more.
+
+        Its stream to the old process goes, and every unacked message is sent
+        again in a new session, which the new process numbers from 1 as we do.
+        A new process is also a new chance for the direct path: no backoff.
+        """
+        peer = self._peers.get(node)
+        if peer is None:
+            return
+        self.drop_stream(peer)
+        peer.link.backoff = peer.link.direct_retry_at = 0.0
+        self._renew(peer)
+
+    async def send(self, node: bytes, data: bytes, timeout: float) -> str:
+        item = await self.post(node, data, timeout, urgent=True)
+        await item.done.wait()
+        if item.error is not None:
+            raise item.error
+        assert item.path is not None
+        return item.path
+
+    async def post(
+        self,
+        node: bytes,
+        data: bytes,
+        timeout: float,
+        on_error: Callable[[DeliveryError], Awaitable[None]] | None = None,
+        *,
+        urgent: bool = False,
+    ) -> Outgoing:
+        peer = self._peer(node)
+        item = Outgoing(peer.next_id, data, timeout, trio.current_time() + timeout, peer.session, on_error,
+                        urgent)
+        peer.next_id += 1
+        # The one-frame message on an idle stream (every activation of a pipeline) goes into
+        # the socket before any bookkeeping: the peer starts reading it while we do that.
+        rest = self._write_now(peer, item)
+        peer.acks[item.msg_id] = item.acked
+        peer.queue.append(item)
+        if not peer.supervised:  # before writing: the item's deadline holds whatever happens
+            self._ch._spawn(self._supervise, node, peer)
+            peer.supervised = True
+        item.writing = True  # the supervisor, which may run while we wait, leaves it to us
+        try:
+            with trio.move_on_at(item.deadline):  # a peer that stops reading cannot hold us
+                await self._write_first(node, peer, item, rest)
+        finally:
+            item.writing = False
+        # The frames are out; now let the rest of the node run (acks, the supervisor).
+        await trio.lowlevel.checkpoint()
+        return item
+
+    async def _write_first(self, node: bytes, peer: _Peer, item: Outgoing, rest: bytes | None) -> None:
+        """Write ``item`` over the path in use, if nothing stands before it; a failure is left
+        to the supervisor, which finds it unwritten and sends it again."""
+        session = item.session
+        try:
+            if rest is not None:  # half a frame is in the socket: the rest before anything else
+                stream = peer.link.stream
+                assert stream is not None
+                await self._write_frames(peer, stream, [rest])
+                path: str | None = "direct"
+            elif item.written is None and not peer.retrying and len(peer.queue) <= WINDOW:
+                path, stream = self._choose(node, peer), peer.link.stream
+                if path == "direct" and stream is not None:
+                    await self._write_frames(peer, stream, self._framed(item))
+                elif path == "relay":
+                    await self._dialer.relay(node, self._frames(item))
+                else:
+                    path = None
+            else:
+                return
+        except PathFailed:
+            return  # the stream is dropped; the supervisor sends it again
+        if path is not None and item.session == session:  # not renumbered while we wrote
+            item.written = path
+
+    def _write_now(self, peer: _Peer, item: Outgoing) -> bytes | None:
+        """Write a one-frame message into an idle direct stream, without waiting for anything.
+
+        Sets ``item.written`` when the whole frame went; returns the bytes
+        still to write when only part of it did (the stream then holds half a
+        frame), else None (also when this path does not apply or failed: the
+        usual path, or the supervisor, sends it).
+        """
+        stream = peer.link.stream
+        if (stream is None or peer.retrying or peer.link.stream_lock.locked() or len(peer.queue) >= WINDOW
+                or len(item.data) > CHUNK_BYTES):
+            return None
+        frame = next(self._framed(item))
+        try:
+            sent = write_some(stream, frame)
+        except trio.BrokenResourceError:  # as _write_frames would
+            self.drop_stream(peer)
+            return None
+        if sent == 0:
+            return None
+        if sent == len(frame):
+            item.written = "direct"
+            return None
+        return frame[sent:]
+
+    async def _supervise(self, node: bytes, peer: _Peer) -> None:
+        """See each queued message acked, or failed at its deadline, oldest first."""
+        try:
+            while peer.queue:
+                item = peer.queue[0]
+                try:
+                    item.path = await self._deliver(node, peer, item)
+                    peer.link.path = item.path
+                    peer.sent += 1
+                    self._ch.counters["sent"] += 1
+                except DeliveryError as exc:
+                    item.error = exc
+                finally:
+                    peer.queue.popleft()
+                    peer.acks.pop(item.msg_id, None)
+                    peer.retrying = False
+                if item.error is not None:
+                    self._renew(peer)
+                item.done.set()
+                if item.error is not None and item.on_error is not None:
+                    await item.on_error(item.error)
+        finally:
+            peer.supervised = False
+
+    async def _deliver(self, node: bytes, peer: _Peer, item: Outgoing) -> str:
+        tried: list[str] = []
+        path = None
+        with trio.move_on_at(item.deadline):
+            while True:
+                if item.acked.is_set():
+                    return item.written or peer.link.path
+                if item.written is not None:
+                    path = item.written  # on the wire: wait for its ack
+                else:
+                    path = self._choose(node, peer)
+                    if tried:
+                        self._ch.counters["resent"] += 1
+                    try:
+                        await self._send_unwritten(node, peer, path)
+                    except PathFailed as exc:
+                        tried.append(f"{path}: {exc}")
+                        self._path_failed(peer, path, str(exc))
+                        if path == "relay" and not peer.link.direct_due():
+                            await trio.sleep(0.2)  # both down: don't spin
+                        continue
+                acked = item.acked
+                with trio.move_on_after(self._ch.config.ack_timeout):
+                    await acked.wait()
+                if item.acked.is_set():
+                    return path
+                if item.acked is not acked:
+                    continue  # renumbered into a new session (see _renew): send it again
+                reason = f"no ack within {self._ch.config.ack_timeout:g}s"
+                tried.append(f"{path}: {reason}")
+                self._path_failed(peer, path, reason)
+        if path is not None and not (tried and tried[-1].startswith(path)):
+            tried.append(f"{path}: no ack before the deadline")
+        raise DeliveryError(
+            f"could not deliver message {item.msg_id} ({len(item.data)} bytes) to {self._ch.describe(node)} "
+            f"within {item.timeout:g}s; tried: {'; '.join(tried[-6:]) or 'nothing (no path available)'}"
+        )
+
+    async def _send_unwritten(self, node: bytes, peer: _Peer, path: str) -> None:
+        """Write every message in the window that is not on the wire yet, over ``path``.
+
+        Not only the oldest: messages posted while it dialled would otherwise wait for its ack.
+        """
+        while (ahead := self._unwritten(peer)) is not None:
+            ahead.urgent = True  # a resend: learn soon whether this path works
+            if path == "direct":
+                stream = await self._dialer.stream(node, peer.link)
+                session = ahead.session
+                await self._write_frames(peer, stream, self._framed(ahead))
+            else:
+                session = ahead.session
+                await self._dialer.relay(node, self._frames(ahead))
+            if ahead.session == session:  # not renumbered while we wrote
+                ahead.written = path
+
+    @staticmethod
+    def _unwritten(peer: _Peer) -> Outgoing | None:
+        """The oldest message in the window that is neither on the wire, being written, nor acked."""
+        for item in itertools.islice(peer.queue, WINDOW):
+            if item.written is None and not item.writing and not item.acked.is_set():
+                return item
+        return None
+
+    def _renew(self, peer: _Peer) -> None:
+        """A new session with ``peer``, and every message in the queue in it, again.
+
+        After a message failed: the receiver delivers in id order, so it would
+        wait for the failed id for ever, holding (and acking) everything after
+        it.  After the peer restarted: its new process never saw our ids.
+        Either way none of the queued messages can have been delivered; in the
+        new session they are numbered from 1 and sent again, and the receiver
+        starts its count afresh.  A supervisor waiting on an old id's ack is
+        woken (its old event set) to send it again at once.
+        """
+        peer.session = random.getrandbits(63)
+        peer.acks.clear()
+        for n, item in enumerate(peer.queue, start=1):
+            old = item.acked
+            item.session, item.msg_id, item.written = peer.session, n, None
+            item.acked = peer.acks[n] = trio.Event()
+            old.set()
+        peer.next_id = len(peer.queue) + 1
+
+    def _choose(self, node: bytes, peer: _Peer) -> str:
+        link = peer.link
+        if link.stream is not None or self._ch.relay_send is None:
+            return "direct"
+        if link.path == "direct" and link.direct_due():
+            return "direct"
+        if link.direct_due() and not link.dialing:
+            # Re-probe direct in the background; the relay carries this message.
+            link.dialing = True
+            self._ch._spawn(self._probe_direct, node, peer)
+        return "relay"
+
+    async def _probe_direct(self, node: bytes, peer: _Peer) -> None:
+        try:
+            await self._dialer.stream(node, peer.link)
+        except PathFailed as exc:
+            self._path_failed(peer, "direct", str(exc))
+        else:
+            peer.link.path = "direct"
+        finally:
+            peer.link.dialing = False
+
+    def _path_failed(self, peer: _Peer, path: str, reason: str) -> None:
+        link = peer.link
+        link.last_failure = f"{path}: {reason}"
+        peer.retrying = True
+        for item in peer.queue:
+            if item.written == path:
+                item.written = None
+        if path == "direct":
+            self.drop_stream(peer)
+            self._dialer.back_off(link)
+            if self._ch.relay_send is not None:
+                link.path = "relay"
+
+    def drop_stream(self, peer: _Peer) -> None:
+        """Close the stream we dialled to ``peer``; what it carried unacked is sent again."""
+        stream, peer.link.stream = peer.link.stream, None
+        if stream is None:
+            return
+        for item in peer.queue:
+            if item.written == "direct":
+                item.written = None
+        self._ch._spawn(stream.aclose)
+
+    def stream_ended(self, node: bytes, stream: trio.SocketStream) -> None:
+        """The stream we dialled to ``node`` ended (its reader saw the end or a bad frame)."""
+        peer = self._peers.get(node)
+        if peer is not None and peer.link.stream is stream:
+            self.drop_stream(peer)
+
+    async def _write_frames(self, peer: _Peer, stream: trio.SocketStream, frames: Iterable[bytes]) -> None:
+        """Write length-prefixed ``frames`` whole; a stream left holding part of one is dropped."""
+        whole = False
+        try:
+            for data in frames:
+                await write_frame(peer.link.stream_lock, stream, data)
+            whole = True
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            raise PathFailed(f"stream broke while sending ({exc.__class__.__name__})") from None
+        finally:
+            if not whole and peer.link.stream is stream:
+                self.drop_stream(peer)  # it may hold half a frame: nothing after it would parse
+
+    def _frames(self, item: Outgoing) -> Iterator[bytes]:
+        """``item`` as encoded packets of one chunk each, all in the session it has now."""
+        session, msg_id, total = item.session, item.msg_id, len(item.data)
+        view = memoryview(item.data)
+        for offset in range(0, max(total, 1), CHUNK_BYTES):
+            chunk = bytes(view[offset:offset + CHUNK_BYTES])
+            msg = DataChunk(session, msg_id, total, offset, chunk, item.urgent)
+            yield encode(Packet(self._ch.id, (msg,)), MAX_FRAME_BYTES)
+
+    def _framed(self, item: Outgoing) -> Iterator[bytes]:
+        """``_frames`` as stream frames."""
+        for data in self._frames(item):
+            yield prefixed(data)
