@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from meshd.launch.process import BOOT_RE, MeshProcess, parse_stage_map
 from meshd.swim import LOCAL
-from meshd.testing.processes import BOOT_RE, MeshProcess, parse_stage_map, start_mesh, wait_converged
+from meshd.testing.processes import start_mesh, wait_converged
 
 pytestmark = pytest.mark.processes
 

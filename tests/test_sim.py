@@ -8,9 +8,9 @@ import pytest
 
 from meshd.cli import main
 from meshd.sim import Scenario, simulate
+from meshd.sim.memnet import MemNet
 from meshd.sim.network import Latency, SpecError
 from meshd.swim import Config
-from meshd.testing.memnet import MemNet
 
 SMALL = Scenario(nodes=24, periods=30, loss=0.05, crash=0.1, churn=0.02, asym=0.05, seed=7)
 

@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 import pytest
 
+from meshd.sim.memnet import MemNet, RelayPath, SimNode
 from meshd.swim import EventKind, State
-from meshd.testing.memnet import MemNet, RelayPath, SimNode
 from meshd.wire import Alive, Meta, Packet, Ping, Suspect
 
 SEED = 1

@@ -15,8 +15,9 @@ import ctypes
 import signal
 import socket
 import subprocess
+from collections.abc import Sequence
 
-from ..testing.processes import MeshProcess
+from .process import MeshProcess
 
 _PR_SET_PDEATHSIG = 1
 
@@ -53,7 +54,7 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
 class LocalProcess(MeshProcess):
     """A `meshd` child that dies with us."""
 
-    def __init__(self, name: str, args: list[str], env: dict | None = None,
+    def __init__(self, name: str, args: list[str], env: dict[str, str] | None = None,
                  prefix: list[str] | None = None) -> None:
         super().__init__(name, args, env, prefix=prefix, preexec_fn=_die_with_parent)
 
@@ -61,7 +62,7 @@ class LocalProcess(MeshProcess):
         return self.proc.poll() is None
 
 
-def stop_all(procs: list[MeshProcess], timeout: float = 5.0) -> int:
+def stop_all(procs: Sequence[MeshProcess], timeout: float = 5.0) -> int:
     """SIGTERM every process, wait, SIGKILL stragglers; returns how many were still alive after."""
     for p in procs:
         p.signal(signal.SIGTERM)

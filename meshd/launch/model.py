@@ -431,7 +431,7 @@ def step(run: Run, observations: Iterable[Observation], now: float) -> list[Acti
         actions.extend(_starts(run, now))
     else:
         _abort_unstarted(run, now)
-        actions.extend(_stops_for_run_end(run, now))
+        actions.extend(_stops_for_run_end(run, run.reason, now))
 
     actions.extend(_stop_dead_processes(run, now))
     actions.extend(_kills(run, now))
@@ -609,15 +609,16 @@ def _abort_unstarted(run: Run, now: float) -> None:
             _finish(job, Reason.ABORTED, now)
 
 
-def _stops_for_run_end(run: Run, now: float) -> list[Action]:
+def _stops_for_run_end(run: Run, ending: RunReason, now: float) -> list[Action]:
+    """Stop every job still up, for the reason ``ending`` (the run's) gives it."""
     actions: list[Action] = []
     for job in run.jobs:
         if job.status not in (JobStatus.PROVISIONING, JobStatus.RUNNING):
             continue  # finishing by itself, being stopped already, or finished: leave it be
-        if run.reason is RunReason.ALL_DONE:
+        if ending is RunReason.ALL_DONE:
             reason = Reason.RUN_DONE if job.is_aux else Reason.MASTER_DONE
         else:
-            reason = _JOB_STOP_REASON[run.reason]
+            reason = _JOB_STOP_REASON[ending]
         job.status = JobStatus.TERMINATING
         job.reason = reason
         job.stop_requested_at = now

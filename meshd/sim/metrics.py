@@ -3,7 +3,7 @@ helpers that keep the printed numbers stable (rounded, sorted)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from dataclasses import dataclass, field
 
 
@@ -30,7 +30,7 @@ class CrashTrack:
             if self.first_dead is None or at < self.first_dead:
                 self.first_dead = at
 
-    def finish(self, members: set[bytes], never_knew: set[bytes] = frozenset()) -> None:
+    def finish(self, members: Set[bytes], never_knew: Set[bytes] = frozenset()) -> None:
         """Members = nodes up at the end; the crashed node itself is not one.
 
         A member in ``never_knew`` (a late joiner that never heard of the node:

@@ -1,6 +1,6 @@
 """The simulated network under ``meshd sim``: latency laws and one-way blocked links.
 
-Built on :class:`meshd.testing.memnet.MemNet`, which runs the real SWIM core.
+Built on :class:`meshd.sim.memnet.MemNet`, which runs the real SWIM core.
 This module only decides how long a packet takes and which directions of
 which links are blocked, and whether a relay carries what a blocked direction
 cannot.
@@ -13,7 +13,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..testing.memnet import MemNet, SimNode
+from .memnet import MemNet, SimNode
 
 
 class SpecError(ValueError):

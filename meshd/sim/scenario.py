@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass, field, replace
 
 from ..identity import prefix
 from ..swim import PROFILES, EventKind
-from ..testing.memnet import MemNet, RelayPath, SimNode
 from ..wire import STATE_ALIVE, MemberState, Meta
+from .memnet import MemNet, RelayPath, SimNode
 from .metrics import CrashTrack, Spread, median, rounded
 from .network import Latency, block_one_way
 
@@ -85,31 +85,34 @@ class Result:
     # ------------------------------------------------------------ summaries
 
     def detection(self) -> dict:
-        done = [c for c in self.crashes if c.all_know is not None]
+        # (crash, when the last member knew it) for every crash all members learnt of
+        done = [(c, c.all_know) for c in self.crashes if c.all_know is not None]
         low, high = self.bounds
-        all_know = [c.all_know - c.at for c in done]
+        all_know = [known - c.at for c, known in done]
         first_suspect = [c.first_suspect - c.at for c in self.crashes if c.first_suspect is not None]
         phase = [c.first_dead - c.first_suspect for c in self.crashes
                  if c.first_dead is not None and c.first_suspect is not None]
-        spread = [c.all_know - c.first_dead for c in done if c.first_dead is not None]
+        spread = [known - c.first_dead for c, known in done if c.first_dead is not None]
         # Measured from the crash, all-know can never beat the min bound: the
         # suspicion timer alone lasts that long after the first suspicion.
         # From the first suspicion, it is the timer plus the death's spread.
-        from_suspect = [c.all_know - c.first_suspect for c in done if c.first_suspect is not None]
+        from_suspect = [known - c.first_suspect for c, known in done if c.first_suspect is not None]
+        median_all_know, median_from_suspect = median(all_know), median(from_suspect)
         return {
             "crashes": len(self.crashes),
             "unresolved": len(self.crashes) - len(done),
             "first_suspect_median_s": median(first_suspect),
             "suspicion_phase_median_s": median(phase),
             "dead_spread_median_s": median(spread),
-            "all_know_median_s": median(all_know),
+            "all_know_median_s": median_all_know,
             "all_know_max_s": max(all_know) if all_know else None,
-            "all_know_from_first_suspect_median_s": median(from_suspect),
+            "all_know_from_first_suspect_median_s": median_from_suspect,
             "all_know_from_first_suspect_max_s": max(from_suspect) if from_suspect else None,
             "all_within_max_bound": bool(self.crashes) and len(done) == len(self.crashes)
             and max(all_know) <= high,
-            "median_within_min_bound": bool(all_know) and median(all_know) <= low,
-            "median_from_first_suspect_within_min_bound": bool(from_suspect) and median(from_suspect) <= low,
+            "median_within_min_bound": median_all_know is not None and median_all_know <= low,
+            "median_from_first_suspect_within_min_bound": median_from_suspect is not None
+            and median_from_suspect <= low,
         }
 
     def dissemination(self) -> dict:
@@ -278,7 +281,8 @@ class _Run:
         crashed = self.crashed
         for o in log:
             ev = o.event
-            if ev.kind is EventKind.DEAD:
+            # A death or a suspicion always names its member; other events may name none.
+            if ev.kind is EventKind.DEAD and ev.node is not None:
                 track = crashed.get(ev.node)
                 if track is not None:
                     track.saw_dead(o.observer, o.at)
@@ -286,7 +290,7 @@ class _Run:
                     self.false_dead += 1
                     if ev.detail.get("by") == prefix(o.observer):
                         self.false_declarations += 1
-            elif ev.kind is EventKind.SUSPECT:
+            elif ev.kind is EventKind.SUSPECT and ev.node is not None:
                 track = crashed.get(ev.node)
                 if track is not None:
                     track.saw_suspect(o.at)

@@ -5,6 +5,12 @@ delay, lost with a per-direction probability, dropped one way, or
 duplicated; nodes crash and restart.  The same seed gives the same run,
 packet for packet.  Tests, the lossy-network checks and ``meshd sim`` drive
 the real :class:`meshd.swim.Swim` through it.
+
+It lives in ``meshd.sim`` and not in ``meshd.swim``: it is a driver of the
+core (a clock, an event queue and a network model), the counterpart of the
+trio driver in ``meshd.node``, not a part of the state machine.  The core
+takes bytes and time as arguments and has no transport of its own to stand
+in for, and ``meshd sim`` ships it to users, so it is product code.
 """
 
 from __future__ import annotations

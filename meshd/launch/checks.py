@@ -1,0 +1,93 @@
+"""What a smoke run is judged on: the tokens against ``meshd generate``, each direction's
+path and the pairs whose two directions differ, nodes cut off from the rest, and what
+teardown left behind.
+
+Everything here reads snapshots and numbers the driver collected; nothing starts,
+stops or asks a process anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+Snapshot = dict[str, Any]  # a node's /api/snapshot
+Member = dict[str, Any]  # one entry of a snapshot's "members"
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The generation compared with the single-process reference."""
+
+    tokens: list[int]  # meshd generate's
+    text: str  # the run's tokens, decoded
+    matches: bool
+
+
+def compare_with_reference(model: str, prompt: str, max_tokens: int, tokens: list[int]) -> Reference:
+    from ..pipeline.config import LlamaConfig
+    from ..pipeline.generate import generate
+    from ..pipeline.tokenizer import load_tokenizer
+
+    ref = generate(model, prompt, max_tokens)
+    config = LlamaConfig.load(model)
+    text = load_tokenizer(model, config.bos_token_id, config.eos_token_ids).decode(tokens)
+    return Reference(ref["tokens"], text, tokens == ref["tokens"])
+
+
+def cut_off(snaps: dict[str, Snapshot], prefixes: dict[str, str]) -> list[str]:
+    """Nodes that most of the others do not see alive (e.g. an isolated one), by run name."""
+    names = list(snaps)
+    seen = {n: 0 for n in names}
+    for snap in snaps.values():
+        for m in snap["members"]:
+            other = prefixes.get(m["prefix"])
+            if other in seen and m["state"] == "alive":
+                seen[other] += 1
+    return [n for n in names if seen[n] * 2 < len(names) - 1]
+
+
+def paths(snaps: dict[str, Snapshot], prefixes: dict[str, str]) -> tuple[list[dict], list[dict]]:
+    """Each ordered pair's path, from each node's own outbound view; and the asymmetric pairs."""
+    table: dict[tuple[str, str], Member] = {}
+    for name, snap in snaps.items():
+        for m in snap["members"]:
+            other = prefixes.get(m["prefix"])
+            if other is None:
+                continue
+            table[(name, other)] = m
+    every = [{"from": a, "to": b, "path": "relay" if _uses_relay(m) else m["path_out"],
+              "datagrams": m["path_out"], "data": m.get("data_out"),
+              "rtt_ms": m.get("rtt_ms"), "why": m.get("last_failure"), "relay_ok": m.get("relay_ok"),
+              "direct_failures": m.get("direct_failures")}
+             for (a, b), m in sorted(table.items())]
+    asymmetric = []
+    for (a, b), m in sorted(table.items()):
+        back = table.get((b, a))
+        if back is None or a > b:
+            continue
+        if m["path_out"] != back["path_out"] or _uses_relay(m) != _uses_relay(back):
+            asymmetric.append({"from": a, "to": b, "detail": f"{_side(a, b, m)}; {_side(b, a, back)}"})
+    return every, asymmetric
+
+
+def _uses_relay(m: Member) -> bool:
+    """Either layer of this direction (datagrams, or the data stream) goes via the relay."""
+    return "relay" in (m["path_out"], m.get("data_out"))
+
+
+def _side(a: str, b: str, m: Member) -> str:
+    """One direction in a line: ``stage-2→stage-0: relay (why)`` or ``…: direct, 0.4 ms``."""
+    if not _uses_relay(m):
+        rtt = f", {m['rtt_ms']:.1f} ms" if m.get("rtt_ms") is not None else ""
+        return f"{a}→{b}: direct{rtt}"
+    why = m.get("data_last_failure") if m.get("data_out") == "relay" else None
+    why = why or m.get("last_failure")
+    layer = "" if m["path_out"] == "relay" else " (data; datagrams direct)"
+    return f"{a}→{b}: relay{layer}" + (f", because {why}" if why else "")
+
+
+def leftovers(processes_alive: int, testbed_left: int, tmp: Path) -> int:
+    """What teardown left behind: processes still alive, testbed pieces, the run's temp dir."""
+    return processes_alive + testbed_left + int(tmp.exists())

@@ -1,0 +1,131 @@
+"""The run model's actions carried out on processes, and what the processes did fed back to it.
+
+:func:`meshd.launch.model.step` decides; :class:`JobDriver` starts, signals and
+watches the processes and saves the run after each step, so ``meshd ps`` in
+another process sees every change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from .failure import Failure, Kind, RunFailed
+from .local import LocalProcess, stop_all
+from .model import (
+    Exited,
+    Finishing,
+    Kill,
+    Lost,
+    Observation,
+    Run,
+    Running,
+    RunReason,
+    Start,
+    Started,
+    Stop,
+    StopJob,
+    StopRun,
+    step,
+)
+from .report import Progress
+from .state import save_run
+
+# (name, argv, env) -> the started process: the provider's way of starting a job.
+Spawn = Callable[[str, list[str], dict[str, str] | None], LocalProcess]
+
+
+class JobDriver:
+    def __init__(self, run: Run, run_dir: Path, argvs: dict[str, list[str]], envs: dict[str, dict[str, str]],
+                 progress: Progress, spawn: Spawn = LocalProcess) -> None:
+        self.run, self.run_dir, self.argvs, self.envs = run, run_dir, argvs, envs
+        self.spawn = spawn
+        self.progress = progress
+        self.procs: dict[str, LocalProcess] = {}
+        self._exited: set[str] = set()
+        self._running: set[str] = set()
+
+    def observe(self, *observations: Observation) -> None:
+        pending = list(observations)
+        while True:
+            actions = step(self.run, pending, time.time())
+            pending = []
+            for action in actions:
+                if isinstance(action, Start):
+                    self.progress.update(f"starting {action.job}")
+                    proc = self.spawn(action.job, self.argvs[action.job], self.envs.get(action.job))
+                    self.procs[action.job] = proc
+                    pending.append(Started(action.job, proc.proc.pid))
+                elif isinstance(action, Stop) and action.job in self.procs:
+                    self.procs[action.job].signal(signal.SIGTERM)
+                elif isinstance(action, Kill) and action.job in self.procs:
+                    self.procs[action.job].signal(signal.SIGKILL)
+            save_run(self.run, self.run_dir)
+            if not pending:
+                return
+
+    def poll(self) -> None:
+        """Report processes that came up or went away since the last look."""
+        seen: list[Observation] = []
+        for name, proc in self.procs.items():
+            if name not in self._running and name != "relay" and proc.boot is None:
+                with contextlib.suppress(TimeoutError, RuntimeError):
+                    proc.wait_boot(0.01)
+            if name not in self._running and (proc.boot is not None or (name == "relay" and proc.lines)):
+                self._running.add(name)
+                peer = proc.boot.prefix if proc.boot is not None else None
+                address = proc.boot.addr if proc.boot is not None else None
+                seen.append(Running(name, address, peer))
+            if name not in self._exited and not proc.alive():
+                self._exited.add(name)
+                seen.append(Exited(name, proc.proc.returncode))
+        if seen:
+            self.observe(*seen)
+
+    def wait_started(self, names: list[str], timeout: float) -> None:
+        """Drive the startup order until every named job is up; RunFailed names a laggard."""
+        deadline = time.monotonic() + timeout
+        while not all(n in self._running for n in names):
+            self.poll()
+            for n, proc in self.procs.items():
+                if not proc.alive():
+                    why = f"{n} exited while starting: {' | '.join(proc.lines[-3:])}"
+                    raise RunFailed(Failure.exited(n, proc.proc.returncode, why))
+            if time.monotonic() > deadline:
+                late = [n for n in names if n not in self._running]
+                raise RunFailed(Failure.timeout(f"not started within {timeout:g}s: {', '.join(late)}"))
+            time.sleep(0.05)
+
+    def record(self, failure: Failure) -> None:
+        """Tell the run model why the run failed, so statuses and ``meshd ps`` say it."""
+        if failure.kind is Kind.LOST and failure.job in self.procs and failure.detail is not None:
+            self.observe(Lost(failure.job, failure.detail))
+        elif failure.kind is Kind.STOPPED:
+            self.observe(StopRun(RunReason.INTERRUPTED))
+        else:
+            self.observe(StopRun(RunReason.STOPPED_BY_USER))
+
+    def finish(self, timeout: float = 8.0) -> int:
+        """Let every job end (per the stop criteria), then make sure; returns processes left alive."""
+        master = self.procs.get("orchestrator")
+        if master is not None and master.alive() and not self.run.reason:
+            # The master's work is done: it finishes normally (master-done stops the workers).
+            self.observe(Finishing("orchestrator"))
+            master.signal(signal.SIGTERM)
+            if self.run.stop_criteria == "all-done":
+                for job in self.run.workers:
+                    if job.name in self.procs and self.procs[job.name].alive():
+                        self.observe(Finishing(job.name))
+                        self.procs[job.name].signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and any(p.alive() for p in self.procs.values()):
+            self.poll()
+            if not self.run.reason and all(not p.alive() for n, p in self.procs.items() if n != "relay"):
+                self.observe(StopJob("relay"))
+            time.sleep(0.05)
+        left = stop_all(list(self.procs.values()))
+        self.poll()
+        return left

@@ -1,0 +1,127 @@
+"""What a smoke run tells a person and a script: live progress on a terminal, the summary
+lines, and the ``--json`` object.
+
+The JSON object's keys and their order are a contract (``smoke-run --json`` in
+CONTRACT.md): :meth:`Outcome.to_json` is the one place that writes it, and the summary
+is read from that object, so the two always agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .failure import Failure, Kind
+
+
+class Progress:
+    """Live progress on a terminal; silent otherwise (and with --json)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._status: Any = None
+        if enabled:
+            from rich.console import Console
+
+            self.console = Console(stderr=True)
+            self._status = self.console.status("starting")
+            self._status.start()
+
+    def update(self, text: str) -> None:
+        if self._status is not None:
+            self._status.update(text)
+
+    def log(self, text: str) -> None:
+        if self.enabled:
+            self.console.log(text)
+
+    def stop(self) -> None:
+        if self._status is not None:
+            self._status.stop()
+
+
+@dataclass
+class Generated:
+    """A generation that ran to its end, and what the checks made of it."""
+
+    tokens: list[int]
+    text: str
+    reference_tokens: list[int]
+    matches_reference: bool
+    stage_map: dict[str, str]  # node id prefix -> run name
+    paths: list[dict]
+    asymmetric: list[dict]
+    converge_s: float
+    first_token_s: float | None
+    tokens_per_s: float | None
+
+
+@dataclass
+class Outcome:
+    """Everything the report says about one run; filled in as the run goes."""
+
+    stages: int
+    failure: Failure | None = None
+    testbed: dict | None = None  # the netns provider's layout
+    run: str | None = None  # the run's name in the run dir
+    generated: Generated | None = None
+    leftovers: int = 0
+    run_status: str | None = None
+    jobs: dict[str, str] | None = None  # job -> its status message
+    total_s: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None and self.generated is not None and self.leftovers == 0
+
+    @property
+    def exit_code(self) -> int:
+        if self.failure is not None and self.failure.kind is Kind.STOPPED:
+            return 130
+        return 0 if self.ok else 1
+
+    def to_json(self) -> dict[str, Any]:
+        failure = self.failure
+        status = "done" if failure is None and self.generated is not None else "failed"
+        out: dict[str, Any] = {"ok": self.ok, "status": failure.status if failure else status,
+                               "reason": failure.reason if failure else None, "stages": self.stages}
+        if self.testbed is not None:
+            out["testbed"] = self.testbed
+        if self.run is not None:
+            out["run"] = self.run
+        if (g := self.generated) is not None:
+            out.update({
+                "tokens": g.tokens, "text": g.text, "reference_tokens": g.reference_tokens,
+                "matches_reference": g.matches_reference, "stage_map": g.stage_map, "paths": g.paths,
+                "asymmetric": g.asymmetric,
+                "timings": {"converge_s": round(g.converge_s, 3),
+                            "first_token_s": None if g.first_token_s is None else round(g.first_token_s, 3),
+                            "tokens_per_s": g.tokens_per_s,
+                            "total_s": None if self.total_s is None else round(self.total_s, 3)},
+            })
+        out["leftovers"] = self.leftovers
+        if self.run_status is not None:
+            out["run_status"] = self.run_status
+            out["jobs"] = self.jobs
+        return out
+
+
+def summary(result: dict[str, Any]) -> str:
+    """The lines a person reads at the end of a run, from the JSON object."""
+    reason = f" ({result['reason']})" if result.get("reason") else ""
+    lines = [f"smoke-run: {result['status']}{reason}"]
+    if result.get("stage_map"):
+        lines.append("stage map: " + " ".join(f"{p}={n}" for p, n in result["stage_map"].items()))
+    lines += [f"asymmetric: {a['detail']}" for a in result.get("asymmetric", [])]
+    relayed = [f"{p['from']}→{p['to']}" for p in result.get("paths", []) if p["path"] != "direct"]
+    if result.get("paths"):
+        lines.append(f"paths: {len(result['paths']) - len(relayed)} direct"
+                     + (f", via relay: {', '.join(relayed)}" if relayed else ""))
+    if "tokens" in result:
+        t = result["timings"]
+        lines.append(f"generated {len(result['tokens'])} tokens; matches meshd generate: "
+                     f"{'yes' if result['matches_reference'] else 'NO'}")
+        lines.append(f"converge {t['converge_s']}s, first token {t['first_token_s']}s, "
+                     f"{t['tokens_per_s']} tokens/s")
+    lines.append(f"leftovers: {result['leftovers']}")
+    return "\n".join(lines)
