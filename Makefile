@@ -1,12 +1,12 @@
 # Two entry points, both self-contained on a fresh clone:
 #   make demo   set up .venv, then a 3-stage smoke run on loopback
-#   make test   set up .venv with the test extra, then lint and run the tests
+#   make test   set up .venv with the test extra, then lint, type-check and run the tests
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint clean
+.PHONY: demo test test-fast lint typecheck clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -22,8 +22,15 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check meshd dashboard tests scripts bench
 
-test: $(STAMP) lint
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+test: $(STAMP) lint typecheck
 	$(BIN)/python -m pytest -q
+
+# Everything but the real-process, netns and browser tests: a quick check while editing.
+test-fast: $(STAMP) lint typecheck
+	$(BIN)/python -m pytest -q -m "not processes and not netns and not browser"
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -35,12 +35,12 @@ async def start_node(nursery: trio.Nursery, options: NodeOptions, lines: list[st
 
 async def wait_converged(nodes: list[Running] | list[Node], timeout: float = 20.0) -> None:
     """Until every node counts every node live; raises TooSlowError naming who lags."""
+    cores = [n.core for n in nodes]
     try:
         with trio.fail_after(timeout):
-            while not all(n.swim.live_count() == len(nodes) for n in nodes):
+            while not all(c.live_count() == len(nodes) for c in cores):
                 await trio.sleep(0.05)
     except trio.TooSlowError:
-        lagging = [f"{n.swim.me.name} sees {n.swim.live_count()}" for n in nodes
-                   if n.swim.live_count() != len(nodes)]
+        lagging = [f"{c.me.name} sees {c.live_count()}" for c in cores if c.live_count() != len(nodes)]
         raise trio.TooSlowError(f"no convergence of {len(nodes)} nodes in {timeout:g}s: "
                                 + ", ".join(lagging)) from None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 import trio
 
@@ -18,11 +19,15 @@ async def start_one_way_drop_mesh(nursery: trio.Nursery, lines: list[str], *,
     orchestrator are lost (``drop:stage-1->orchestrator``).  Every node serves a dashboard."""
     relay = Relay()
     host, port = await nursery.start(partial(serve_relay, relay=relay), "127.0.0.1", 0)
-    opts = dict(profile="local", relay=f"ws://{host}:{port}", stages=2, dashboard=dashboard)
-    orch = await start_node(nursery, NodeOptions(role="orchestrator", **opts), lines)
-    s0 = await start_node(nursery, NodeOptions(stage=0, seeds=[orch.addr], **opts), lines)
-    s1 = await start_node(nursery, NodeOptions(stage=1, seeds=[s0.addr],
-                                               faults=Faults.parse([f"drop:{orch.addr}"]), **opts), lines)
+    relay_url = f"ws://{host}:{port}"
+
+    def options(**more: Any) -> NodeOptions:
+        return NodeOptions(profile="local", relay=relay_url, stages=2, dashboard=dashboard, **more)
+
+    orch = await start_node(nursery, options(role="orchestrator"), lines)
+    s0 = await start_node(nursery, options(stage=0, seeds=[orch.addr]), lines)
+    drop = Faults.parse([f"drop:{orch.addr}"])
+    s1 = await start_node(nursery, options(stage=1, seeds=[s0.addr], faults=drop), lines)
     nodes = {"orchestrator": orch, "stage-0": s0, "stage-1": s1}
     await wait_converged(list(nodes.values()))
     return nodes

@@ -17,7 +17,15 @@ import trio
 from ..identity import Identity
 from ..net.framing import FramingError, frame, read_packet
 from ..net.handshake import proof_data
-from ..wire import PROTOCOL_VERSION, RELAY_DATA, STREAM_NONCE_BYTES, DataChunk, Packet, StreamProof
+from ..wire import (
+    PROTOCOL_VERSION,
+    RELAY_DATA,
+    STREAM_NONCE_BYTES,
+    DataChunk,
+    Packet,
+    StreamChallenge,
+    StreamProof,
+)
 
 
 def raw_packet(sender: bytes, *messages: tuple[int, list]) -> bytes:
@@ -56,8 +64,10 @@ async def open_data_stream(addr: str, identity: Identity, claimed: bytes | None 
     try:
         buf = bytearray()
         challenge = await read_packet(stream, buf)
+        (asked,) = challenge.messages
+        assert isinstance(asked, StreamChallenge), f"the node opened with {type(asked).__name__}"
         nonce = b"\x05" * STREAM_NONCE_BYTES
-        signature = identity.sign(proof_data(challenge.messages[0].nonce, challenge.sender, claimed, epoch))
+        signature = identity.sign(proof_data(asked.nonce, challenge.sender, claimed, epoch))
         await stream.send_all(frame(Packet(claimed, (StreamProof(nonce, signature, epoch),))))
         try:
             answer = await read_packet(stream, buf)
