@@ -1,0 +1,53 @@
+"""Reading a request's JSON body and answering errors, for every endpoint of the app.
+
+The guard (``guard.DashboardGuard``) has already bounded the body's size and
+nesting; what is left here is its shape and each field's type and range.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, cast
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+MAX_BODY_BYTES = 1 << 20
+
+
+class BadRequest(ValueError):
+    """A body or field the endpoint cannot take; the message says which and why (a 400)."""
+
+
+def error(status: int, message: str, **extra: Any) -> JSONResponse:
+    return JSONResponse({"error": message, **extra}, status_code=status)
+
+
+async def json_body(request: Request) -> dict:
+    """The body as a JSON object, read as UTF-8 text."""
+    raw = await request.body()
+    try:
+        body = json.loads(raw.decode("utf-8") or "null")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("body must be a JSON object")
+    return body
+
+
+def field(body: dict, name: str, kind: type, default: Any, *, low: float | None = None,
+          high: float | None = None) -> Any:
+    """``body[name]`` of type ``kind`` (an int is taken for a float), within [low, high]."""
+    value: Any = body.get(name, default)
+    if kind is float and type(value) is int:
+        value = float(value)
+    if type(value) is not kind:
+        raise BadRequest(f"{name!r} must be {kind.__name__}")
+    if kind in (int, float):
+        number = cast(float, value)
+        if kind is float and not math.isfinite(number):
+            raise BadRequest(f"{name!r} must be finite")
+        if (low is not None and number < low) or (high is not None and number > high):
+            raise BadRequest(f"{name!r} must be within [{low}, {high}]")
+    return value
