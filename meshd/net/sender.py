@@ -147,19 +147,22 @@ class Sender:
         if not peer.supervised:  # before writing: the item's deadline holds whatever happens
             self._ch._spawn(self._supervise, node, peer)
             peer.supervised = True
-        item.writing = True  # the supervisor, which may run while we wait, leaves it to us
-        try:
-            with trio.move_on_at(item.deadline):  # a peer that stops reading cannot hold us
-                await self._write_first(node, peer, item, rest)
-        finally:
-            item.writing = False
+        if rest is not None or (item.written is None and not peer.retrying and len(peer.queue) <= WINDOW):
+            # Something to write (a cancel scope costs a pipeline hop a few microseconds: only then).
+            item.writing = True  # the supervisor, which may run while we wait, leaves it to us
+            try:
+                with trio.move_on_at(item.deadline):  # a peer that stops reading cannot hold us
+                    await self._write_first(node, peer, item, rest)
+            finally:
+                item.writing = False
         # The frames are out; now let the rest of the node run (acks, the supervisor).
         await trio.lowlevel.checkpoint()
         return item
 
     async def _write_first(self, node: bytes, peer: _Peer, item: Outgoing, rest: bytes | None) -> None:
-        """Write ``item`` over the path in use, if nothing stands before it; a failure is left
-        to the supervisor, which finds it unwritten and sends it again."""
+        """Write the ``rest`` of ``item``'s frame, or all of ``item`` over the path in use (the
+        caller checked nothing stands before it); a failure is left to the supervisor, which
+        finds it unwritten and sends it again."""
         session = item.session
         try:
             if rest is not None:  # half a frame is in the socket: the rest before anything else
@@ -167,7 +170,7 @@ class Sender:
                 assert stream is not None
                 await self._write_frames(peer, stream, [rest])
                 path: str | None = "direct"
-            elif item.written is None and not peer.retrying and len(peer.queue) <= WINDOW:
+            else:
                 path, stream = self._choose(node, peer), peer.link.stream
                 if path == "direct" and stream is not None:
                     await self._write_frames(peer, stream, self._framed(item))
@@ -175,8 +178,6 @@ class Sender:
                     await self._dialer.relay(node, self._frames(item))
                 else:
                     path = None
-            else:
-                return
         except PathFailed:
             return  # the stream is dropped; the supervisor sends it again
         if path is not None and item.session == session:  # not renumbered while we wrote
