@@ -197,44 +197,43 @@ def _unfinished(sender: bytes, session: int, count: int) -> list[wire.DataChunk]
     return [wire.DataChunk(session, msg_id, BIG, 0, b"x") for msg_id in range(1, count + 1)]
 
 
-async def test_unfinished_64_mib_messages_on_a_direct_stream_leave_memory_flat(mesh):
-    target = mesh.by_name["stage-1"]
-    start = rss_bytes(target.proc.pid)
-    with trio.fail_after(30):
-        for session in range(1, 11):  # a fresh key and sessions at will
-            stranger = Identity.generate()
-            stream, proof = await open_data_stream(target.boot.addr, stranger)
-            assert proof is not None, "a stranger's own key passes the stream handshake"
-            async with stream:
-                for chunk in _unfinished(stranger.node_id, session, 2):
-                    try:
-                        await stream.send_all(chunk_frame(stranger.node_id, chunk))
-                    except trio.BrokenResourceError:
-                        break  # refused: the node dropped the stream
-                await trio.sleep(0.1)
-    await trio.sleep(1.0)
-    grown = rss_bytes(target.proc.pid) - start
-    print(f"stage-1 RSS {start / MiB:.1f} MiB -> +{grown / MiB:.1f} MiB after 20 unfinished 64 MiB messages")
-    assert grown < 20 * MiB
-    mesh.assert_unharmed()
+async def _unfinished_direct(mesh: Mesh, target: MeshProcess) -> None:
+    for session in range(1, 11):  # a fresh key and sessions at will
+        stranger = Identity.generate()
+        stream, proof = await open_data_stream(target.boot.addr, stranger)
+        assert proof is not None, "a stranger's own key passes the stream handshake"
+        async with stream:
+            for chunk in _unfinished(stranger.node_id, session, 2):
+                try:
+                    await stream.send_all(chunk_frame(stranger.node_id, chunk))
+                except trio.BrokenResourceError:
+                    break  # refused: the node dropped the stream
+            await trio.sleep(0.1)
 
 
-async def test_unfinished_64_mib_messages_through_the_relay_leave_memory_flat(mesh):
-    target = mesh.by_name["stage-0"]
-    start = rss_bytes(target.proc.pid)
+async def _unfinished_relayed(mesh: Mesh, target: MeshProcess) -> None:
+    for round_ in range(4):
+        stranger = Identity.generate()
+        client = RelayClient(mesh.relay_url, stranger)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(client.run)
+            for chunk in _unfinished(stranger.node_id, round_ + 1, 5):
+                await client.send(mesh.id(target.name), relay_data(stranger.node_id, chunk))
+            await trio.sleep(0.3)
+            nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("target, attack", [("stage-1", _unfinished_direct),
+                                            ("stage-0", _unfinished_relayed)], ids=["direct", "relayed"])
+async def test_20_unfinished_64_mib_messages_leave_memory_flat(mesh, target, attack):
+    victim = mesh.by_name[target]
+    start = rss_bytes(victim.proc.pid)
     with trio.fail_after(30):
-        for round_ in range(4):
-            stranger = Identity.generate()
-            client = RelayClient(mesh.relay_url, stranger)
-            async with trio.open_nursery() as nursery:
-                await nursery.start(client.run)
-                for chunk in _unfinished(stranger.node_id, round_ + 1, 5):
-                    await client.send(mesh.id("stage-0"), relay_data(stranger.node_id, chunk))
-                await trio.sleep(0.3)
-                nursery.cancel_scope.cancel()
+        await attack(mesh, victim)
     await trio.sleep(1.0)
-    grown = rss_bytes(target.proc.pid) - start
-    print(f"stage-0 RSS {start / MiB:.1f} MiB -> +{grown / MiB:.1f} MiB after 20 relayed unfinished messages")
+    grown = rss_bytes(victim.proc.pid) - start
+    print(f"{target} RSS {start / MiB:.1f} MiB -> +{grown / MiB:.1f} MiB after 20 unfinished 64 MiB messages "
+          f"({attack.__name__})")
     assert grown < 20 * MiB
     mesh.assert_unharmed()
 
