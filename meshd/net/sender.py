@@ -99,7 +99,7 @@ class Sender:
     def on_ack(self, node: bytes, ack: DataAck) -> None:
         peer = self._peers.get(node)
         if peer is None or ack.session != peer.session:
-            return  # not ours, or for an earlier session of ours with this peer
+            return  # not ours, or for an older session of ours with this peer
         event = peer.acks.get(ack.msg_id)
         if event is not None:
             event.set()
