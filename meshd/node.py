@@ -206,7 +206,7 @@ class Node:
 
     async def leave(self) -> None:
         """Tell the cluster we are going, so peers mark us left, not dead."""
-        swim = self.core
+        swim = self.swim
         if swim is None or swim.leaving:
             return
         swim.leave(trio.current_time())
@@ -248,12 +248,12 @@ class Node:
         return _info(m) if m is not None else None
 
     def members(self) -> list[MemberInfo]:
-        if self.swim is None:
+        swim = self.swim
+        if swim is None:
             return []
-        return [_info(m) for m in self.core.members.values() if m.id != self.core.id]
+        return [_info(m) for m in swim.members.values() if m.id != swim.id]
 
     def register_name(self, name: str) -> None:
-        assert self.swim is not None, "register names once the node serves"
         self.core.register_name(name, trio.current_time())
         self._after()
 
@@ -279,7 +279,6 @@ class Node:
 
     def join(self, addrs: list[str]) -> None:
         """Join (again) through ``addrs`` (HOST:PORT each): the dashboard's add-peer."""
-        assert self.swim is not None
         self.core.join(list(addrs), trio.current_time())
         self._wake.set()
 
@@ -340,7 +339,6 @@ class Node:
 
     def handler_error(self, what: str, source: str) -> None:
         """Count (and log, the first few times) an error raised while handling ``what``."""
-        assert self.swim is not None
         self.core.counters["rx_handler_errors"] += 1
         if self._handler_errors_logged < MAX_LOGGED_HANDLER_ERRORS:
             self._handler_errors_logged += 1

@@ -338,11 +338,11 @@ class Swim:
                 if not probe.indirect_sent:
                     self.awareness.apply_delta(-1)
             rtt = now - probe.sent_at
-            if msg.seq == probe.seq and from_target and len(self._answered) < 1024:
-                # It received our direct ping at its address, whichever path the ack took.
-                self._answered[self.members[probe.target].addr] = None
             if direct:
                 self.members[probe.target].rtt = rtt
+                if len(self._answered) < 1024:
+                    # It received our direct ping at its address, whichever path the ack took.
+                    self._answered[self.members[probe.target].addr] = None
             if from_target:
                 self.path_checks[probe.target] = self.path_checks.get(probe.target, 0) + 1
             if from_target and self._direct_ok.get(probe.target, True) != direct:
