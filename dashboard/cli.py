@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+from typing import Any
 
 from . import views
 from .guard import TOKEN_ENV
@@ -23,10 +24,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     peers.add_argument("--json", action="store_true", help="the /api/peers object instead of tables")
     peers.set_defaults(func=_cmd_peers)
     doctor = sub.add_parser("doctor", help="what is wrong and where, by stage name and direction",
-                            description="Asymmetric pairs, missing paths, dead or suspect stages, the "
-                                        "relay and unresolved pipeline names, each with what to check. "
-                                        "Exit 0 when healthy, 1 when a problem is found, 2 when the "
-                                        "dashboard cannot be read.")
+                            description="First whether the pipeline can serve now and, if not, why "
+                                        "(by stage); then asymmetric pairs, missing paths, dead or "
+                                        "suspect stages, the relay and unresolved names, each with what "
+                                        "to check. Exit 0 when ready and healthy, 1 when not ready or a "
+                                        "problem is found, 2 when the dashboard cannot be read.")
     doctor.add_argument("url", metavar="URL", help="the node's dashboard, e.g. http://127.0.0.1:8080")
     doctor.add_argument("--json", action="store_true", help="one JSON object instead of tables")
     doctor.set_defaults(func=_cmd_doctor)
@@ -81,25 +83,47 @@ def _cmd_peers(args: argparse.Namespace, parser: argparse.ArgumentParser | None 
         print(json.dumps({**data, "asymmetric": topo["asymmetric"]}))
         return 0
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
+
+    from meshd.snapshot import stage_sort_key
 
     me = data["self"]
     console = Console(width=max(Console().width, 120))
-    console.print(f"[bold]{me['name']}[/bold] {me['prefix']} {me['addr']} relay {me['relay_url'] or '-'}")
+    console.print(f"[bold]{escape(me['name'])}[/bold]{escape(_replica(me))} {me['prefix']} {me['addr']} "
+                  f"relay {escape(me['relay_url'] or '-')}"
+                  + (f" checkpoint {escape(me['checkpoint'][:12])}" if me["checkpoint"] else ""))
+    ready = data["readiness"]
+    console.print("pipeline: [green]ready[/green]" if ready["ready"] else
+                  "pipeline: [red]not ready[/red]: " + escape("; ".join(ready["why"])), soft_wrap=True)
+    rows = sorted(data["peers"], key=lambda p: (stage_sort_key(p["name"]), p["replica"] or 0, p["prefix"]))
+    # The checkpoint gets a column only where the nodes disagree: then it is what to look at.
+    checkpoints = len({p["checkpoint"] for p in [me, *rows] if p["checkpoint"]}) > 1
     table = Table(box=None, pad_edge=False, show_edge=False, header_style="bold")
-    for column in ("STAGE", "PREFIX", "STATE", "OUT", "IN", "RTT MS", "OK/FAIL", "IN DIRECT/RELAY", "SEEN",
-                   "ADDRESS"):
+    columns = ["STAGE", "PREFIX", "STATE", *(["CHECKPOINT"] if checkpoints else []), "OUT", "IN", "RTT MS",
+               "OK/FAIL", "IN DIRECT/RELAY", "SEEN", "ADDRESS"]
+    for column in columns:
         table.add_column(column, no_wrap=True)
-    for p in data["peers"]:
+    for p in rows:
         seen = p["in_seen"] or {}
-        table.add_row(p["name"], p["prefix"], _styled(p["state"]), _styled(p["path_out"]),
-                      _styled(p["path_in"]), "-" if p["rtt_ms"] is None else f"{p['rtt_ms']:.2f}",
+        state = _styled(p["state"]) + (" [yellow]draining[/yellow]" if p["draining"] else "")
+        table.add_row(escape(p["name"] + _replica(p, short=True)), p["prefix"], state,
+                      *([escape((p["checkpoint"] or "-")[:12])] if checkpoints else []),
+                      _styled(p["path_out"]), _styled(p["path_in"]),
+                      "-" if p["rtt_ms"] is None else f"{p['rtt_ms']:.2f}",
                       f"{p['out_ok']}/{p['out_fail']}", f"{seen.get('direct', 0)}/{seen.get('relay', 0)}",
                       "-" if p["last_seen_s"] is None else f"{p['last_seen_s']:.1f}s ago", p["addr"] or "-")
     console.print(table)
     for a in topo["asymmetric"]:
         console.print(f"[red]asymmetric[/red] {a['detail']}")
     return 0
+
+
+def _replica(p: dict, *, short: bool = False) -> str:
+    """`` (replica 2/2)`` (short: `` (2/2)``) for a node of a stage that has several, else empty."""
+    if (p.get("replicas") or 0) < 2:
+        return ""
+    return f" ({'' if short else 'replica '}{p['replica']}/{p['replicas']})"
 
 
 def _styled(value: str | None) -> str:
@@ -113,25 +137,51 @@ def _cmd_doctor(args: argparse.Namespace, parser: argparse.ArgumentParser | None
         return 2
     topo = views.topology(snap)
     found = views.problems(snap, topo)
+    ready = topo["readiness"]
     me = snap["self"]
+    failed = 1 if found or not ready["ready"] else 0
     if args.json:
-        print(json.dumps({"node": me.get("name"), "prefix": me.get("prefix"), "ok": not found,
+        print(json.dumps({"node": me.get("name"), "prefix": me.get("prefix"), "ok": not failed,
+                          "ready": ready["ready"], "readiness": ready,
                           "problems": found, "paths": [{"from": e["from_name"], "to": e["to_name"],
                                                         "path": e["path"]} for e in topo["edges"]]}))
-        return 1 if found else 0
+        return failed
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = Console(width=max(Console().width, 120))
+    _print_readiness(console, ready)
     names = ", ".join(n["name"] for n in topo["nodes"])
+    seen = (f"{len(topo['nodes'])} live nodes ({escape(names)}), {len(topo['edges'])} directed pairs, "
+            f"no problem seen from {escape(me.get('name') or '?')}")
     if not found:
-        console.print(f"[green]ok[/green]: {len(topo['nodes'])} live nodes ({names}), "
-                      f"{len(topo['edges'])} directed pairs, no problem seen from {me.get('name')}")
-        return 0
+        console.print(f"[green]ok[/green]: {seen}" if ready["ready"] else f"mesh: {seen}")
+        return failed
+    console.print()
     table = Table(box=None, pad_edge=False, show_edge=False, header_style="bold")
     for column in ("PROBLEM", "WHERE", "WHAT", "CHECK"):
         table.add_column(column, overflow="fold")
     for p in found:
-        table.add_row(f"[red]{p['kind']}[/red]", p["where"], p["detail"], p["check"])
+        table.add_row(f"[red]{p['kind']}[/red]", escape(p["where"]), escape(p["detail"]), escape(p["check"]))
     console.print(table)
     return 1
+
+
+def _print_readiness(console: Any, ready: dict) -> None:
+    """The first thing doctor says: can the pipeline serve now, and if not, why (by stage)."""
+    from rich.markup import escape
+
+    if ready["ready"]:
+        served = ", ".join(f"{s['name']}×{s['live']}" if s["live"] > 1 else s["name"]
+                           for s in ready["stages"])
+        console.print(f"[green]ready: yes[/green] ({escape(served)})")
+    else:
+        console.print("[red]not ready[/red]")
+        console.print("[bold]Why[/bold]")
+        for reason in ready["why"]:
+            console.print(f"  {escape(reason)}", soft_wrap=True)
+    if ready.get("warnings"):
+        console.print("[bold]Warnings[/bold]")
+        for warning in ready["warnings"]:
+            console.print(f"  {escape(warning)}", soft_wrap=True)

@@ -75,7 +75,16 @@ async def api_generate(request: Request) -> Response:
     if isinstance(result, Response):
         return result
     return JSONResponse({"tokens": result["tokens"], "text": result["text"],
-                         "finish_reason": result["finish_reason"], "timings": result["timings"]})
+                         "finish_reason": result["finish_reason"], "timings": result["timings"],
+                         "request": result["request"], "failovers": result["failovers"]})
+
+
+async def api_requests(request: Request) -> Response:
+    """The running requests (where each runs now, stage by stage) and the latest failovers."""
+    orch: Generator | None = request.app.state.generator
+    if orch is None:
+        return error(404, "this node is not an orchestrator with a model")
+    return JSONResponse({"requests": orch.active(), "failovers": list(orch.recent_failovers)})
 
 
 def _finish_reason(result: dict) -> str:
@@ -110,11 +119,13 @@ class _CompletionEvents:
         self.tokens: list[int] = []
         self.emitted = ""
 
-    def event(self, text: str, reason: str | None, token: int | None = None) -> str:
+    def event(self, text: str, reason: str | None, token: int | None = None, done: dict | None = None) -> str:
         chunk: dict[str, Any] = {**self.head, "object": "text_completion",
                                  "choices": [{"index": 0, "text": text, "finish_reason": reason}]}
         if token is not None:  # an extension: the token id, for exact comparisons
             chunk["meshd"] = {"token": token, "index": len(self.tokens) - 1}
+        if done is not None:  # the last chunk: which request it was, and where it moved
+            chunk["meshd"] = {"request": done["request"], "failovers": done["failovers"]}
         return f"data: {json.dumps(chunk)}\n\n"
 
     async def stream(self, orch: Generator, params: dict) -> AsyncIterator[str]:
@@ -136,7 +147,8 @@ class _CompletionEvents:
         async with send:
             try:
                 result = await orch.generate(**params, on_token=on_token)
-                await send.send(self.event(result["text"][len(self.emitted):], _finish_reason(result)))
+                await send.send(self.event(result["text"][len(self.emitted):], _finish_reason(result),
+                                           done=result))
             except (ValueError, PipelineError) as exc:
                 await send.send(f"data: {json.dumps({'error': str(exc)})}\n\n")
             await send.send("data: [DONE]\n\n")
@@ -144,5 +156,6 @@ class _CompletionEvents:
 
 ROUTES = [
     Route("/api/generate", api_generate, methods=["POST"]),
+    Route("/api/requests", api_requests, methods=["GET"]),
     Route("/v1/completions", completions, methods=["POST"]),
 ]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from meshd.readiness import path, readiness
+
 LIVE = ("alive", "suspect")
 
 
@@ -15,15 +17,32 @@ def _name(view: dict) -> str:
     return view.get("name") or view.get("prefix") or "?"
 
 
+def replica_of(m: dict) -> str | None:
+    """``stage-K`` for a stage's node (one of its replicas), None for the orchestrator."""
+    if m.get("role") == "stage" and m.get("stage") is not None:
+        return f"stage-{m['stage']}"
+    return None
+
+
+def pipeline_readiness(snap: dict) -> dict:
+    """The node's own readiness fact; computed here only for a snapshot that lacks it."""
+    return snap.get("readiness") or readiness(snap)
+
+
 def peer_view(m: dict, *, me: bool = False) -> dict:
-    """One PEER as in CONTRACT.md (plus ``name``)."""
+    """One PEER as in CONTRACT.md (plus ``name``, its checkpoint, epoch and draining flag, and
+    ``replica_of``: the stage it is a replica of)."""
     return {
         "id": m["id"],
         "prefix": m["prefix"],
         "name": _name(m),
         "role": m.get("role"),
         "stage": m.get("stage"),
+        "replica_of": replica_of(m),
         "state": m.get("state"),
+        "checkpoint": m.get("checkpoint") or None,
+        "draining": bool(m.get("draining")),
+        "epoch": m.get("epoch"),
         "incarnation": m.get("incarnation"),
         "addr": m.get("addr"),
         "relay_url": m.get("relay_url"),
@@ -39,8 +58,24 @@ def peer_view(m: dict, *, me: bool = False) -> dict:
 
 
 def peers(snap: dict) -> dict:
-    return {"self": peer_view(snap["self"], me=True),
-            "peers": [peer_view(m) for m in snap.get("members", [])]}
+    """``/api/peers``: ourselves, every peer, and whether the pipeline can serve.
+
+    A stage's node also carries ``replica`` (its place, by prefix, among the nodes
+    of its stage, 1-based) and ``replicas`` (how many nodes that stage has).
+    """
+    me = peer_view(snap["self"], me=True)
+    others = [peer_view(m) for m in snap.get("members", [])]
+    by_stage: dict[str, list[dict]] = {}
+    for p in [me, *others]:
+        if p["replica_of"] is not None:
+            by_stage.setdefault(p["replica_of"], []).append(p)
+    for p in [me, *others]:
+        group = sorted(by_stage.get(p["replica_of"] or "", []), key=lambda v: v["prefix"])
+        p["replica"] = next((i + 1 for i, v in enumerate(group) if v is p), None)
+        p["replicas"] = len(group) if group else None
+    ready = pipeline_readiness(snap)
+    return {"self": me, "peers": others,
+            "readiness": {k: ready[k] for k in ("ready", "why", "warnings", "stages")}}
 
 
 def _direction(frm: dict, to: dict, edge: dict) -> str:
@@ -78,21 +113,9 @@ def topology(snap: dict) -> dict:
     live = [v for v in by_id.values() if v.get("state") in LIVE]
     live_ids = {v["id"] for v in live}
     summaries = snap.get("path_summaries", {})
-    mine = {m["id"]: m for m in snap.get("members", [])}
 
     def edge(a: dict, b: dict) -> dict:
-        if a["id"] == me["id"]:
-            m = mine.get(b["id"], {})
-            e = {"path": m.get("path_out", "direct"), "rtt_ms": m.get("rtt_ms"),
-                 "direct_failures": m.get("direct_failures", 0),
-                 "reason": m.get("last_failure") if m.get("path_out", "direct") != "direct" else None,
-                 "since_s": m.get("path_out_since_s")}
-        else:
-            entries = {x["to"]: x for x in summaries.get(a["id"], {}).get("entries", [])}
-            x = entries.get(b["id"])
-            e = ({"path": "unknown", "rtt_ms": None, "direct_failures": 0, "reason": None, "since_s": None}
-                 if x is None else {k: x.get(k) for k in ("path", "rtt_ms", "direct_failures", "reason",
-                                                          "since_s")})
+        e = path(snap, a["id"], b["id"])
         ok = None if e["path"] == "unknown" else e["path"] != "none"
         return {"from": a["id"], "to": b["id"], "from_name": _name(a), "to_name": _name(b),
                 "path": e["path"], "ok": ok, "rtt_ms": e["rtt_ms"],
@@ -117,8 +140,10 @@ def topology(snap: dict) -> dict:
     nodes = [{"id": v["id"], "prefix": v["prefix"], "name": _name(v), "role": v.get("role"),
               "stage": v.get("stage"), "state": v.get("state"), "self": v["id"] == me["id"]}
              for v in order]
+    ready = pipeline_readiness(snap)
     return {"nodes": nodes, "edges": edges, "asymmetric": asymmetric,
-            "reported": sorted(k for k in summaries if k in live_ids)}
+            "reported": sorted(k for k in summaries if k in live_ids),
+            "readiness": {k: ready[k] for k in ("ready", "why", "warnings", "stages")}}
 
 
 def _sort_key(name: str) -> tuple:
@@ -146,7 +171,13 @@ def problems(snap: dict, topo: dict | None = None) -> list[dict[str, Any]]:
                         "detail": f"no path summary from {e['from_name']} yet",
                         "check": f"wait a few seconds; if it persists, {e['from_name']}'s gossip "
                                  "does not reach us"})
+    # A dead or suspect node whose run name another node serves, alive, was replaced (a
+    # restart under a new identity) or has a replica: readiness warns of it; not a problem.
+    served = {_name(m) for m in snap.get("members", []) if m.get("state") == "alive"}
+    served.add(_name(snap["self"]))
     for m in snap.get("members", []):
+        if _name(m) in served and m.get("state") != "alive":
+            continue
         if m.get("state") in ("dead", "suspect"):
             out.append({"kind": m["state"], "where": _name(m),
                         "detail": f"{_name(m)} ({m['prefix']}) is {m['state']}",
@@ -157,10 +188,22 @@ def problems(snap: dict, topo: dict | None = None) -> list[dict[str, Any]]:
         out.append({"kind": "relay", "where": _name(snap["self"]),
                     "detail": f"not connected to the relay {relay.get('url', '')}".strip(),
                     "check": "is the relay running and reachable over TCP (WebSocket)?"})
-    names = snap.get("names", {})
-    for name, claim in sorted(names.items()):
-        if not claim.get("tombstone") and not claim.get("resolves"):
-            out.append({"kind": "unresolved", "where": name,
-                        "detail": f"{name} does not resolve to a live node",
-                        "check": f"start {name}, or check why its node is not alive"})
+    out.extend(_unresolved(snap))
+    return out
+
+
+def _unresolved(snap: dict) -> list[dict[str, Any]]:
+    """Names claimed by owners none of which is live.  A name held only by tombstones is
+    one its owners gave up; for a pipeline name, readiness says so."""
+    views = {m["prefix"]: m for m in snap.get("members", [])}
+    views[snap["self"]["prefix"]] = snap["self"]
+    out: list[dict[str, Any]] = []
+    for name, claim in sorted(snap.get("names", {}).items()):
+        if claim.get("resolves") or claim.get("tombstone"):
+            continue
+        owners = [e["owner"] for e in claim.get("entries", []) if not e.get("tombstone")] or [claim["owner"]]
+        states = ", ".join(f"{o} {views.get(o, {}).get('state', 'unknown')}" for o in owners)
+        out.append({"kind": "unresolved", "where": name,
+                    "detail": f"{name} does not resolve to a live node (owners: {states})",
+                    "check": f"start {name}'s node, or check why its owners are not alive"})
     return out

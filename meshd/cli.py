@@ -90,6 +90,7 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     from .daemon import run_daemon
     from .launch import dstack_env
+    from .memory import state_file_for
     from .node import NodeOptions
 
     try:  # flags absent: role, stage count and seed from DSTACK_NODE_RANK/NODES_NUM/MASTER_NODE_IP
@@ -157,6 +158,7 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         relay=args.relay,
         model=model_dir,
         dashboard=None if args.dashboard == "off" else args.dashboard,
+        state_file=state_file_for(args.key_file) if args.key_file else None,
     )
     try:
         return trio.run(run_daemon, identity, options)

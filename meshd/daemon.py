@@ -50,6 +50,8 @@ async def serve_daemon(node: Node, *,
     """Run ``node`` and the services of its role until cancelled; reports the :class:`Daemon`."""
     options, out = node.options, node.out
     daemon = Daemon(node, _service(node, options))  # the model loads before anything serves
+    if daemon.app is not None:
+        options.checkpoint = daemon.app.checkpoint  # gossiped: a replica must serve the same weights
     async with trio.open_nursery() as nursery:
         await nursery.start(node.serve)
         if daemon.app is not None:
@@ -66,6 +68,20 @@ async def serve_daemon(node: Node, *,
         task_status.started(daemon)
 
 
+# How long a stage leaving on a signal lets its running requests finish before it hands
+# them over to replicas; a launcher's grace before SIGKILL should exceed it.
+DRAIN_S = 5.0
+
+
+async def drain(daemon: Daemon, timeout: float = DRAIN_S) -> None:
+    """Before a stage leaves: no new requests, running ones finished or handed over."""
+    from .pipeline.stage import StageService
+
+    if isinstance(daemon.app, StageService):
+        await daemon.app.drain(timeout)
+        daemon.node.out(f"meshd drained handed_over={daemon.app.counters['handed_over']}")
+
+
 async def run_daemon(identity: Identity, options: NodeOptions) -> int:
     """``meshd run``: serve until SIGINT/SIGTERM, then leave and exit 0."""
     node = Node(identity, options)
@@ -75,6 +91,7 @@ async def run_daemon(identity: Identity, options: NodeOptions) -> int:
             daemon: Daemon = await nursery.start(serve_daemon, node)
             async for signum in signals:
                 print(f"meshd leaving ({signal.Signals(signum).name})", file=sys.stderr, flush=True)
+                await drain(daemon)
                 with trio.move_on_after(1.5):
                     await daemon.node.leave()
                 nursery.cancel_scope.cancel()

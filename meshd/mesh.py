@@ -21,6 +21,9 @@ class MemberInfo:
     prefix: str
     name: str  # "orchestrator" or "stage-K"
     state: str  # "alive", "suspect", "dead" or "left"
+    epoch: int = 0  # its process: a new epoch under the same id is a restart
+    checkpoint: str = ""  # fingerprint of the checkpoint it serves
+    draining: bool = False  # leaving: takes no new requests
 
     @property
     def live(self) -> bool:
@@ -47,11 +50,38 @@ class Mesh(Protocol):
         """The live member with this run name (``stage-1``), or None."""
         ...
 
+    def member_by_id(self, node: bytes) -> MemberInfo | None:
+        """What we know of ``node`` (ourselves included), in any state; None for a stranger."""
+        ...
+
+    def owners(self, name: str) -> list[MemberInfo]:
+        """The live set of a registered name: its owners alive or suspect (replicas when
+        more than one), alive first."""
+        ...
+
+    def rtt(self, node: bytes) -> float | None:
+        """Our last measured round trip to ``node`` in seconds, or None."""
+        ...
+
     def members(self) -> list[MemberInfo]:
         """Every member we know of, ourselves excluded, in any state."""
         ...
 
     def register_name(self, name: str) -> None: ...
+
+    def set_draining(self) -> None:
+        """Say we are leaving soon: our names are withdrawn (tombstoned) and our metadata
+        says ``draining``, so no new request picks us."""
+        ...
+
+    def peer_down(self, node: bytes) -> bool:
+        """Whether ``node``'s process looks gone: a data stream with it ended and its port
+        refused a dial since (known in a round trip, before failure detection says so)."""
+        ...
+
+    def down_since(self, node: bytes) -> float | None:
+        """When ``node`` started to look down (trio time), or None."""
+        ...
 
     def describe(self, node: bytes) -> str:
         """``stage-2 (2b91108e)``: how logs and errors name a peer."""

@@ -18,6 +18,7 @@ from typing import Any
 import trio
 
 from . import __version__
+from . import memory as node_memory
 from .identity import Identity
 from .mesh import Handler, MemberInfo
 from .net.amplification import AmplificationGuard
@@ -28,7 +29,19 @@ from .net.udp import MAX_DATAGRAM, AddressError, format_addr, open_udp_and_tcp, 
 from .snapshot import SnapshotWriter, snapshot, stage_sort_key
 from .swim import PROFILES, EventKind, State, Swim
 from .swim.state import Member
-from .wire import RELAY_DATA, Ack, Meta, Nack, Packet, Ping, PushPull, WireError, encode, packet_sender
+from .wire import (
+    RELAY_DATA,
+    Ack,
+    Meta,
+    Nack,
+    Packet,
+    Ping,
+    PushPull,
+    WireError,
+    encode,
+    next_counter,
+    packet_sender,
+)
 
 log = logging.getLogger("meshd.node")
 
@@ -51,6 +64,9 @@ MAX_HELD_ANSWERS = 64
 # A handler's unexpected error is logged with its traceback this many times, then counted only.
 MAX_LOGGED_HANDLER_ERRORS = 20
 
+# The state file is rewritten at most this often, and only when what it holds changed.
+MEMORY_SAVE_INTERVAL_S = 1.0
+
 
 @dataclass
 class NodeOptions:
@@ -68,6 +84,10 @@ class NodeOptions:
     # Read by the daemon, which starts the services of this node's role:
     model: str | None = None  # checkpoint dir: this node serves its share of the pipeline
     dashboard: str | None = None  # HOST:PORT for the HTTP app; None = no dashboard
+    checkpoint: str = ""  # fingerprint of the checkpoint this node serves (set by the daemon)
+    # Beside the key file: the members we knew and our name clock, for the next restart
+    # (see meshd.memory); None remembers nothing.
+    state_file: str | None = None
 
     @property
     def name(self) -> str:
@@ -87,7 +107,8 @@ class NodeOptions:
 
 
 def _info(m: Member) -> MemberInfo:
-    return MemberInfo(m.id, m.prefix, m.name, m.state.name.lower())
+    return MemberInfo(m.id, m.prefix, m.name, m.state.name.lower(), m.meta.epoch, m.meta.checkpoint,
+                      m.meta.draining)
 
 
 class Node:
@@ -113,6 +134,9 @@ class Node:
         # proves itself (answers our ping); oldest dropped first.
         self._held_answers: dict[str, bytes] = {}
         self._handler_errors_logged = 0
+        self._memory = node_memory.NodeMemory()  # as loaded, then as last saved
+        self._memory_error: str | None = None  # the last save error, logged once
+        self._memory_lock = trio.Lock()  # the loop and leave() write the same file
         self.relay = None
         if options.relay:
             from .relay.client import RelayClient
@@ -154,6 +178,8 @@ class Node:
                 addrs=tuple(self.candidates),
                 relay_url=opts.relay,
                 version=__version__,
+                epoch=self.data.epoch,
+                checkpoint=opts.checkpoint,
             )
             now = trio.current_time()
             self.swim = swim = Swim(
@@ -167,6 +193,13 @@ class Node:
             self.out(f"meshd candidates {' '.join(self.candidates)}")
             if opts.faults.active:
                 self.out(f"meshd faults {' '.join(opts.faults.describe())}")
+            if opts.state_file:
+                self._memory = node_memory.load(opts.state_file)
+                if self._memory.name_clock:
+                    # Our claims must beat what our last process left in the registry: its
+                    # claims, and the tombstones the others wrote for them one past its clock.
+                    clock = next_counter(self._memory.name_clock)
+                    swim.registry.own_clock = max(swim.registry.own_clock, clock)
             # Our names go out with the join's push-pull.  A service that serves them was
             # built before this (the daemon loads the model first); anything a peer sends it
             # before its handler runs waits in the data channel's queue.
@@ -174,6 +207,8 @@ class Node:
                 swim.register_name(name, now)
             if opts.seeds:
                 swim.join(opts.seeds, now)
+            else:
+                self._rejoin_remembered(now)
             if opts.snapshot_dir:
                 self._snapshots = SnapshotWriter(opts.snapshot_dir, self.identity.prefix)
             self._after()
@@ -183,13 +218,26 @@ class Node:
                 if self.relay is not None:
                     await nursery.start(self.relay.run)
                     nursery.start_soon(self._relay_receive_loop)
-                await nursery.start(self.data.serve, self._listeners)
+                listeners = self._listeners or []
+                # Closed when we stop, as a process's are when it exits: a peer's next dial is
+                # refused at once, which is how it learns we are gone (DataChannel.is_down).
+                nursery.start_soon(_close_on_exit, listeners)
+                await nursery.start(self.data.serve, listeners)
                 nursery.start_soon(self._receive_loop)
                 nursery.start_soon(self._timer_loop)
                 nursery.start_soon(self._path_summary_loop)
                 if self._snapshots is not None:
                     nursery.start_soon(self._snapshot_loop)
+                if opts.state_file:
+                    nursery.start_soon(self._memory_loop)
                 task_status.started(self.addr)
+
+    def _rejoin_remembered(self, now: float) -> None:
+        """Without seeds, join through the members the state file remembers (a restarted seed)."""
+        addrs = self._memory.addrs(self.identity.node_id, self.core.me.addr)
+        if addrs:
+            self.out(f"meshd rejoin trying {len(addrs)} remembered members from {self.options.state_file}")
+            self.core.join(addrs, now)
 
     async def _stun(self) -> str | None:
         """Our address as the relay sees this gossip socket (its STUN answer), or None."""
@@ -216,6 +264,7 @@ class Node:
         swim.tick(trio.current_time())
         await self._flush()
         self.write_snapshot()
+        await self.save_memory()
 
     @property
     def core(self) -> Swim:
@@ -247,6 +296,20 @@ class Node:
         m = self.swim.member_by_name(name) if self.swim is not None else None
         return _info(m) if m is not None else None
 
+    def member_by_id(self, node: bytes) -> MemberInfo | None:
+        m = self.swim.members.get(node) if self.swim is not None else None
+        return _info(m) if m is not None else None
+
+    def owners(self, name: str) -> list[MemberInfo]:
+        swim = self.swim
+        if swim is None:
+            return []
+        return [_info(swim.members[owner]) for owner in swim.live_owners(name)]
+
+    def rtt(self, node: bytes) -> float | None:
+        ms = self.paths.view(node, trio.current_time()).get("rtt_ms")
+        return ms / 1000 if isinstance(ms, (int, float)) else None
+
     def members(self) -> list[MemberInfo]:
         swim = self.swim
         if swim is None:
@@ -256,6 +319,18 @@ class Node:
     def register_name(self, name: str) -> None:
         self.core.register_name(name, trio.current_time())
         self._after()
+
+    def set_draining(self) -> None:
+        core, now = self.core, trio.current_time()
+        core.withdraw_names(now)
+        core.set_meta(replace(core.me.meta, draining=True), now)
+        self._after()
+
+    def peer_down(self, node: bytes) -> bool:
+        return self.data.is_down(node)
+
+    def down_since(self, node: bytes) -> float | None:
+        return self.data.down_since(node)
 
     async def send(self, node: bytes, data: bytes, timeout: float = 30.0) -> str:
         """Deliver ``data`` to ``node`` reliably and in order; returns the path used.
@@ -409,6 +484,32 @@ class Node:
             self.write_snapshot()
             await trio.sleep(self.options.snapshot_interval)
 
+    async def _memory_loop(self) -> None:
+        """Keep the state file current: checked every second, written when it changed."""
+        while True:
+            await self.save_memory()
+            await trio.sleep(MEMORY_SAVE_INTERVAL_S)
+
+    async def save_memory(self) -> None:
+        """Write the state file if what it should hold changed; a failure is one log line."""
+        path, swim = self.options.state_file, self.swim
+        if not path or swim is None:
+            return
+        async with self._memory_lock:
+            memory = node_memory.remember(swim.members.values(), swim.id, swim.registry.own_clock,
+                                          self._memory)
+            if memory == self._memory:
+                return
+            try:
+                await trio.to_thread.run_sync(node_memory.save, path, memory)
+            except OSError as exc:
+                error = f"{exc.strerror or exc}"
+                if error != self._memory_error:
+                    log.warning("state file %s not written: %s", path, error)
+                self._memory_error = error
+                return
+            self._memory, self._memory_error = memory, None
+
     # ------------------------------------------------------------- plumbing
 
     def _after(self, wake: bool = True) -> None:
@@ -427,8 +528,10 @@ class Node:
                 detail = f" by={ev.detail['by']}" if "by" in ev.detail else ""
                 self.out(f"meshd member {ev.kind.value} prefix={m.prefix} name={m.name} "
                          f"incarnation={m.incarnation}{detail}")
-            if ev.kind in (EventKind.JOIN, EventKind.DEAD, EventKind.LEFT, EventKind.UPDATE):
+            if ev.kind is not EventKind.SUSPECT and ev.kind is not EventKind.ALIVE:
                 changed = True
+            if ev.kind is EventKind.RESTART:
+                self.data.note_epoch(ev.node, ev.detail["epoch"])
             if ev.kind in (EventKind.DEAD, EventKind.LEFT):
                 self.paths.unreachable(ev.node, ev.at, f"member {ev.kind.value}: no path answered")
             elif ev.kind is EventKind.JOIN:
@@ -476,6 +579,10 @@ class Node:
                 await self._send_relay(out.node, data)
                 continue
             within = self._within_budget(out.addr, out.packet, data)
+            if out.addr in self._held_answers and out.node is not None:
+                # Our answer waits for the address to prove itself: ask it now (a ping always
+                # goes), so a node joining from a new address learns the mesh in a round trip.
+                swim.probe_soon(out.node, trio.current_time())
             if within is None:
                 continue
             data = within
@@ -561,6 +668,14 @@ class Node:
             log.debug("sendto %s: %s", addr, exc)
         else:
             swim.counters["tx_bytes"] += len(data)
+
+
+async def _close_on_exit(listeners: list[trio.SocketListener]) -> None:
+    try:
+        await trio.sleep_forever()
+    finally:
+        for listener in listeners:
+            listener.socket.close()
 
 
 def _cut_push_pull(sender: bytes, push_pull: PushPull, room: float) -> bytes | None:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from .identity import prefix
 from .net.path_table import PathTable
+from .readiness import readiness
 from .swim import Member, Swim
 
 
@@ -29,6 +30,10 @@ def member_view(m: Member, now: float) -> dict:
         "relay_url": m.meta.relay_url,
         "version": m.meta.version,
         "generation": m.meta.generation,
+        "stages": m.meta.stages,
+        "epoch": m.meta.epoch,
+        "checkpoint": m.meta.checkpoint,
+        "draining": m.meta.draining,
         "rtt_ms": None if m.rtt is None else round(m.rtt * 1000, 3),
         "last_seen_s": None if m.last_seen is None else round(now - m.last_seen, 3),
         "state_age_s": round(now - m.state_change, 3),
@@ -52,14 +57,19 @@ def snapshot(swim: Swim, now: float, paths: PathTable | None = None, relay: dict
         members.append(view)
     members.sort(key=lambda v: stage_sort_key(v["name"]))
     names = {}
-    for name, claim in sorted(swim.registry.claims.items()):
+    for name in swim.registry.names():
+        live = swim.live_owners(name)
+        entries = sorted(swim.registry.entries(name), key=lambda c: (c.tombstone, c.owner))
         names[name] = {
-            "owner": prefix(claim.owner),
-            "clock": claim.clock,
-            "tombstone": claim.tombstone,
-            "resolves": swim.resolve(name) is not None,
+            # One owner it resolves to (or the first entry's), as before replicas.
+            "owner": prefix(live[0] if live else entries[0].owner),
+            "tombstone": all(c.tombstone for c in entries),
+            "resolves": bool(live),
+            "live": [prefix(o) for o in live],
+            "entries": [{"owner": prefix(c.owner), "clock": c.clock, "tombstone": c.tombstone,
+                         "live": c.owner in live} for c in entries],
         }
-    return {
+    snap = {
         "time": time.time(),
         "self": member_view(swim.me, now),
         "members": members,
@@ -69,6 +79,8 @@ def snapshot(swim: Swim, now: float, paths: PathTable | None = None, relay: dict
         "awareness": swim.awareness.score,
         "counters": dict(sorted(swim.counters.items())),
     }
+    snap["readiness"] = readiness(snap)
+    return snap
 
 
 def path_summaries(swim: Swim, now: float) -> dict:

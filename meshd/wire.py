@@ -21,7 +21,9 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 5  # 2: DataChunk.ack_now; 3: HeadInput, HeadPart; 4: stream handshake; 5: its epochs
+# 2: DataChunk.ack_now; 3: HeadInput, HeadPart; 4: stream handshake; 5: its epochs;
+# 6: Meta.epoch and Meta.checkpoint, names keyed by (name, owner) with a signature field
+PROTOCOL_VERSION = 6
 
 # A UDP datagram carries at most 65507 bytes of payload; we stay below it.
 MAX_PACKET_BYTES = 60_000
@@ -127,6 +129,12 @@ def _chunk(value: Any) -> bytes:
     return value
 
 
+def _claim_signature(value: Any) -> bytes:
+    if type(value) is not bytes or len(value) not in (0, 64):
+        raise WireError("expected an empty or 64-byte signature")
+    return value
+
+
 def _optional(check: Callable[[Any], Any]) -> Callable[[Any], Any]:
     def checker(value: Any) -> Any:
         return None if value is None else check(value)
@@ -191,9 +199,12 @@ class Meta(_Record):
     relay_url: str | None = None
     version: str = ""
     generation: int = 0
+    epoch: int = 0  # this process's random id: a new one under a known node id is a restart
+    checkpoint: str = ""  # fingerprint of the checkpoint served (config and weights); "" for none
+    draining: bool = False  # leaving soon: takes no new requests, finishes or hands over its own
 
     _fields_ = (_str, _optional(_stage), _optional(_stage), _tuple_of(_str, MAX_ADDRS),
-                _optional(_str), _str, _counter)
+                _optional(_str), _str, _counter, _counter, _str, _bool)
 
     @property
     def name(self) -> str:
@@ -297,17 +308,28 @@ class Dead(Message):
 
 @dataclass(frozen=True, slots=True)
 class NameClaim(Message):
-    """One entry of the last-writer-wins name registry."""
+    """One entry of the name registry: ``owner``'s claim on ``name`` (or its tombstone).
+
+    Entries are keyed by (name, owner); ``clock`` is the owner's own, and only a
+    newer entry from the same key replaces one.  ``sig`` is the owner's signature
+    over the entry once signed facts exist; empty until then.
+    """
 
     TAG = 9
     name: str
     owner: bytes
     clock: int
     tombstone: bool
-    _fields_ = (_str, _node_id, _counter, _bool)
+    sig: bytes = b""
+    _fields_ = (_str, _node_id, _counter, _bool, _claim_signature)
+
+    @property
+    def key(self) -> tuple[str, bytes]:
+        return self.name, self.owner
 
     def beats(self, other: NameClaim) -> bool:
-        return (self.clock, self.tombstone, self.owner) > (other.clock, other.tombstone, other.owner)
+        """Newer than ``other`` for the same key; a tombstone wins a tie (the owner went)."""
+        return (self.clock, self.tombstone) > (other.clock, other.tombstone)
 
 
 @dataclass(frozen=True, slots=True)

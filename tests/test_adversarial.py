@@ -130,10 +130,10 @@ def _poisoned(mesh: Mesh, target: str) -> list[bytes]:
     """Each forged fact that made a node refute (or bury) at 2^64 and die."""
     victim, other = mesh.id(target), mesh.id("orchestrator" if target != "orchestrator" else "stage-0")
     third = mesh.id("stage-1" if target != "stage-1" else "stage-0")
-    meta = ["stage", 1, 2, [], None, "", U64_MAX]
+    meta = ["stage", 1, 2, [], None, "", U64_MAX, U64_MAX, "", False]
     return [
         raw_packet(_stranger(), (wire.Suspect.TAG, [U64_MAX, victim, other])),
-        raw_packet(_stranger(), (wire.NameClaim.TAG, ["pp-stage-1", mesh.id("stage-1"), U64_MAX, True])),
+        raw_packet(_stranger(), (wire.NameClaim.TAG, ["pp-stage-1", mesh.id("stage-1"), U64_MAX, True, b""])),
         raw_packet(_stranger(), (wire.Dead.TAG, [U64_MAX, third, other])),
         raw_packet(_stranger(), (wire.Alive.TAG, [U64_MAX, victim, "127.0.0.1:1", meta])),
         raw_packet(other, (wire.Alive.TAG, [1, third, "127.0.0.1:1", meta])),
@@ -330,7 +330,7 @@ def test_a_fake_member_at_a_third_partys_address_draws_little_traffic_there(mesh
     with _listening_victim() as victim:
         victim_addr = f"127.0.0.1:{victim.getsockname()[1]}"
         fake = _stranger()
-        meta = ["stage", 7, 9, [victim_addr], None, "", 0]
+        meta = wire.Meta(stage=7, stages=9, addrs=(victim_addr,)).to_body()
         entry = [fake, victim_addr, 0, wire.STATE_ALIVE, meta]
         for p in mesh.procs:
             send_udp(p.boot.addr, raw_packet(fake, (wire.PushPull.TAG, [True, False, [entry], []])))
@@ -366,13 +366,14 @@ TEXT = st.sampled_from(["", "pp-entry", "x" * 512, "x" * 513, "\u0000", "\ufffd"
 def _fuzz_messages(ids: list[bytes]):
     node = st.sampled_from(ids) | st.binary(min_size=32, max_size=32)
     meta = st.tuples(TEXT, ANY_INT | st.none(), ANY_INT | st.none(), st.lists(TEXT, max_size=9),
-                     TEXT | st.none(), TEXT, ANY_INT).map(list)
+                     TEXT | st.none(), TEXT, ANY_INT, ANY_INT, TEXT, st.booleans()).map(list)
     member = st.tuples(node, TEXT, EXTREME, st.sampled_from([0, 1, 2, 3, 4, -1]), meta).map(list)
     return st.one_of(
         st.tuples(st.just(wire.Alive.TAG), st.tuples(EXTREME, node, TEXT, meta).map(list)),
         st.tuples(st.just(wire.Suspect.TAG), st.tuples(EXTREME, node, node).map(list)),
         st.tuples(st.just(wire.Dead.TAG), st.tuples(EXTREME, node, node).map(list)),
-        st.tuples(st.just(wire.NameClaim.TAG), st.tuples(TEXT, node, EXTREME, st.booleans()).map(list)),
+        st.tuples(st.just(wire.NameClaim.TAG), st.tuples(TEXT, node, EXTREME, st.booleans(),
+                                                         st.binary(max_size=65)).map(list)),
         st.tuples(st.just(wire.PathSummary.TAG), st.tuples(node, EXTREME, st.just([])).map(list)),
         st.tuples(st.just(wire.PushPull.TAG),
                   st.tuples(st.booleans(), st.booleans(), st.lists(member, min_size=1, max_size=3),

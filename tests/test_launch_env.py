@@ -36,3 +36,13 @@ def test_addresses_come_from_the_jobs_when_not_given(tmp_path):
     run.job("stage-0").address = "10.0.0.2:7946"
     envs = prepare_env(run, tmp_path)
     assert envs["stage-0"]["MESHD_NODES_ADDRS"] == "10.0.0.1:7946,10.0.0.2:7946"
+
+
+def test_replicas_rank_after_every_stages_first_node(tmp_path):
+    run = new_run("smoke-1", 2, now=0.0, replicas=2, relay=True)
+    names = ["orchestrator", "stage-0", "stage-1", "stage-0.2", "stage-1.2"]
+    addrs = {n: f"127.0.0.1:{7000 + i}" for i, n in enumerate(names)}
+    envs = prepare_env(run, tmp_path, addrs)
+    assert [envs[n]["MESHD_NODE_RANK"] for n in names] == ["0", "1", "2", "3", "4"]
+    assert envs["stage-1.2"]["MESHD_NODES_NUM"] == "5"
+    assert (tmp_path / "smoke-1.hosts").read_text().splitlines() == list(addrs.values())

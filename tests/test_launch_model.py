@@ -22,6 +22,7 @@ from meshd.launch.model import (
     MarkRun,
     NoPath,
     Reason,
+    Restarted,
     RetryPolicy,
     Running,
     RunReason,
@@ -32,6 +33,7 @@ from meshd.launch.model import (
     StopJob,
     StopRun,
     new_run,
+    parse_stage_job,
     run_from_dict,
     run_to_dict,
     step,
@@ -388,3 +390,59 @@ def test_done_at_the_deadline_is_done_not_a_timeout():
     d.bring_up()
     d.step(Exited("orchestrator", 0), Exited("stage-0", 0), dt=20)
     assert d.run.status is RunStatus.DONE and d.stops() == []
+
+
+# -- replicas and restarts (smoke-run --replicas, the restart: fault) -------------------------
+
+
+def test_replicas_are_stage_jobs_named_by_rank():
+    run = new_run("r", 2, now=0.0, replicas=3)
+    assert [(j.name, j.stage) for j in run.workers] == [("stage-0", 0), ("stage-1", 1), ("stage-0.2", 0),
+                                                         ("stage-1.2", 1), ("stage-0.3", 0), ("stage-1.3", 1)]
+    assert [parse_stage_job(n) for n in ("stage-1", "stage-1.2", "stage-1.1", "stage-", "stage-1.0")] == [
+        (1, 1), (1, 2), (1, 1), None, None]
+
+
+@pytest.mark.parametrize("criteria", ["all-done", "master-done"])
+def test_a_killed_replica_whose_stage_another_serves_does_not_fail_the_run(criteria):
+    d = running_run(2, replicas=2, stop_criteria=criteria)
+    d.step(Exited("stage-1.2", -9))
+    assert d.status("stage-1.2") == "exited (-9)"
+    assert d.run.reason is None and d.stops() == []
+    d.step(Exited("orchestrator", 0))
+    for name in ("stage-0", "stage-1", "stage-0.2"):
+        d.step(Exited(name, 0 if criteria == "all-done" else -15))
+    assert d.run.status is RunStatus.DONE and d.run.reason is RunReason.ALL_DONE
+    assert d.status("stage-1.2") == "exited (-9)"
+
+
+def test_a_stage_whose_every_replica_failed_fails_the_run_naming_the_last():
+    d = running_run(2, replicas=2)
+    d.step(Exited("stage-1.2", -9))
+    d.step(Exited("stage-1", -9))
+    assert d.run.message == "stage-1: exited (-9)"
+    assert d.run.status is RunStatus.TERMINATING and d.run.reason is RunReason.JOB_FAILED
+
+
+def test_a_generation_that_lost_a_replica_fails_the_run_even_with_its_sibling_up():
+    d = running_run(2, replicas=2)
+    d.step(Lost("stage-1.2", "peer 5c3e9a10 dead"),
+           StopRun(RunReason.JOB_FAILED, "lost: stage-1.2 (peer 5c3e9a10 dead)"))
+    assert d.run.message == d.status("stage-1.2") == "lost: stage-1.2 (peer 5c3e9a10 dead)"
+    d.step(*(Exited(j.name, -15) for j in d.run.jobs if j.name != "stage-1.2"), Exited("stage-1.2", -9))
+    assert d.run.status is RunStatus.FAILED
+
+
+def test_a_restarted_job_boots_again_and_ends_like_any_other():
+    d = running_run(2, relay=True)
+    d.step(Restarted("stage-1", pid=4242))
+    job = d.run.job("stage-1")
+    assert (job.status, job.pid, job.restarts) == (JobStatus.PROVISIONING, 4242, 1)
+    assert d.run.status is RunStatus.RUNNING and d.starts().count("stage-1") == 1
+    d.step(Running("stage-1", "127.0.0.1:7003", "2b91108e"))
+    assert job.status is JobStatus.RUNNING
+    assert run_from_dict(run_to_dict(d.run)).job("stage-1").restarts == 1
+    d.step(Exited("orchestrator", 0))
+    d.step(Exited("stage-0", 0), Exited("stage-1", 0))
+    d.step(Exited("relay", -15))
+    assert d.run.status is RunStatus.DONE and d.status("stage-1") == "exited (0)"

@@ -92,6 +92,28 @@ def test_an_orchestrator_behind_nat_dials_out_and_is_reached_over_the_relay():
                                                                   for k in range(3)}
 
 
+def test_a_replica_behind_nat_serves_its_stage():
+    rc, out = netns_smoke("--stages", "3", "--replicas", "2", "--fault", "nat:stage-1.2")
+    assert rc == 0, out
+    assert out["matches_reference"] and list(out["testbed"]["nat"]) == ["stage-1.2"]
+    # The switch, the relay, the orchestrator, six stage nodes and the NAT router.
+    assert len(out["testbed"]["namespaces"]) == 1 + 1 + 1 + 6 + 1
+    paths = {(p["from"], p["to"]): p for p in out["paths"]}
+    assert paths[("orchestrator", "stage-1.2")]["path"] == "relay"  # nobody dials into the NAT
+    assert paths[("stage-1.2", "orchestrator")]["path"] == "direct"
+
+
+def test_a_killed_serving_replica_fails_over_with_a_replica_behind_nat():
+    rc, out = netns_smoke("--stages", "3", "--replicas", "2", "--fault", "nat:stage-1.2",
+                          "--fault", "kill:stage-1@token-5", "--max-tokens", "48")
+    assert rc == 0, out
+    assert out["matches_reference"]
+    [killed] = out["disruptions"]
+    [failover] = out["failovers"]
+    assert failover["from_job"] == killed["job"] and failover["to_job"] in ("stage-1", "stage-1.2")
+    assert failover["to_job"] != killed["job"]
+
+
 def test_an_isolated_stage_fails_the_run_naming_it():
     rc, out = netns_smoke("--stages", "3", "--fault", "isolate:stage-1", "--timeout", "15")
     assert rc == 1

@@ -9,6 +9,7 @@ import trio
 from meshd.net.faults import Faults
 from meshd.node import NodeOptions
 from meshd.pipeline import service
+from meshd.pipeline import stage as stage_module
 from meshd.pipeline.checkpoint import init_checkpoint
 from meshd.pipeline.generate import generate
 from meshd.pipeline.service import NotReady
@@ -71,7 +72,7 @@ async def test_pipelined_tokens_and_logits_equal_the_reference(checkpoint, stage
 @pytest.fixture
 def cut_any_head(monkeypatch):
     """Cut the head even for the tiny test model (it is too small to pay for it)."""
-    monkeypatch.setattr(service, "HEAD_SPLIT_MIN_MACS", 0)
+    monkeypatch.setattr(stage_module, "HEAD_SPLIT_MIN_MACS", 0)
 
 
 @pytest.mark.parametrize("stages", [2, 3, 5])
@@ -138,7 +139,7 @@ async def test_four_concurrent_requests_each_equal_their_reference(checkpoint):
 async def test_tokens_reach_the_orchestrator_several_to_a_message(checkpoint, cut_any_head, monkeypatch):
     """Each message wakes the orchestrator's process; tokens after the first share messages
     (up to TOKEN_BATCH_S apart), and every token still streams, in order."""
-    monkeypatch.setattr(service, "TOKEN_BATCH_S", 0.2)  # a slow machine's steps still share
+    monkeypatch.setattr(stage_module, "TOKEN_BATCH_S", 0.2)  # a slow machine's steps still share
     lines: list[str] = []
     with trio.fail_after(90):
         async with trio.open_nursery() as nursery:

@@ -17,6 +17,7 @@ EXAMPLES: dict[int, wire.Message] = {
         sampling=messages.Sampling(max_tokens=8, temperature=0.7, top_k=40, seed=1, want_logits=False),
         sent_at=1.5, trace=(messages.Hop("compute", "stage-0", 0.25, ""),
                             messages.Hop("transit", "stage-0->stage-1", 0.1, "relay")),
+        route=(NODE_B, SENDER), prefill=2,
     ),
     messages.Token.TAG: messages.Token(
         req_id="r1", origin=NODE_B, step=1, token=42, pos=4, done="", logits=b"",
@@ -24,7 +25,8 @@ EXAMPLES: dict[int, wire.Message] = {
         sent_at=2.0, trace=(),
     ),
     messages.Release.TAG: messages.Release(req_id="r1"),
-    messages.StageError.TAG: messages.StageError(req_id="r1", stage="stage-2", message="out of memory"),
+    messages.StageError.TAG: messages.StageError(req_id="r1", stage="stage-2", message="stage-3 is down",
+                                                         peer=NODE_B),
     messages.HeadInput.TAG: messages.HeadInput(
         req_id="r1", origin=NODE_B, step=3, pos=9, hidden=b"\x00" * 16,
         sampling=messages.Sampling(max_tokens=8, temperature=0.8, top_k=20, seed=1, want_logits=False),
@@ -61,3 +63,32 @@ def test_a_newer_pipeline_version_is_refused_by_name():
     data = msgpack.packb([messages.APP_VERSION + 1, SENDER, []], use_bin_type=True)
     with pytest.raises(wire.UnsupportedVersion, match=f"newer than ours \\({messages.APP_VERSION}\\)"):
         messages.decode_app(data)
+
+
+def _stage_error(peer: object) -> bytes:
+    body = [messages.StageError.TAG, ["r1", "stage-1", "m", peer]]
+    return msgpack.packb([messages.APP_VERSION, SENDER, [body]])
+
+
+@pytest.mark.parametrize("peer", [b"", NODE_B])
+def test_a_stage_error_names_a_node_or_none(peer):
+    assert messages.decode_app(_stage_error(peer)).messages[0].peer == peer
+
+
+@pytest.mark.parametrize("peer", [b"\xbb" * 31, b"\xbb" * 33, "", None])
+def test_a_stage_error_names_a_whole_node_id_or_none(peer):
+    with pytest.raises(wire.WireError):
+        messages.decode_app(_stage_error(peer))
+
+
+def test_a_route_longer_than_any_run_is_refused():
+    msg = EXAMPLES[messages.Activation.TAG].to_body()
+
+    def payload() -> bytes:
+        return msgpack.packb([messages.APP_VERSION, SENDER, [[messages.Activation.TAG, msg]]])
+
+    msg[-2] = [NODE_B] * wire.MAX_STAGES
+    assert len(messages.decode_app(payload()).messages[0].route) == wire.MAX_STAGES
+    msg[-2] = [NODE_B] * (wire.MAX_STAGES + 1)
+    with pytest.raises(wire.WireError):
+        messages.decode_app(payload())

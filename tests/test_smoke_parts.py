@@ -10,7 +10,7 @@ import pytest
 from meshd.launch.drive import orchestrator_failure
 from meshd.launch.failure import Failure, Kind
 from meshd.launch.model import Lost, Running, Started, job_status_message, new_run, step
-from meshd.launch.plan import FaultPlan, RunPlan, job_argvs, node_names, plan_faults
+from meshd.launch.plan import Disruption, FaultPlan, RunPlan, job_argvs, node_names, plan_faults
 from meshd.launch.report import Generated, Outcome, summary
 
 ADDRS = {"relay": "127.0.0.1:9000", "orchestrator": "127.0.0.1:9001",
@@ -20,7 +20,7 @@ ADDRS = {"relay": "127.0.0.1:9000", "orchestrator": "127.0.0.1:9001",
 def test_a_one_way_drop_becomes_the_senders_own_rule_naming_the_receivers_address():
     plan = plan_faults(["drop:stage-1->stage-0", "kill:stage-0@token-3", "relay-down@2.5"], ADDRS)
     assert plan.node_faults == {"stage-1": ["drop:127.0.0.1:9002"]}
-    assert plan.kills == [("stage-0", 3)] and plan.relay_down_s == 2.5
+    assert plan.kills == [Disruption("kill:stage-0@token-3", "stage-0", 3)] and plan.relay_down_s == 2.5
 
 
 @pytest.mark.parametrize("spec, words", [
@@ -37,7 +37,7 @@ def test_every_node_is_seeded_through_all_the_others_and_carries_only_its_faults
     names = node_names(2)
     addrs = {n: ADDRS[n] for n in names}
     plan = RunPlan(2, "/m", ADDRS["relay"], addrs, dict.fromkeys(names, "127.0.0.1:0"),
-                   FaultPlan(node_faults={"stage-0": ["isolate"]}), "/tmp/snaps")
+                   FaultPlan(node_faults={"stage-0": ["isolate"]}), "/tmp/snaps", "/tmp/keys")
     argvs = job_argvs(plan)
     assert argvs["relay"] == ["relay", "--bind", ADDRS["relay"]]
     assert {a for a in argvs["stage-1"] if a.startswith("--seed=")} == {"--seed=127.0.0.1:9001",
@@ -77,9 +77,9 @@ def test_the_json_object_has_the_contracts_keys_in_order():
     outcome = Outcome(1, run="smoke-1", generated=_generated(), run_status="done",
                       jobs={"orchestrator": "exited (0)"}, total_s=9.87654)
     out = outcome.to_json()
-    assert list(out) == ["ok", "status", "reason", "stages", "run", "tokens", "text", "reference_tokens",
-                         "matches_reference", "stage_map", "paths", "asymmetric", "timings", "leftovers",
-                         "run_status", "jobs"]
+    assert list(out) == ["ok", "status", "reason", "stages", "replicas", "run", "tokens", "text",
+                         "reference_tokens", "matches_reference", "stage_map", "paths", "asymmetric",
+                         "timings", "failovers", "disruptions", "leftovers", "run_status", "jobs"]
     assert (out["ok"], out["status"], out["reason"]) == (True, "done", None)
     assert out["timings"] == {"converge_s": 1.235, "first_token_s": None, "tokens_per_s": 4.5,
                               "total_s": 9.877}
@@ -90,7 +90,7 @@ def test_a_failed_run_says_why_and_exits_non_zero():
     outcome = Outcome(3, failure=Failure.unreachable(["stage-1"], "not converged within 6s"))
     out = outcome.to_json()
     assert out == {"ok": False, "status": "unreachable: stage-1", "reason": "not converged within 6s",
-                   "stages": 3, "leftovers": 0}
+                   "stages": 3, "replicas": 1, "failovers": [], "disruptions": [], "leftovers": 0}
     assert outcome.exit_code == 1
     assert Outcome(3, failure=Failure.stopped("SIGTERM")).exit_code == 130
 

@@ -24,6 +24,8 @@ def run_dir(tmp_path, monkeypatch):
     return tmp_path / "state" / "meshd" / "runs"
 
 
+# A fault at token T of a short completion may land after its last token is computed (the
+# stream runs behind the pipeline): the fault tests ask for more tokens (the last --max-tokens wins).
 def smoke(*args: str, timeout: float = 180) -> tuple[int, dict]:
     r = subprocess.run([sys.executable, "-m", "meshd", "smoke-run", "--json", "--max-tokens", "12", *args],
                        capture_output=True, text=True, timeout=timeout)
@@ -95,15 +97,56 @@ def test_ps_shows_the_run_from_another_process(run_dir):
     assert (run_dir / f"{out['run']}.hosts").read_text().count("\n") == 3  # orchestrator + 2 stages
 
 
-def test_a_killed_stage_fails_the_run_naming_it(run_dir):
+def test_a_killed_stage_without_replicas_fails_the_run_naming_it(run_dir):
     t0 = time.monotonic()
-    rc, out = smoke("--stages", "3", "--fault", "kill:stage-1@token-3")
+    rc, out = smoke("--stages", "3", "--replicas", "1", "--fault", "kill:stage-1@token-5",
+                    "--max-tokens", "48")
     took = time.monotonic() - t0
     assert rc == 1
-    assert out["status"].startswith("lost: stage-1 (peer ") and out["status"].endswith(" dead)")
+    assert [(d["action"], d["job"], d["token"]) for d in out["disruptions"]] == [("kill", "stage-1", 5)]
+    # "lost: stage-1 (peer 2b91108e dead)", or "... down: ..." when its port refused a dial first
+    assert out["status"].startswith(f"lost: stage-1 (peer {out['disruptions'][0]['peer']} "), out
     assert out["leftovers"] == 0 and meshd_children(run_dir) == []
     assert out["run_status"] == "failed" and out["jobs"]["stage-1"] == out["status"]
     assert took < 60 + LOCAL.suspicion_bounds(4)[1]
+
+
+def test_replicas_run_every_stage_on_k_nodes_and_match_the_reference(run_dir):
+    rc, out = smoke("--stages", "2", "--replicas", "2")
+    assert rc == 0, out
+    assert out["ok"] and out["matches_reference"] and out["replicas"] == 2
+    names = ["orchestrator", "stage-0", "stage-1", "stage-0.2", "stage-1.2"]
+    assert sorted(out["stage_map"].values()) == sorted(names)
+    assert len(out["paths"]) == 5 * 4 and out["failovers"] == []
+    assert out["run_status"] == "done" and set(out["jobs"]) == {"relay", *names}
+    assert set(out["jobs"].values()) == {"exited (0)"}
+    assert meshd_children(run_dir) == []
+
+
+def test_a_killed_serving_replica_fails_over_and_the_run_passes(run_dir):
+    rc, out = smoke("--stages", "3", "--replicas", "2", "--fault", "kill:stage-1@token-5",
+                    "--max-tokens", "48")
+    assert rc == 0, out
+    assert out["matches_reference"] and out["leftovers"] == 0 and meshd_children(run_dir) == []
+    [killed] = out["disruptions"]
+    assert killed["action"] == "kill" and killed["job"] in ("stage-1", "stage-1.2")
+    survivor = "stage-1.2" if killed["job"] == "stage-1" else "stage-1"
+    [failover] = out["failovers"]
+    assert (failover["stage"], failover["from"], failover["from_job"], failover["to_job"]) == (
+        "stage-1", killed["peer"], killed["job"], survivor)
+    assert out["run_status"] == "done" and out["jobs"][killed["job"]] == "exited (-9)"
+
+
+def test_a_restarted_serving_replica_comes_back_with_its_key_and_the_run_passes(run_dir):
+    rc, out = smoke("--stages", "2", "--replicas", "2", "--fault", "restart:stage-1@token-4",
+                    "--max-tokens", "48")
+    assert rc == 0, out
+    assert out["matches_reference"] and out["leftovers"] == 0 and meshd_children(run_dir) == []
+    [restarted] = out["disruptions"]
+    assert restarted["action"] == "restart" and out["stage_map"][restarted["peer"]] == restarted["job"]
+    assert [f["from_job"] for f in out["failovers"]] == [restarted["job"]]
+    # Back in the mesh (smoke-run waited for it), it ends like every other job.
+    assert out["run_status"] == "done" and set(out["jobs"].values()) == {"exited (0)"}
 
 
 def test_sigterm_mid_generation_leaves_no_process_behind(run_dir):
@@ -130,3 +173,21 @@ def test_bad_fault_is_one_line():
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert "no node named 'stage-7'" in out["reason"] and out["leftovers"] == 0
     assert "Traceback" not in r.stderr
+
+
+def test_a_restarted_process_runs_again_on_its_port_and_its_output_goes_on_in_the_same_lines():
+    from meshd.launch.local import LocalProcess, free_ports
+
+    port = free_ports(1)[0]
+    relay = LocalProcess("relay", ["relay", "--bind", f"127.0.0.1:{port}"])
+    try:
+        url = relay.wait_for(lambda s: s.startswith("meshd relay url="), 30, "relay url")
+        old = relay.proc
+        relay.restart()
+        assert old.returncode == -signal.SIGKILL, "the old process is reaped before the new one starts"
+        assert relay.proc.pid != old.pid and relay.alive()
+        assert relay.first_line > 0 and relay.lines[:relay.first_line].count(url) == 1
+        again = relay.wait_for(lambda s: s.startswith("meshd relay url="), 30, "relay url")
+        assert again == url and relay.lines.count(url) == 2
+    finally:
+        relay.stop()

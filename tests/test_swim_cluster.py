@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 
@@ -238,7 +239,7 @@ def test_a_name_registered_early_resolves_everywhere_dies_with_its_owner_and_com
     run_until(net, lambda: all(net.view(x, owner) is State.DEAD for x in survivors), max_periods=40)
     for x in survivors:
         assert x.swim.resolve("pp-entry") is None
-        assert x.swim.registry.claims["pp-entry"].tombstone
+        assert x.swim.registry.get("pp-entry", owner.id).tombstone
 
     net.restart(owner, seeds=[second.addr])
     owner.swim.register_name("pp-entry", net.now)
@@ -264,6 +265,57 @@ def test_a_crashed_member_restarting_with_the_same_id_comes_back_with_a_higher_i
     rejoined = {o.observer for o in net.events(EventKind.JOIN, victim) if o.at >= restarted_at}
     assert rejoined == {x.id for x in survivors}
     assert [o.event.node for o in net.events(EventKind.DEAD)] == [victim.id] * len(survivors)
+
+
+def test_a_new_identity_takes_a_dead_owners_name_at_once():
+    net, nodes = cluster(5)
+    old = nodes[1]
+    old.swim.register_name("pp-stage-1", net.now)
+    flush(net, old)
+    run_until(net, lambda: all(x.swim.resolve("pp-stage-1") == old.id for x in nodes), max_periods=10)
+    net.crash(old)
+    survivors = [x for x in nodes if x is not old]
+    run_until(net, lambda: all(net.view(x, old) is State.DEAD for x in survivors), max_periods=40)
+
+    new = net.add_node(meta=Meta(role="stage", stage=1), seeds=[nodes[0].addr])
+    new.swim.register_name("pp-stage-1", net.now)  # clock 1, far below the old owner's tombstone
+    flush(net, new)
+    took = run_until(net, lambda: all(x.swim.resolve("pp-stage-1") == new.id for x in [*survivors, new]),
+                     max_periods=10)
+    assert took <= 5 * net.config.probe_interval
+    assert all(x.swim.registry.get("pp-stage-1", old.id).tombstone for x in survivors)
+
+
+def test_replicas_share_a_name_and_one_leaving_orphans_nobody():
+    net, nodes = cluster(5)
+    a, b = nodes[1], nodes[2]
+    for x in (a, b):
+        x.swim.register_name("pp-stage-0", net.now)
+        flush(net, x)
+    both = sorted([a.id, b.id])
+    run_until(net, lambda: all(x.swim.live_owners("pp-stage-0") == both for x in nodes), max_periods=10)
+    a.swim.leave(net.now)
+    flush(net, a)
+    rest = [x for x in nodes if x is not a]
+    run_until(net, lambda: all(x.swim.live_owners("pp-stage-0") == [b.id] for x in rest), max_periods=10)
+
+
+def test_a_restart_under_the_same_id_is_seen_and_its_old_names_are_withdrawn():
+    net, nodes = cluster(5)
+    victim = nodes[3]
+    victim.swim.register_name("pp-stage-3", net.now)
+    flush(net, victim)
+    run_until(net, lambda: all(x.swim.resolve("pp-stage-3") == victim.id for x in nodes), max_periods=10)
+    net.crash(victim)  # and back before anyone notices: only the epoch tells
+    restarted_at = net.now
+    net.restart(victim, seeds=[nodes[0].addr], meta=replace(victim.meta, stage=4, epoch=2))
+    victim.swim.register_name("pp-stage-4", net.now)
+    flush(net, victim)
+    others = [x for x in nodes if x is not victim]
+    run_until(net, lambda: all(x.swim.resolve("pp-stage-4") == victim.id
+                               and x.swim.resolve("pp-stage-3") is None for x in nodes), max_periods=20)
+    seen = {o.observer for o in net.events(EventKind.RESTART, victim) if o.at >= restarted_at}
+    assert seen == {x.id for x in others}
 
 
 # --------------------------------------------------------------- determinism

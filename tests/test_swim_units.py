@@ -238,49 +238,45 @@ def test_broadcasts_respect_the_byte_budget():
 # ----------------------------------------------------------------- registry
 
 
-def test_registry_last_writer_wins():
+def test_registry_keeps_one_entry_per_owner():
     r = Registry()
     assert r.merge(NameClaim("pp-entry", NODE_A, 1, False)) is True
     assert r.merge(NameClaim("pp-entry", NODE_B, 2, False)) is True
-    assert r.merge(NameClaim("pp-entry", NODE_A, 1, False)) is False  # older
-    assert r.merge(NameClaim("pp-entry", NODE_B, 2, False)) is False  # the same, again
-    assert r.owner("pp-entry") == NODE_B
+    assert r.merge(NameClaim("pp-entry", NODE_A, 1, False)) is False  # the same, again
+    assert r.merge(NameClaim("pp-entry", NODE_B, 1, False)) is False  # older, from the same owner
+    assert sorted(r.owners("pp-entry")) == [NODE_A, NODE_B]  # two owners: replicas, not a conflict
 
 
-def test_registry_ties_resolve_the_same_way_in_any_order():
-    live_a = NameClaim("stage-1", NODE_A, 3, False)
-    live_b = NameClaim("stage-1", NODE_B, 3, False)
-    tomb_a = NameClaim("stage-1", NODE_A, 3, True)
-
-    def winner(*claims: NameClaim) -> NameClaim:
-        r = Registry()
-        for c in claims:
-            r.merge(c)
-        return r.claims["stage-1"]
-
-    assert winner(live_a, live_b) == winner(live_b, live_a) == live_b  # the higher owner id breaks the tie
-    assert winner(live_b, tomb_a) == winner(tomb_a, live_b) == tomb_a  # at equal clocks a tombstone wins
-
-
-def test_registry_claim_counts_up_from_what_is_held():
+def test_a_tombstone_hides_only_its_own_owners_claim():
+    # A dead owner's tombstone at a clock far past a new owner's claim must not hide it:
+    # a stage restarted under a new identity serves at once.
     r = Registry()
-    assert r.claim("stage-0", NODE_A) == NameClaim("stage-0", NODE_A, 1, False)
-    r.merge(NameClaim("stage-0", NODE_B, 7, False))
-    assert r.claim("stage-0", NODE_A) == NameClaim("stage-0", NODE_A, 8, False)
+    r.merge(NameClaim("pp-stage-1", NODE_A, 7, True))
+    r.merge(NameClaim("pp-stage-1", NODE_B, 1, False))
+    assert r.owners("pp-stage-1") == [NODE_B]
+    r.merge(NameClaim("pp-stage-1", NODE_A, 6, False))  # a stale copy of the dead owner's claim
+    assert r.owners("pp-stage-1") == [NODE_B]
+
+
+def test_registry_claim_counts_up_past_our_own_entries_only():
+    r = Registry(clock=4)  # what the owner's last process used (persisted beside its key)
+    assert r.claim("stage-0", NODE_A) == NameClaim("stage-0", NODE_A, 5, False)
+    r.merge(NameClaim("stage-0", NODE_B, 70, False))  # another owner's clock is its own business
+    r.merge(NameClaim("stage-1", NODE_A, 9, True))  # a tombstone our last process left
+    assert r.claim("stage-1", NODE_A) == NameClaim("stage-1", NODE_A, 10, False)
 
 
 def test_tombstone_owner_buries_only_that_owners_live_names():
     r = Registry()
     r.merge(NameClaim("stage-0", NODE_A, 1, False))
     r.merge(NameClaim("stage-1", NODE_A, 4, False))
-    r.merge(NameClaim("stage-2", NODE_B, 2, False))
+    r.merge(NameClaim("stage-1", NODE_B, 2, False))
     tombs = r.tombstone_owner(NODE_A)
     assert sorted(tombs, key=lambda c: c.name) == [
         NameClaim("stage-0", NODE_A, 2, True),
         NameClaim("stage-1", NODE_A, 5, True),
     ]
-    assert r.owner("stage-0") is None and r.owner("stage-1") is None
-    assert r.owner("stage-2") == NODE_B
+    assert r.owners("stage-0") == [] and r.owners("stage-1") == [NODE_B]
     assert r.tombstone_owner(NODE_A) == []  # already buried
 
 
@@ -300,11 +296,23 @@ def test_a_reclaim_beats_the_tombstone():
     other.merge(NameClaim("pp-entry", NODE_A, 1, False))
     (tomb,) = other.tombstone_owner(NODE_A)
     owner.merge(tomb)
-    assert owner.owner("pp-entry") is None
+    assert owner.owners("pp-entry") == []
     reclaim = owner.claim("pp-entry", NODE_A)
     assert reclaim == NameClaim("pp-entry", NODE_A, 3, False)
     assert other.merge(reclaim) is True
-    assert other.owner("pp-entry") == NODE_A
+    assert other.owners("pp-entry") == [NODE_A]
+
+
+def test_a_full_registry_makes_room_by_dropping_tombstones_only():
+    from meshd.swim.registry import MAX_NAMES
+
+    r = Registry()
+    for i in range(MAX_NAMES - 1):
+        r.merge(NameClaim(f"n{i}", NODE_A, 1, False))
+    r.merge(NameClaim("gone", NODE_B, 2, True))
+    assert r.merge(NameClaim("new", NODE_B, 1, False)) is True  # the tombstone made room
+    assert r.merge(NameClaim("flood", NODE_B, 1, False)) is False  # live entries are never dropped
+    assert len(r.claims) == MAX_NAMES
 
 
 # ------------------------------------------------------ Swim, driven by hand
@@ -511,7 +519,8 @@ def test_gossip_to_the_dead_stops_after_gossip_to_the_dead_time():
     a.set_meta(Meta(stage=0, version="0.2.0"), later)  # news to gossip
     sent = bench.run(a, later + 2.0)
     assert any(found(o, Alive) for _, o in sent)
-    assert {o.node for _, o in sent} == {c.id}
+    # The dead member still gets reconnect asks (join push-pulls); nobody else gets gossip.
+    assert {o.node for _, o in sent if not isinstance(o.packet.messages[0], wire.PushPull)} == {c.id}
 
 
 def first_probe(bench: Bench, prober: Swim) -> tuple[float, Ping]:
@@ -788,7 +797,7 @@ def test_a_strangers_push_pull_adds_only_itself():
     itself = wire.MemberState(STRANGER, "10.0.0.99:7946", 0, int(State.ALIVE), Meta())
     claim = wire.NameClaim("pp-stage-9", b"\x66" * 32, 1, False)
     bench.tell(a, STRANGER, wire.PushPull(False, False, (fake_at_victim, itself), (claim,)), now=1.0)
-    assert b"\x66" * 32 not in a.members and "pp-stage-9" not in a.registry.claims
+    assert b"\x66" * 32 not in a.members and "pp-stage-9" not in a.registry.names()
     assert a.members[STRANGER].state is State.ALIVE
 
 

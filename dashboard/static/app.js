@@ -66,7 +66,9 @@ function drawPeers(data) {
   body.replaceChildren();
   for (const p of data.peers) {
     const tr = document.createElement("tr");
-    cell(tr, p.name); cell(tr, p.prefix); cell(tr, p.state, p.state);
+    // Replicas of one stage: "stage-1 (replica 2/2)"; a draining node says so beside its state.
+    const replica = p.replicas > 1 ? ` (replica ${p.replica}/${p.replicas})` : "";
+    cell(tr, p.name + replica); cell(tr, p.prefix); cell(tr, p.state + (p.draining ? " · draining" : ""), p.state);
     cell(tr, p.path_out, p.path_out); cell(tr, p.path_in, p.path_in); cell(tr, p.rtt_ms);
     cell(tr, `${p.out_ok}/${p.out_fail}`); cell(tr, p.in_seen ? `${p.in_seen.direct || 0}/${p.in_seen.relay || 0}` : "–");
     cell(tr, p.last_seen_s);

@@ -1,6 +1,7 @@
-"""What a smoke run is judged on: the tokens against ``meshd generate``, each direction's
-path and the pairs whose two directions differ, nodes cut off from the rest, and what
-teardown left behind.
+"""What a smoke run is judged on: whether the mesh is whole (every node alive to every
+other, every pipeline name owned by every replica), the tokens against ``meshd generate``,
+each direction's path and the pairs whose two directions differ, nodes cut off from the
+rest, the failovers by job, and what teardown left behind.
 
 Everything here reads snapshots and numbers the driver collected; nothing starts,
 stops or asks a process anything.
@@ -8,9 +9,13 @@ stops or asks a process anything.
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from .model import parse_stage_job
 
 Snapshot = dict[str, Any]  # a node's /api/snapshot
 Member = dict[str, Any]  # one entry of a snapshot's "members"
@@ -34,6 +39,34 @@ def compare_with_reference(model: str, prompt: str, max_tokens: int, tokens: lis
     config = LlamaConfig.load(model)
     text = load_tokenizer(model, config.bos_token_id, config.eos_token_ids).decode(tokens)
     return Reference(ref["tokens"], text, tokens == ref["tokens"])
+
+
+def owners_needed(stages: int, jobs: Iterable[str]) -> dict[str, int]:
+    """The pipeline names the orchestrator must resolve before generating, and how many live
+    owners each needs: every running replica of a stage for its name, one for the others."""
+    replicas = Counter(parsed[0] for job in jobs if (parsed := parse_stage_job(job)) is not None)
+    return {"pp-entry": 1, "pp-exit": 1, **{f"pp-stage-{k}": max(replicas[k], 1) for k in range(stages)},
+            "pp-orchestrator": 1}
+
+
+def names_short(names: dict[str, Any], needed: dict[str, int]) -> list[str]:
+    """The names of ``needed`` a snapshot's ``names`` do not resolve to enough live owners yet,
+    as a person reads them (``pp-stage-1 (1/2 live)``)."""
+    short = []
+    for name, owners in needed.items():
+        entry = names.get(name) or {}
+        live = entry.get("live")
+        count = len(live) if isinstance(live, list) else int(bool(entry.get("resolves")))
+        if not entry.get("resolves") or count < owners:
+            short.append(name if owners == 1 else f"{name} ({count}/{owners} live)")
+    return short
+
+
+def sees_all(snap: Snapshot, peers: set[str]) -> bool:
+    """The node sees each of ``peers`` alive, each probed at least once (so the paths reported
+    are measured, not assumed)."""
+    seen = {m["prefix"] for m in snap["members"] if m["state"] == "alive" and m["path_checks"] > 0}
+    return peers <= seen
 
 
 def cut_off(snaps: dict[str, Snapshot], prefixes: dict[str, str]) -> list[str]:
@@ -86,6 +119,25 @@ def _side(a: str, b: str, m: Member) -> str:
     why = why or m.get("last_failure")
     layer = "" if m["path_out"] == "relay" else " (data; datagrams direct)"
     return f"{a}→{b}: relay{layer}" + (f", because {why}" if why else "")
+
+
+def failovers(reported: list[Any], prefixes: dict[str, str]) -> list[dict[str, Any]]:
+    """The failovers the orchestrator reported (``request``, ``stage``, ``from`` and ``to`` peer
+    prefixes, ``ms``), each with the jobs its two peers are (``from_job``, ``to_job``) where the
+    stage map knows them; a stage given as a number reads ``stage-K``."""
+    out = []
+    for item in reported:
+        if not isinstance(item, dict):
+            continue
+        named = dict(item)
+        if isinstance(named.get("stage"), int):
+            named["stage"] = f"stage-{named['stage']}"
+        for end in ("from", "to"):
+            job = prefixes.get(str(named.get(end)))
+            if job is not None:
+                named[f"{end}_job"] = job
+        out.append(named)
+    return out
 
 
 def leftovers(processes_alive: int, testbed_left: int, tmp: Path) -> int:

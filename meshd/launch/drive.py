@@ -4,21 +4,25 @@ Each step talks to live processes over their dashboards and raises
 :class:`~meshd.launch.failure.RunFailed` with a :class:`~meshd.launch.failure.Failure`
 naming what went wrong.  The orchestrator's API reports a failed generation as text;
 :func:`orchestrator_failure` reads it into a Failure once, where the stream is read.
+The stream's ``meshd`` objects carry each token, the request's id and, at the end, the
+failovers the request went through.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .checks import Snapshot, cut_off
+from .checks import Snapshot, cut_off, names_short, owners_needed, sees_all
+from .disrupt import Disruptor
 from .failure import Failure, Kind, RunFailed
 from .jobs import JobDriver
 from .local import LocalProcess, free_ports
@@ -29,7 +33,8 @@ from .report import Progress
 if TYPE_CHECKING:
     import httpx
 
-_LOST = re.compile(r"^lost: (?P<job>[\w-]+) \((?P<detail>.*)\)$")
+# The detail may hold one level of parentheses: "peer 65fd2979 stage-1 (65fd2979) is down: ..."
+_LOST = re.compile(r"^lost: (?P<job>[\w.-]+) \((?P<detail>(?:[^()]|\([^()]*\))*)\)(?P<more>.*)$")
 _PEER = re.compile(r"\bpeer (?P<peer>[0-9a-f]{8})\b")
 
 
@@ -55,6 +60,8 @@ class Generation:
     tokens: list[int]
     first_token_s: float | None  # from the request to the first token
     gen_s: float  # from the request to the end of the stream
+    request: str | None = None  # the orchestrator's id for it, as the stream says
+    failovers: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # as the stream reports them
 
 
 @dataclass(frozen=True)
@@ -90,7 +97,8 @@ def open_netns(names: list[str], progress: Progress) -> NetnsProvider:
         raise RunFailed(Failure.error(str(exc))) from None
 
 
-def place_jobs(provider: NetnsProvider | None, specs: list[str], names: list[str]) -> Placement:
+def place_jobs(provider: NetnsProvider | None, specs: list[str], names: list[str],
+               max_tokens: int | None = None) -> Placement:
     """Choose every job's address and plan the faults; on netns, build the testbed with its faults.
 
     ``provider`` None: local processes on ports free on loopback now.
@@ -100,8 +108,9 @@ def place_jobs(provider: NetnsProvider | None, specs: list[str], names: list[str
             ports = free_ports(len(names) + 1)
             relay_bind = f"127.0.0.1:{ports[0]}"
             addrs = {n: f"127.0.0.1:{p}" for n, p in zip(names, ports[1:], strict=True)}
-            return Placement(relay_bind, addrs, plan_faults(specs, {**addrs, "relay": relay_bind}))
-        faults = plan_faults([s for s in specs if not provider.handles(s)], provider.addresses())
+            faults = plan_faults(specs, {**addrs, "relay": relay_bind}, max_tokens)
+            return Placement(relay_bind, addrs, faults)
+        faults = plan_faults([s for s in specs if not provider.handles(s)], provider.addresses(), max_tokens)
         provider.setup([s for s in specs if provider.handles(s)])  # validates the specs before building
     except (NetnsError, ValueError) as exc:
         raise RunFailed(Failure.error(str(exc))) from None
@@ -124,27 +133,25 @@ def snapshot(client: httpx.Client, board: Dashboard) -> Snapshot:
 
 
 def converge(client: httpx.Client, driver: JobDriver, boards: dict[str, Dashboard],
-             prefixes: dict[str, str], stages: int, timeout: float) -> float:
-    """Wait until every node sees every other alive over a measured path and the orchestrator
-    resolves every pipeline name; returns the seconds it took."""
+             prefixes: dict[str, str], needed: dict[str, int], timeout: float) -> float:
+    """Wait until every node of ``boards`` sees every other alive over a measured path and the
+    orchestrator resolves every ``needed`` name to its live owners; returns the seconds it took."""
     t_conv = time.monotonic()
-    want = ["pp-entry", "pp-exit", *(f"pp-stage-{k}" for k in range(stages)), "pp-orchestrator"]
     deadline = t_conv + timeout
+    peer_of = {job: peer for peer, job in prefixes.items()}
     while True:
         snaps = {n: snapshot(client, board) for n, board in boards.items()}
-        live = all(sum(m["state"] == "alive" for m in s["members"]) == stages for s in snaps.values())
-        # Every direction probed at least once, so the paths reported are measured, not assumed.
-        probed = all(m["path_checks"] > 0 for s in snaps.values() for m in s["members"])
-        orch_names = snaps["orchestrator"]["names"]
-        if live and probed and all(orch_names.get(n, {}).get("resolves") for n in want):
+        whole = all(sees_all(snap, {peer_of[o] for o in boards if o != n}) for n, snap in snaps.items())
+        short = names_short(snaps["orchestrator"]["names"], needed)
+        if whole and not short:
             return time.monotonic() - t_conv
-        for p in driver.procs.values():
+        for n in boards:
+            p = driver.procs[n]
             if not p.alive():
                 raise RunFailed(Failure.exited(p.name, p.proc.returncode,
                                                f"{p.name} exited while converging: {p.lines[-3:]}"))
         if time.monotonic() > deadline:
-            missing = [n for n in want if not orch_names.get(n, {}).get("resolves")]
-            why = f"not converged within {timeout:g}s; unresolved: {', '.join(missing) or 'none'}"
+            why = f"not converged within {timeout:g}s; unresolved: {', '.join(short) or 'none'}"
             cut = cut_off(snaps, prefixes)
             raise RunFailed(Failure.unreachable(cut, why) if cut else Failure.timeout(why))
         time.sleep(0.2)
@@ -152,21 +159,53 @@ def converge(client: httpx.Client, driver: JobDriver, boards: dict[str, Dashboar
 
 def converge_and_generate(driver: JobDriver, boards: dict[str, Dashboard], prefixes: dict[str, str],
                           plan: RunPlan, prompt: str, max_tokens: int, timeout: float,
-                          progress: Progress) -> Driven:
-    """Wait for the mesh to converge, then generate once with the run's faults; snapshot the rest."""
+                          progress: Progress, disruptions: list[dict[str, Any]]) -> Driven:
+    """Wait for the mesh to converge, then generate once with the run's faults; after a restart,
+    wait for the restarted nodes to take their place back; snapshot the nodes still up.
+
+    ``disruptions`` collects the kill and restart faults as they are carried out.
+    """
     import httpx
 
     faults = plan.faults
     progress.update("converging")
     with httpx.Client(timeout=10) as client:
-        converge_s = converge(client, driver, boards, prefixes, plan.stages, timeout)
+        converge_s = converge(client, driver, boards, prefixes, owners_needed(plan.stages, boards), timeout)
         progress.log(f"converged in {converge_s:.1f}s: " + " ".join(f"{p}={n}" for p, n in prefixes.items()))
         schedule_relay_down(driver, faults.relay_down_s)
         progress.update("generating")
-        generation = generate(client, boards["orchestrator"], prompt, max_tokens, timeout, driver,
-                              faults.kills, progress)
+        disruptor = Disruptor(faults.kills, driver, _requests_asker(client, boards["orchestrator"]), prefixes,
+                              progress, disruptions)
+        generation = generate(client, boards["orchestrator"], prompt, max_tokens, timeout, disruptor,
+                              prefixes, progress)
+        if disruptor.restarted:
+            rejoin(client, driver, boards, prefixes, plan.stages, disruptor.restarted, timeout, progress)
         final = {n: snapshot(client, board) for n, board in boards.items() if driver.procs[n].alive()}
     return Driven(converge_s, generation, final)
+
+
+def rejoin(client: httpx.Client, driver: JobDriver, boards: dict[str, Dashboard], prefixes: dict[str, str],
+           stages: int, restarted: list[str], timeout: float, progress: Progress) -> None:
+    """Wait until the restarted nodes are back with their keys and the live nodes have converged
+    again; ``boards`` gets the restarted nodes' new dashboards."""
+    progress.update(f"waiting for {', '.join(restarted)} to rejoin")
+    peer_of = {job: peer for peer, job in prefixes.items()}
+    for job in restarted:
+        if job not in boards:
+            continue  # the relay: no dashboard, nothing to rejoin
+        proc = driver.procs[job]
+        boot = proc.wait_boot(timeout)
+        if boot.prefix != peer_of[job]:
+            raise RunFailed(Failure.error(f"{job} restarted as {boot.prefix}, not {peer_of[job]}: "
+                                          "it did not keep its key"))
+        boards[job] = dashboard(proc, timeout)
+    alive = {n: board for n, board in boards.items() if driver.procs[n].alive()}
+    try:
+        took = converge(client, driver, alive, prefixes, owners_needed(stages, alive), timeout)
+    except RunFailed as exc:
+        reason = f"after restarting {', '.join(restarted)}: {exc.failure.reason}"
+        raise RunFailed(dataclasses.replace(exc.failure, reason=reason)) from None
+    progress.log(f"{', '.join(restarted)} rejoined; converged again in {took:.1f}s")
 
 
 def schedule_relay_down(driver: JobDriver, after_s: float | None) -> None:
@@ -176,30 +215,51 @@ def schedule_relay_down(driver: JobDriver, after_s: float | None) -> None:
         threading.Timer(after_s, lambda: relay.signal(signal.SIGKILL)).start()
 
 
+def _requests_asker(client: httpx.Client, board: Dashboard) -> Callable[[], Any]:
+    """A call that returns the orchestrator's ``GET /api/requests`` answer; ValueError when it cannot."""
+    import httpx
+
+    def ask() -> Any:
+        try:
+            r = client.get(f"{board.url}/api/requests", headers=board.headers)
+        except httpx.HTTPError as exc:
+            raise ValueError(f"GET /api/requests: {exc}") from exc
+        if r.status_code != 200:
+            raise ValueError(f"GET /api/requests answered {r.status_code}")
+        return r.json()  # a JSONDecodeError is a ValueError
+
+    return ask
+
+
 def generate(client: httpx.Client, board: Dashboard, prompt: str, max_tokens: int, timeout: float,
-             driver: JobDriver, kills: list[tuple[str, int]], progress: Progress) -> Generation:
-    """Stream one completion from the orchestrator, carrying out the ``kill:X@token-T`` faults."""
+             disruptor: Disruptor, prefixes: dict[str, str], progress: Progress) -> Generation:
+    """Stream one completion from the orchestrator, carrying out the ``kill:`` / ``restart:`` faults."""
     import httpx
 
     tokens: list[int] = []
+    request: str | None = None
+    failovers: list[dict[str, Any]] = []
     first_token_s, t_gen = None, time.monotonic()
     body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True}
     with client.stream("POST", f"{board.url}/v1/completions", json=body, headers=board.headers,
                        timeout=httpx.Timeout(timeout, connect=10)) as r:
-        for token in _stream_tokens(r):
-            tokens.append(token)
+        for extra in _stream_meshd(r, prefixes):
+            request = extra.get("request", request)
+            if isinstance(extra.get("failovers"), list):
+                failovers = extra["failovers"]
+            if "token" not in extra:
+                continue
+            tokens.append(extra["token"])
             first_token_s = first_token_s or time.monotonic() - t_gen
             rate = len(tokens) / max(time.monotonic() - t_gen, 1e-9)
             progress.update(f"generating: {len(tokens)}/{max_tokens} tokens, {rate:.1f} tokens/s")
-            for who, at in kills:
-                if len(tokens) == at and driver.procs[who].alive():
-                    driver.procs[who].signal(signal.SIGKILL)
-                    progress.log(f"killed {who} (SIGKILL) after token {at}")
-    return Generation(tokens, first_token_s, time.monotonic() - t_gen)
+            disruptor.after_token(len(tokens), request)
+    return Generation(tokens, first_token_s, time.monotonic() - t_gen, request, failovers)
 
 
-def _stream_tokens(r: httpx.Response) -> Iterator[int]:
-    """The tokens of a streamed completion, as they come; RunFailed for an error in the stream."""
+def _stream_meshd(r: httpx.Response, prefixes: dict[str, str]) -> Iterator[dict[str, Any]]:
+    """The ``meshd`` objects of a streamed completion, as they come; RunFailed for an error in
+    the stream (naming the job by ``prefixes`` when it names a peer)."""
     if r.status_code != 200:
         r.read()
         raise RunFailed(Failure.error(f"orchestrator answered {r.status_code}: {r.text}"))
@@ -208,19 +268,27 @@ def _stream_tokens(r: httpx.Response) -> Iterator[int]:
             continue
         chunk: dict[str, Any] = json.loads(line[6:])
         if "error" in chunk:
-            raise RunFailed(orchestrator_failure(chunk["error"]))
+            raise RunFailed(orchestrator_failure(chunk["error"], prefixes))
         extra = chunk.get("meshd")
-        if extra is not None:
-            yield extra["token"]
+        if isinstance(extra, dict):
+            yield extra
 
 
-def orchestrator_failure(message: str) -> Failure:
+def orchestrator_failure(message: str, prefixes: dict[str, str] | None = None) -> Failure:
     """The orchestrator's error text as a Failure: ``lost: stage-2 (peer 2b91108e dead)``
-    names the stage and its peer; anything else is an error."""
+    names the stage and its peer, and what follows (``, and no replica to take over``) is the
+    reason; anything else is an error.
+
+    With ``prefixes`` (peer prefix -> job), the failure names the job that peer is, so a
+    lost replica reads ``lost: stage-2.2 (peer 2b91108e dead)``.
+    """
     if not message.startswith("lost: "):
         return Failure.error(message)
     m = _LOST.match(message)
     if m is None:  # a loss we cannot tie to a job: the status still says it
         return Failure(Kind.LOST, message, "lost")
     peer = _PEER.search(m["detail"])
-    return Failure.lost(m["job"], m["detail"], peer["peer"] if peer else None)
+    job = (prefixes or {}).get(peer["peer"], m["job"]) if peer else m["job"]
+    more = m["more"].strip(" ,.;")
+    reason = more.removeprefix("and ") if more else "lost"
+    return Failure.lost(job, m["detail"], peer["peer"] if peer else None, reason)

@@ -1,6 +1,7 @@
 """The environment each job of a run starts with, as dstack's multi-node tasks have it.
 
-    MESHD_NODE_RANK    0 for the orchestrator (the master), K + 1 for stage-K
+    MESHD_NODE_RANK    0 for the orchestrator (the master), then the stage jobs in the run's order:
+                       K + 1 for stage-K, and with R replicas (K + 1) + (j - 1) * N for stage-K.j
     MESHD_NODES_NUM    the orchestrator and the stages (the relay is not a node)
     MESHD_MASTER_ADDR  the orchestrator's HOST:PORT
     MESHD_NODES_ADDRS  every node's HOST:PORT, comma-separated, by rank
@@ -23,17 +24,18 @@ class EnvError(Exception):
     pass
 
 
-def node_rank(job: Job) -> int:
+def node_rank(run: Run, job: Job) -> int:
+    """0 for the master; a worker's place among the workers, from 1 (the run lists them by rank)."""
     if job.role is Role.ORCHESTRATOR:
         return 0
-    if job.role is Role.STAGE and job.stage is not None:
-        return job.stage + 1
+    if job.role is Role.STAGE:
+        return 1 + run.workers.index(job)
     raise EnvError(f"{job.name} is not a node of the pipeline and has no rank")
 
 
 def node_addrs(run: Run, addrs: Mapping[str, str] | None = None) -> list[str]:
     """Every node's address by rank, from `addrs` (job name -> HOST:PORT) or the jobs' own."""
-    nodes = sorted(run.main_jobs, key=node_rank)
+    nodes = sorted(run.main_jobs, key=lambda job: node_rank(run, job))
     out = []
     for job in nodes:
         addr = (addrs or {}).get(job.name) or job.address
@@ -66,7 +68,7 @@ def job_env(
     }
     job = run.job(job_name)
     if not job.is_aux:
-        env["MESHD_NODE_RANK"] = str(node_rank(job))
+        env["MESHD_NODE_RANK"] = str(node_rank(run, job))
     return env
 
 

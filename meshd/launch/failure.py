@@ -51,9 +51,9 @@ class Failure:
                    job=jobs[0] if len(jobs) == 1 else None)
 
     @classmethod
-    def lost(cls, job: str, detail: str, peer: str | None = None) -> Failure:
+    def lost(cls, job: str, detail: str, peer: str | None = None, reason: str = "lost") -> Failure:
         """``detail`` reads ``peer 2b91108e dead``: the status is the job's own status message."""
-        return cls(Kind.LOST, f"lost: {job} ({detail})", "lost", job=job, peer=peer, detail=detail)
+        return cls(Kind.LOST, f"lost: {job} ({detail})", reason, job=job, peer=peer, detail=detail)
 
     @classmethod
     def mismatch(cls) -> Failure:

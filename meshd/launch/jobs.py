@@ -21,6 +21,7 @@ from .model import (
     Kill,
     Lost,
     Observation,
+    Restarted,
     Run,
     Running,
     RunReason,
@@ -85,6 +86,19 @@ class JobDriver:
         if seen:
             self.observe(*seen)
 
+    def kill(self, name: str) -> None:
+        """The ``kill:`` fault: SIGKILL the job's process; the run model learns of it by its exit."""
+        self.procs[name].signal(signal.SIGKILL)
+
+    def restart(self, name: str) -> None:
+        """The ``restart:`` fault: SIGKILL the job's process and start the same command again
+        (its key file, address and ports); the new process boots like a first one."""
+        proc = self.procs[name]
+        proc.restart()
+        self._running.discard(name)
+        self._exited.discard(name)
+        self.observe(Restarted(name, proc.proc.pid))
+
     def wait_started(self, names: list[str], timeout: float) -> None:
         """Drive the startup order until every named job is up; RunFailed names a laggard."""
         deadline = time.monotonic() + timeout
@@ -100,9 +114,12 @@ class JobDriver:
             time.sleep(0.05)
 
     def record(self, failure: Failure) -> None:
-        """Tell the run model why the run failed, so statuses and ``meshd ps`` say it."""
+        """Tell the run model why the run failed, so statuses and ``meshd ps`` say it.
+
+        A lost job fails the run even if a replica of its stage is up: the generation failed.
+        """
         if failure.kind is Kind.LOST and failure.job in self.procs and failure.detail is not None:
-            self.observe(Lost(failure.job, failure.detail))
+            self.observe(Lost(failure.job, failure.detail), StopRun(RunReason.JOB_FAILED, failure.status))
         elif failure.kind is Kind.STOPPED:
             self.observe(StopRun(RunReason.INTERRUPTED))
         else:
@@ -110,6 +127,7 @@ class JobDriver:
 
     def finish(self, timeout: float = 8.0) -> int:
         """Let every job end (per the stop criteria), then make sure; returns processes left alive."""
+        self.poll()  # a job that died (a kill: fault) is seen failed before the run is done
         master = self.procs.get("orchestrator")
         if master is not None and master.alive() and not self.run.reason:
             # The master's work is done: it finishes normally (master-done stops the workers).

@@ -1,5 +1,6 @@
-"""The run model: one master job (the orchestrator), N worker jobs (the stages), an optional
-auxiliary job (the relay), and the controller that decides what to start and stop.
+"""The run model: one master job (the orchestrator), worker jobs (N stages, each on one or
+more replicas), an optional auxiliary job (the relay), and the controller that decides what
+to start and stop. A stage is lost when no replica of it is up, not when one replica fails.
 
 Sans-IO: no trio, no subprocess, no clock. The driver (smoke-run) feeds what it saw as
 observations and the current time to `step`, carries out the actions it returns, and saves
@@ -16,10 +17,13 @@ a job out of done, and only a failed job, under an explicit RetryPolicy, is resu
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
+
+_STAGE_JOB = re.compile(r"^stage-(?P<stage>\d+)(?:\.(?P<replica>[1-9]\d*))?$")
 
 
 class JobStatus(StrEnum):
@@ -145,9 +149,37 @@ class RetryPolicy:
     )
 
 
+def stage_job_name(stage: int, replica: int = 1) -> str:
+    """A stage job's name: ``stage-K`` for the stage's first replica, ``stage-K.2``, ``stage-K.3``...
+    for the others, so a run without replicas reads as it always has."""
+    return f"stage-{stage}" if replica == 1 else f"stage-{stage}.{replica}"
+
+
+def parse_stage_job(name: str) -> tuple[int, int] | None:
+    """``stage-K`` -> (K, 1), ``stage-K.j`` -> (K, j); None for any other name.
+
+    ``stage-K.1`` reads as (K, 1): the first replica, named precisely.
+    """
+    m = _STAGE_JOB.match(name)
+    if m is None:
+        return None
+    return int(m["stage"]), int(m["replica"] or 1)
+
+
+def stage_jobs(stages: int, replicas: int = 1) -> list[tuple[int, int]]:
+    """Every stage job's (stage, replica) by rank: each stage's first replica, then each stage's
+    second, and so on (so without replicas, stage-K has rank K + 1)."""
+    return [(k, j) for j in range(1, replicas + 1) for k in range(stages)]
+
+
+def stage_job_names(stages: int, replicas: int = 1) -> list[str]:
+    """The stage jobs' names by rank."""
+    return [stage_job_name(k, j) for k, j in stage_jobs(stages, replicas)]
+
+
 @dataclass(slots=True)
 class Job:
-    name: str  # orchestrator, stage-K, relay
+    name: str  # orchestrator, stage-K, stage-K.j (a replica), relay
     role: Role
     stage: int | None = None
     status: JobStatus = JobStatus.SUBMITTED
@@ -161,6 +193,7 @@ class Job:
     started_at: float | None = None
     finished_at: float | None = None
     attempt: int = 0  # resubmissions under a RetryPolicy
+    restarts: int = 0  # times the driver killed its process and started it again (restart: faults)
     live: bool = False  # a process may exist: Start was issued and no exit seen yet
     stop_requested_at: float | None = None  # when a Stop action was issued
     finishing_at: float | None = None  # when it was seen finishing on its own
@@ -239,6 +272,15 @@ class Finishing:
 
 
 @dataclass(frozen=True, slots=True)
+class Restarted:
+    """The driver killed the job's process and started the same command again (a ``restart:``
+    fault): the same job and node key in a new process, which has not booted yet."""
+
+    job: str
+    pid: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Exited:
     job: str
     exit_code: int
@@ -277,12 +319,15 @@ class StopJob:
 
 @dataclass(frozen=True, slots=True)
 class StopRun:
-    """Stop the whole run: Ctrl-C or SIGTERM (INTERRUPTED), or a user's stop."""
+    """Stop the whole run: Ctrl-C or SIGTERM (INTERRUPTED), a user's stop, or the driver's
+    verdict (JOB_FAILED, e.g. a generation that lost its stage), with the message to show."""
 
     reason: RunReason = RunReason.INTERRUPTED
+    message: str | None = None
 
 
-Observation = Started | Running | Finishing | Exited | FailedToStart | Lost | NoPath | StopJob | StopRun
+Observation = (Started | Running | Restarted | Finishing | Exited | FailedToStart | Lost | NoPath | StopJob
+               | StopRun)
 
 
 # -- actions: what the driver must do ---------------------------------------------------------
@@ -369,6 +414,7 @@ def new_run(
     stages: int,
     *,
     now: float,
+    replicas: int = 1,
     relay: bool = False,
     startup_order: StartupOrder | str = StartupOrder.ANY,
     stop_criteria: StopCriteria | str = StopCriteria.ALL_DONE,
@@ -376,14 +422,18 @@ def new_run(
     timeout: float | None = None,
     stop_grace: float = 5.0,
 ) -> Run:
-    """A run of one orchestrator, `stages` stage jobs and, with `relay`, a relay job; all submitted."""
+    """A run of one orchestrator, `replicas` jobs for each of the `stages` stages (by rank, see
+    `stage_job_names`) and, with `relay`, a relay job; all submitted."""
     if stages < 1:
         raise ValueError("a run needs at least one stage")
+    if replicas < 1:
+        raise ValueError("a stage needs at least one replica")
     jobs = []
     if relay:
         jobs.append(Job("relay", Role.RELAY, submitted_at=now))
     jobs.append(Job("orchestrator", Role.ORCHESTRATOR, submitted_at=now))
-    jobs.extend(Job(f"stage-{k}", Role.STAGE, stage=k, submitted_at=now) for k in range(stages))
+    jobs.extend(Job(stage_job_name(k, j), Role.STAGE, stage=k, submitted_at=now)
+                for k, j in stage_jobs(stages, replicas))
     return Run(
         name=name,
         jobs=jobs,
@@ -447,7 +497,7 @@ def step(run: Run, observations: Iterable[Observation], now: float) -> list[Acti
 
 def _observe(run: Run, obs: Observation, now: float) -> None:
     if isinstance(obs, StopRun):
-        _end_run(run, obs.reason, _stop_run_message(obs.reason), now)
+        _end_run(run, obs.reason, obs.message or _stop_run_message(obs.reason), now)
         return
     if isinstance(obs, NoPath):
         job = run.job(obs.dst)
@@ -464,6 +514,12 @@ def _observe(run: Run, obs: Observation, now: float) -> None:
             job.status = JobStatus.RUNNING
             job.address = obs.address or job.address
             job.peer = obs.peer or job.peer
+    elif isinstance(obs, Restarted):
+        if job.status in (JobStatus.PROVISIONING, JobStatus.RUNNING):
+            job.status = JobStatus.PROVISIONING  # Running again once the new process boots
+            job.pid = obs.pid
+            job.live = True
+            job.restarts += 1
     elif isinstance(obs, Finishing):
         if job.status in (JobStatus.PROVISIONING, JobStatus.RUNNING):
             job.status = JobStatus.TERMINATING
@@ -541,17 +597,26 @@ def failure_message(job: Job) -> str:
 
 def _check_run_end(run: Run, now: float) -> None:
     for job in run.jobs:
-        if job.status is JobStatus.FAILED and not _retryable(run, job):
+        if job.status is JobStatus.FAILED and not _retryable(run, job) and not _replaced(run, job):
             _end_run(run, RunReason.JOB_FAILED, failure_message(job), now)
             return
     if run.stop_criteria is StopCriteria.MASTER_DONE:
         if run.master.finishing_normally:
             _end_run(run, RunReason.ALL_DONE, None, now)
-    elif all(job.finishing_normally for job in run.main_jobs):
+    elif all(job.finishing_normally or _replaced(run, job) for job in run.main_jobs):
         _end_run(run, RunReason.ALL_DONE, None, now)
     # Done at the deadline is done, not a timeout.
     if run.timeout is not None and now >= run.submitted_at + run.timeout:
         _end_run(run, RunReason.TIMEOUT, f"timeout after {run.timeout:g} s", now)
+
+
+def _replaced(run: Run, job: Job) -> bool:
+    """A failed worker whose stage another replica still serves: the stage is not lost, so the
+    run goes on (a driver that knows the run failed anyway says so with StopRun)."""
+    return job.status is JobStatus.FAILED and job.role is Role.STAGE and any(
+        other is not job and other.role is Role.STAGE and other.stage == job.stage and _up(other)
+        for other in run.jobs
+    )
 
 
 def _retryable(run: Run, job: Job) -> bool:
@@ -675,6 +740,7 @@ def job_to_dict(job: Job) -> dict[str, Any]:
         "started_at": job.started_at,
         "finished_at": job.finished_at,
         "attempt": job.attempt,
+        "restarts": job.restarts,
         "live": job.live,
     }
 
@@ -710,6 +776,7 @@ def job_from_dict(data: dict[str, Any]) -> Job:
         started_at=data.get("started_at"),
         finished_at=data.get("finished_at"),
         attempt=int(data.get("attempt") or 0),
+        restarts=int(data.get("restarts") or 0),
         live=bool(data.get("live")),
     )
 

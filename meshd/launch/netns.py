@@ -3,7 +3,8 @@
 Layout of one run (``X`` is derived from our pid; the run owns 10.213.X.0/24):
 
     meshd-X-sw            switch namespace with bridge ``br0``
-    meshd-X-<job>         one per job (relay, orchestrator, stage-K): ``eth0`` on the bridge, lo up
+    meshd-X-<job>         one per job (relay, orchestrator, stage-K, a replica's stage-K.j): ``eth0``
+                          on the bridge, lo up
     host veth ``mX-host`` 10.213.X.1 in the root namespace, on the bridge, so smoke-run reaches
                           the dashboards without entering a namespace
     meshd-X-nat-<job>     for ``nat:<job>``: a router with ``out`` on the bridge (the job's
@@ -20,6 +21,10 @@ Faults (all silent, as a real network is):
 
 Every namespace goes in ``teardown`` (their links, routes and rules with them); the host veth
 goes with its peer in the switch namespace.
+
+Job names appear only in namespace names (a file name: ``stage-1.2`` is fine, and no length
+limit near); interfaces are named by slot (``p<i>``, ``eth0``, ``in``, ``out``, ``mX-host``), so
+they stay within the kernel's 15 characters whatever the jobs are called.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from .local import LocalProcess
 GOSSIP_PORT = 7946
 RELAY_PORT = 3478
 DASHBOARD_PORT = 8080
-_DROP = re.compile(r"^drop:(?P<a>[\w-]+)->(?P<b>[\w-]+)$")
+_DROP = re.compile(r"^drop:(?P<a>[\w.-]+)->(?P<b>[\w.-]+)$")
 _NETWORK = ("drop:", "isolate:", "loss:", "delay:", "nat:")
 
 

@@ -2,36 +2,65 @@
 
 Run-level fault specs name nodes by run name; here they become each node's own
 ``--fault`` flags (``drop:A->B`` becomes ``drop:<B's address>`` on A) or actions
-the driver carries out (``kill:X@token-T``, ``relay-down@S``).  With the
-addresses and the faults known, every job's command line follows.
+the driver carries out (``kill:X@token-T``, ``restart:X@token-T``, ``relay-down@S``).
+With the addresses and the faults known, every job's command line follows.
+
+With replicas, ``stage-K`` is the stage's first replica and ``stage-K.j`` another.  In
+``kill:`` and ``restart:`` alone, a replicated ``stage-K`` means whichever replica serves
+the request at that moment, so there ``stage-K.1`` names the first replica precisely.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
-_KILL = re.compile(r"^kill:(?P<who>[\w-]+)@token-(?P<token>\d+)$")
+from .model import parse_stage_job, stage_job_name, stage_job_names
+
+_DISRUPT = re.compile(r"^(?P<what>kill|restart):(?P<who>[\w.-]+)@token-(?P<token>\d+)$")
 _RELAY_DOWN = re.compile(r"^relay-down@(?P<s>\d+(\.\d+)?)$")
-_DROP = re.compile(r"^drop:(?P<a>[\w-]+)->(?P<b>[\w-]+)$")
+_DROP = re.compile(r"^drop:(?P<a>[\w.-]+)->(?P<b>[\w.-]+)$")
+_EXPECTED = ("drop:A->B, isolate:X, loss:P, delay:MS, kill:X@token-T, restart:X@token-T "
+             "or relay-down@SECONDS")
 
 
-def node_names(stages: int) -> list[str]:
-    """The run's nodes (every job but the relay), the orchestrator first."""
-    return ["orchestrator", *(f"stage-{k}" for k in range(stages))]
+def node_names(stages: int, replicas: int = 1) -> list[str]:
+    """The run's nodes (every job but the relay): the orchestrator, then the stage jobs by rank."""
+    return ["orchestrator", *stage_job_names(stages, replicas)]
+
+
+@dataclass(frozen=True)
+class Disruption:
+    """A ``kill:`` or ``restart:`` fault: SIGKILL a job once ``token`` tokens are out, and with
+    ``restart`` start the same command again (its key, its address)."""
+
+    spec: str  # as the user wrote it, for messages
+    who: str  # a job; with ``serving``, the stage's first name
+    token: int
+    restart: bool = False
+    serving: bool = False  # ``who`` is a replicated stage: the target is the replica serving then
+
+    @property
+    def stage(self) -> str:
+        """The stage name the orchestrator's routes use: ``stage-K``."""
+        parsed = parse_stage_job(self.who)
+        return stage_job_name(parsed[0]) if parsed else self.who
 
 
 @dataclass
 class FaultPlan:
     node_faults: dict[str, list[str]] = field(default_factory=dict)  # job -> its own --fault specs
-    kills: list[tuple[str, int]] = field(default_factory=list)  # (job, after this many tokens)
+    kills: list[Disruption] = field(default_factory=list)  # kill: and restart:, in the order given
     relay_down_s: float | None = None  # the relay is killed this long into the generation
 
 
-def plan_faults(specs: list[str], addrs: dict[str, str]) -> FaultPlan:
+def plan_faults(specs: list[str], addrs: dict[str, str], max_tokens: int | None = None) -> FaultPlan:
     """Turn run-level fault specs into per-node flags and actions; ValueError names a bad one.
 
-    ``addrs`` maps every job that a spec may name (the relay included) to its HOST:PORT.
+    ``addrs`` maps every job that a spec may name (the relay included) to its HOST:PORT;
+    ``max_tokens``, when given, refuses a kill that the generation would never reach.
     """
     names = set(addrs)
     plan = FaultPlan()
@@ -50,16 +79,38 @@ def plan_faults(specs: list[str], addrs: dict[str, str]) -> FaultPlan:
         elif spec.startswith(("loss:", "delay:")):
             for n in names:
                 plan.node_faults.setdefault(n, []).append(spec)
-        elif m := _KILL.match(spec):
-            plan.kills.append((node(m["who"], spec), int(m["token"])))
+        elif spec.startswith(("kill:", "restart:")):
+            plan.kills.append(_disruption(spec, node, names, max_tokens))
         elif m := _RELAY_DOWN.match(spec):
             plan.relay_down_s = float(m["s"])
         elif spec.startswith("nat:"):
             raise ValueError(f"--fault {spec}: nat needs --provider netns")
         else:
-            raise ValueError(f"--fault {spec!r}: expected drop:A->B, isolate:X, loss:P, delay:MS, "
-                             "kill:X@token-T or relay-down@SECONDS")
+            raise ValueError(f"--fault {spec!r}: expected {_EXPECTED}")
     return plan
+
+
+def _disruption(spec: str, node: Callable[[str, str], str], names: set[str],
+                max_tokens: int | None) -> Disruption:
+    """``kill:X@token-T`` or ``restart:X@token-T`` read and checked against the run's jobs."""
+    what = spec.split(":", 1)[0]
+    m = _DISRUPT.match(spec)
+    if m is None:
+        raise ValueError(f"--fault {spec!r}: expected {what}:X@token-T (X a run name, T a token count)")
+    token = int(m["token"])
+    if token < 1:
+        raise ValueError(f"--fault {spec}: T counts tokens produced, from 1")
+    if max_tokens is not None and token > max_tokens:
+        raise ValueError(f"--fault {spec}: the run generates only {max_tokens} tokens")
+    restart = what == "restart"
+    parsed = parse_stage_job(m["who"])
+    if parsed is None:  # the orchestrator or the relay
+        return Disruption(spec, node(m["who"], spec), token, restart)
+    stage, replica = parsed
+    who = node(stage_job_name(stage, replica), spec)  # stage-K.1 is the job stage-K
+    # A stage by its bare name, with a second replica in the run: the replica serving then.
+    serving = m["who"] == stage_job_name(stage) and stage_job_name(stage, 2) in names
+    return Disruption(spec, who, token, restart, serving)
 
 
 @dataclass(frozen=True)
@@ -73,10 +124,17 @@ class RunPlan:
     dashboards: dict[str, str]  # node job -> dashboard bind
     faults: FaultPlan
     snapshot_dir: str
+    key_dir: str  # every node's key file lives under it, so a restarted node keeps its identity
+    replicas: int = 1
 
     @property
     def names(self) -> list[str]:
         return list(self.addrs)
+
+
+def key_file(plan: RunPlan, name: str) -> str:
+    """The node's key file: a directory per job, since the node keeps its name clock beside the key."""
+    return str(Path(plan.key_dir) / name / "node.key")
 
 
 def job_argvs(plan: RunPlan) -> dict[str, list[str]]:
@@ -85,11 +143,19 @@ def job_argvs(plan: RunPlan) -> dict[str, list[str]]:
               "--profile", "local", "--snapshot-dir", plan.snapshot_dir, "--snapshot-interval", "1"]
     argvs = {"relay": ["relay", "--bind", plan.relay_bind]}
     for name, addr in plan.addrs.items():
-        role = ["--role", "orchestrator"] if name == "orchestrator" else ["--role", "stage", "--stage",
-                                                                            name.split("-")[1]]
         # Every other node is a seed: a node whose direct path to one is filtered joins through another.
         seeds = [f"--seed={other}" for n, other in plan.addrs.items() if n != name]
         faults = [f"--fault={f}" for f in plan.faults.node_faults.get(name, [])]
-        argvs[name] = ["run", *role, "--bind", addr, "--dashboard", plan.dashboards[name],
-                       *seeds, *faults, *common]
+        argvs[name] = ["run", *_role(name), "--bind", addr, "--dashboard", plan.dashboards[name],
+                       "--key-file", key_file(plan, name), *seeds, *faults, *common]
     return argvs
+
+
+def _role(name: str) -> list[str]:
+    """``--role`` (and ``--stage``) for a node job: the orchestrator, or stage-K / stage-K.j."""
+    if name == "orchestrator":
+        return ["--role", "orchestrator"]
+    parsed = parse_stage_job(name)
+    if parsed is None:
+        raise ValueError(f"{name!r} is neither the orchestrator nor a stage job")
+    return ["--role", "stage", "--stage", str(parsed[0])]

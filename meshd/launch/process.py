@@ -3,7 +3,9 @@
 Each process's stdout is read by a thread into a list of lines, so a caller
 can wait for a line with a timeout and get an error that says which node was
 waited on, for what, and what it printed last.  The boot line and the
-stage-map line are parsed here, as the contract spells them.
+stage-map line are parsed here, as the contract spells them.  A restart (the
+``restart:`` fault) runs the same command again in the same wrapper: its output
+goes on in the same list, and waits look from where the new process began.
 """
 
 from __future__ import annotations
@@ -55,38 +57,54 @@ class MeshProcess:
         """``prefix`` runs the command through e.g. ``ip netns exec NS`` (which execs: same pid)."""
         self.name = name
         self.args = args
+        self._command = [*(prefix or []), sys.executable, "-m", "meshd", *args]
+        self._env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self._preexec_fn = preexec_fn
+        self.lines: list[str] = []
+        self._cond = threading.Condition()
+        self.first_line = 0  # where the current process's output begins in ``lines``
+        self._spawn()
+
+    def _spawn(self) -> None:
         self.proc = subprocess.Popen(
-            [*(prefix or []), sys.executable, "-m", "meshd", *args],
+            self._command,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             text=True,
             bufsize=1,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-            preexec_fn=preexec_fn,
+            env=self._env,
+            preexec_fn=self._preexec_fn,
         )
-        self._start_reader()
-
-    def _start_reader(self) -> None:
-        self.lines: list[str] = []
-        self._cond = threading.Condition()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
         self.boot: Boot | None = None
+        self._reader = threading.Thread(target=self._read, args=(self.proc,), daemon=True)
+        self._reader.start()
 
-    def _read(self) -> None:
-        assert self.proc.stdout is not None  # Popen was given stdout=PIPE
-        for raw in self.proc.stdout:
+    def restart(self, timeout: float = 10.0) -> None:
+        """SIGKILL the process, wait until it is reaped and all it printed is read, then start the
+        same command again (same arguments, environment and namespace)."""
+        self.signal(signal.SIGKILL)
+        self.proc.wait(timeout)
+        self._reader.join(timeout)
+        with self._cond:
+            self.first_line = len(self.lines)
+        self._spawn()
+
+    def _read(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None  # Popen was given stdout=PIPE
+        for raw in proc.stdout:
             with self._cond:
                 self.lines.append(raw.rstrip("\n"))
                 self._cond.notify_all()
         with self._cond:
             self._cond.notify_all()
 
-    def wait_for(self, pred: Callable[[str], bool], timeout: float, what: str, start: int = 0) -> str:
-        """The first line (from index ``start``) matching ``pred``, within ``timeout`` seconds."""
+    def wait_for(self, pred: Callable[[str], bool], timeout: float, what: str,
+                 start: int | None = None) -> str:
+        """The first line (from index ``start``, by default the current process's first) matching
+        ``pred``, within ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
-        seen = start
+        seen = self.first_line if start is None else start
         with self._cond:
             while True:
                 for line in self.lines[seen:]:

@@ -8,7 +8,7 @@ is read from that object, so the two always agree.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .failure import Failure, Kind
@@ -61,10 +61,13 @@ class Outcome:
     """Everything the report says about one run; filled in as the run goes."""
 
     stages: int
+    replicas: int = 1
     failure: Failure | None = None
     testbed: dict | None = None  # the netns provider's layout
     run: str | None = None  # the run's name in the run dir
     generated: Generated | None = None
+    failovers: list[dict[str, Any]] = field(default_factory=list)  # see checks.failovers
+    disruptions: list[dict[str, Any]] = field(default_factory=list)  # kill: / restart: faults carried out
     leftovers: int = 0
     run_status: str | None = None
     jobs: dict[str, str] | None = None  # job -> its status message
@@ -84,7 +87,8 @@ class Outcome:
         failure = self.failure
         status = "done" if failure is None and self.generated is not None else "failed"
         out: dict[str, Any] = {"ok": self.ok, "status": failure.status if failure else status,
-                               "reason": failure.reason if failure else None, "stages": self.stages}
+                               "reason": failure.reason if failure else None, "stages": self.stages,
+                               "replicas": self.replicas}
         if self.testbed is not None:
             out["testbed"] = self.testbed
         if self.run is not None:
@@ -99,6 +103,8 @@ class Outcome:
                             "tokens_per_s": g.tokens_per_s,
                             "total_s": None if self.total_s is None else round(self.total_s, 3)},
             })
+        out["failovers"] = self.failovers
+        out["disruptions"] = self.disruptions
         out["leftovers"] = self.leftovers
         if self.run_status is not None:
             out["run_status"] = self.run_status
@@ -123,5 +129,24 @@ def summary(result: dict[str, Any]) -> str:
                      f"{'yes' if result['matches_reference'] else 'NO'}")
         lines.append(f"converge {t['converge_s']}s, first token {t['first_token_s']}s, "
                      f"{t['tokens_per_s']} tokens/s")
+    lines += [_disruption_line(d) for d in result.get("disruptions", [])]
+    lines += [failover_line(f) for f in result.get("failovers", [])]
     lines.append(f"leftovers: {result['leftovers']}")
     return "\n".join(lines)
+
+
+def _disruption_line(d: dict[str, Any]) -> str:
+    """``killed stage-1.2 (77aa0011) after token 5``, or ``restarted ...``."""
+    done = "restarted" if d["action"] == "restart" else "killed"
+    return f"{done} {d['job']}" + (f" ({d['peer']})" if d.get("peer") else "") + f" after token {d['token']}"
+
+
+def failover_line(f: dict[str, Any]) -> str:
+    """``failover: request ab12cd34ef56 stage-1 77aa0011 (stage-1) -> 5c3e9a10 (stage-1.2) in 412 ms``."""
+    def end(side: str) -> str:
+        job = f.get(f"{side}_job")
+        return f"{f.get(side)}" + (f" ({job})" if job else "")
+
+    ms = f.get("ms")
+    took = f" in {ms:.0f} ms" if isinstance(ms, int | float) else ""
+    return f"failover: request {f.get('request')} {f.get('stage')} {end('from')} -> {end('to')}{took}"

@@ -1,11 +1,12 @@
-"""``meshd smoke-run``: relay + orchestrator + N stages, one generation, checked
-token for token against ``meshd generate``, then everything torn down.
+"""``meshd smoke-run``: relay + orchestrator + N stages (K replicas each), one generation,
+checked token for token against ``meshd generate``, then everything torn down.
 
 This module puts the steps in order and owns what spans them: the signals, the
 temp dir, the teardown and the exit code.  The steps live beside it: ``plan``
-(fault specs and command lines), ``jobs`` and ``drive`` (processes, convergence,
-the generation), ``checks`` (the reference, paths, leftovers) and ``report``
-(progress, the summary, the ``--json`` object).
+(fault specs and command lines), ``jobs``, ``drive`` and ``disrupt`` (processes,
+convergence, the generation, kills and restarts), ``checks`` (convergence, the
+reference, paths, failovers, leftovers) and ``report`` (progress, the summary,
+the ``--json`` object).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ class _Session:
 def run_smoke(args: argparse.Namespace) -> int:
     t_start = time.monotonic()
     progress = Progress(not (args.json or not sys.stderr.isatty()))
-    outcome = Outcome(args.stages)
+    outcome = Outcome(args.stages, args.replicas)
     session = _Session(Path(tempfile.mkdtemp(prefix="meshd-smoke-")))
 
     def interrupted(signum: int, frame: FrameType | None) -> None:
@@ -103,7 +104,8 @@ def _run(args: argparse.Namespace, session: _Session, outcome: Outcome, progress
     boards = {name: dashboard(driver.procs[name], 30) for name in plan.names}
     prefixes = {_boot_prefix(driver.procs[name]): name for name in plan.names}
     driven = converge_and_generate(driver, boards, prefixes, plan, args.prompt, args.max_tokens,
-                                   args.timeout, progress)
+                                   args.timeout, progress, outcome.disruptions)
+    outcome.failovers = checks.failovers(driven.generation.failovers, prefixes)
     progress.update("checking against meshd generate")
     outcome.generated = _check(plan, args, driven, prefixes)
     if not outcome.generated.matches_reference:
@@ -111,17 +113,17 @@ def _run(args: argparse.Namespace, session: _Session, outcome: Outcome, progress
 
 
 def _plan(args: argparse.Namespace, session: _Session, outcome: Outcome, progress: Progress) -> RunPlan:
-    names = node_names(args.stages)
+    names = node_names(args.stages, args.replicas)
     model = prepare_model(args.model, args.stub, session.tmp, progress)
     if args.provider == "netns":
         session.provider = open_netns(names, progress)  # torn down even if building it fails
-    placement = place_jobs(session.provider, args.fault, names)
+    placement = place_jobs(session.provider, args.fault, names, args.max_tokens)
     provider = session.provider
     if provider is not None:
         outcome.testbed = provider.describe()
     dashboards = {n: provider.dashboard_bind(n) if provider else "127.0.0.1:0" for n in names}
     return RunPlan(args.stages, model, placement.relay_bind, placement.addrs, dashboards, placement.faults,
-                   str(session.tmp / "snapshots"))
+                   str(session.tmp / "snapshots"), str(session.tmp / "keys"), args.replicas)
 
 
 def _start(args: argparse.Namespace, plan: RunPlan, session: _Session, outcome: Outcome,
@@ -129,7 +131,7 @@ def _start(args: argparse.Namespace, plan: RunPlan, session: _Session, outcome: 
     """Record the run in the run dir and start its jobs in the startup order."""
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir()
     run_dir.mkdir(parents=True, exist_ok=True)
-    run = new_run(next_run_name(run_dir), plan.stages, now=time.time(), relay=True,
+    run = new_run(next_run_name(run_dir), plan.stages, now=time.time(), replicas=plan.replicas, relay=True,
                   startup_order=args.startup_order, stop_criteria=args.stop_criteria)
     outcome.run = run.name
     spawn = session.provider.spawn if session.provider else LocalProcess
@@ -149,7 +151,8 @@ def _boot_prefix(proc: LocalProcess) -> str:
 def _check(plan: RunPlan, args: argparse.Namespace, driven: Driven, prefixes: dict[str, str]) -> Generated:
     gen = driven.generation
     ref = checks.compare_with_reference(plan.model, args.prompt, args.max_tokens, gen.tokens)
-    paths, asymmetric = checks.paths(driven.final, prefixes)
+    up = {peer: job for peer, job in prefixes.items() if job in driven.final}  # not a killed replica
+    paths, asymmetric = checks.paths(driven.final, up)
     return Generated(
         tokens=gen.tokens, text=ref.text, reference_tokens=ref.tokens, matches_reference=ref.matches,
         stage_map=prefixes, paths=paths, asymmetric=asymmetric, converge_s=driven.converge_s,
@@ -160,10 +163,12 @@ def _check(plan: RunPlan, args: argparse.Namespace, driven: Driven, prefixes: di
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("smoke-run", help="relay, orchestrator, N stages: one generation, checked, torn down",
-                       description="Start a relay, an orchestrator and N stage nodes on loopback, generate, "
-                                   "compare with `meshd generate` token for token, and tear everything down. "
-                                   "Exit 0 only if the run passed.")
+                       description="Start a relay, an orchestrator and N stage nodes (K replicas each) on "
+                                   "loopback, generate, compare with `meshd generate` token for token, and "
+                                   "tear everything down. Exit 0 only if the run passed.")
     p.add_argument("--stages", type=_stages, required=True, metavar="N")
+    p.add_argument("--replicas", type=_replicas, default=1, metavar="K",
+                   help="nodes per stage: stage-K, stage-K.2, ... (default 1)")
     model = p.add_mutually_exclusive_group()
     model.add_argument("--model", metavar="DIR", help="checkpoint (default: a `small` one in a temp dir)")
     model.add_argument("--stub", action="store_true", help="the tiny built-in model")
@@ -173,8 +178,9 @@ def add_parser(sub: Any) -> None:
                    help="local: loopback processes; netns: a namespace per node, faults as nftables/tc "
                         "(root only)")
     p.add_argument("--fault", action="append", default=[], metavar="SPEC",
-                   help="drop:A->B, isolate:X, loss:P, delay:MS, kill:X@token-T, relay-down@SECONDS, "
-                        "nat:X (netns)")
+                   help="drop:A->B, isolate:X, loss:P, delay:MS, kill:X@token-T, restart:X@token-T, "
+                        "relay-down@SECONDS, nat:X (netns); with replicas, kill:stage-K / restart:stage-K "
+                        "hit the replica serving the request, stage-K.j names one")
     p.add_argument("--startup-order", choices=["any", "master-first", "workers-first"], default="any")
     p.add_argument("--stop-criteria", choices=["all-done", "master-done"], default="master-done")
     p.add_argument("--timeout", type=float, default=60.0, metavar="S", help="for convergence and generation")
@@ -197,4 +203,11 @@ def _stages(text: str) -> int:
     value = _positive_int(text)
     if value > 16:
         raise argparse.ArgumentTypeError("at most 16 stages on one machine")
+    return value
+
+
+def _replicas(text: str) -> int:
+    value = _positive_int(text)
+    if value > 4:
+        raise argparse.ArgumentTypeError("at most 4 replicas of a stage on one machine")
     return value

@@ -28,7 +28,7 @@ from typing import Any
 
 import trio
 
-from .dialer import Dialer
+from .dialer import Dialer, PathFailed, Refused
 from .faults import Faults
 from .handshake import HANDSHAKE_FAILURES, LocalEnd, Proven, accept
 from .reassembly import Reassembler
@@ -58,6 +58,11 @@ class ChannelConfig:
     # the sender's process: at 25 ms a 3-stage pipeline's links woke a process
     # about once per token, as often as the tokens themselves.
     ack_delay: float = 0.1
+
+
+# After a stream with a peer ends: how many dials tell whether it is down, how far apart.
+DOWN_CHECKS = 3
+DOWN_CHECK_GAP_S = 0.1
 
 
 class DataChannel:
@@ -90,8 +95,10 @@ class DataChannel:
         self.counters: dict[str, int] = {
             "sent": 0, "delivered": 0, "resent": 0, "bad_frames": 0, "streams_in": 0,
             "streams_refused": 0, "handshake_failures": 0, "dials": 0, "dial_failures": 0,
-            "reader_errors": 0, "peer_restarts": 0,
+            "reader_errors": 0, "peer_restarts": 0, "peers_down": 0,
         }
+        self._down: dict[bytes, float] = {}  # peers whose process looks gone, since when
+        self._checking: set[bytes] = set()
         self._epochs: OrderedDict[bytes, int] = OrderedDict()  # least recently proven first
         self._nursery: trio.Nursery | None = None
         self._serving = trio.Event()
@@ -140,12 +147,65 @@ class DataChannel:
                 return
             self._proven(proven)
             await self._receiver.read_stream(stream, proven.node_id, buf)
+        self._stream_lost(proven.node_id, proven.epoch)
 
-    async def _read_dialled(self, node: bytes, stream: trio.SocketStream, buf: bytearray) -> None:
+    async def _read_dialled(self, node: bytes, stream: trio.SocketStream, buf: bytearray, epoch: int
+                            ) -> None:
         """Acks come back on the stream we dialled; its end means it is broken."""
-        await self._receiver.read_stream(stream, node, buf)
-        self._sender.stream_ended(node, stream)
-        await stream.aclose()
+        try:
+            await self._receiver.read_stream(stream, node, buf)
+        finally:  # cancelled too: a stopped node's streams close, as a process's do when it exits
+            current = self._sender.link(node).stream is stream  # not one we dropped ourselves
+            self._sender.stream_ended(node, stream)
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
+        if current:
+            self._stream_lost(node, epoch)
+
+    # ------------------------------------------------------------- peers down
+
+    def is_down(self, node: bytes) -> bool:
+        """Whether ``node``'s process looks gone: a stream with it ended and its data port
+        refused our dial since.  A stream it proves again, or a new epoch, clears it."""
+        return node in self._down
+
+    def down_since(self, node: bytes) -> float | None:
+        """When ``node`` started to look down (trio time), or None."""
+        return self._down.get(node)
+
+    def _stream_lost(self, node: bytes, epoch: int) -> None:
+        """A stream with ``node``'s process ``epoch`` ended: dial it at once to learn whether
+        it still runs.
+
+        A killed process's streams end at once, and its port refuses the next dial;
+        that is known in a round trip, long before failure detection could say it."""
+        if node not in self._down and node not in self._checking and self.addr_of(node) is not None:
+            self._checking.add(node)
+            self._spawn(self._check_down, node, epoch)
+
+    async def _check_down(self, node: bytes, epoch: int) -> None:
+        """Dial ``node`` until it answers (it runs), refuses (it is down), or DOWN_CHECKS
+        attempts fail otherwise (unreachable directly: failure detection decides).
+
+        A dying process closes its sockets one by one: a dial can land between its stream's
+        end and its listener's, be accepted by the kernel, and break in the handshake.  The
+        next dial, a moment later, is refused."""
+        try:
+            for _ in range(DOWN_CHECKS):
+                try:
+                    await self._dialer.stream(node, self._sender.link(node))
+                    return
+                except Refused as exc:
+                    if self._epochs.get(node) != epoch:
+                        return  # a newer process of it has proven itself: the ended one is gone
+                    self._down[node] = trio.current_time()
+                    self.counters["peers_down"] += 1
+                    log.info("%s looks down: its stream ended and %s", self.describe(node), exc)
+                    return
+                except PathFailed:
+                    await trio.sleep(DOWN_CHECK_GAP_S)
+        finally:
+            self._checking.discard(node)
 
     def _blocked(self, node: bytes) -> bool:
         """A fault blocks streams with ``node``, as a packet filter on that link would."""
@@ -160,12 +220,20 @@ class DataChannel:
 
     def _proven(self, proven: Proven) -> None:
         """Record the epoch a handshake proved; a new one for a known node id is a restart."""
-        node, epoch = proven.node_id, proven.epoch
+        self._down.pop(proven.node_id, None)
+        self.note_epoch(proven.node_id, proven.epoch)
+
+    def note_epoch(self, node: bytes, epoch: int) -> None:
+        """``node`` runs as process ``epoch`` (a handshake proved it, or membership says so):
+        a new epoch for a known node id resets every session with it at once."""
         known = self._epochs.pop(node, None)
         self._epochs[node] = epoch
         if len(self._epochs) > MAX_EPOCHS:
             self._epochs.popitem(last=False)
-        if known is None or known == epoch:
+        if known == epoch:
+            return
+        self._down.pop(node, None)  # whatever looked down was another process
+        if known is None:
             return
         self.counters["peer_restarts"] += 1
         log.info("%s restarted (a new process epoch): its data-channel sessions start again",

@@ -29,6 +29,10 @@ class PathFailed(Exception):
     """One attempt over one path failed; the reason goes into the DeliveryError."""
 
 
+class Refused(PathFailed):
+    """The peer's host answered the dial with a refusal: nothing listens there now."""
+
+
 @dataclass
 class Link:
     """How we reach one peer: the stream we dialled, the path in use, the direct path's backoff."""
@@ -44,6 +48,15 @@ class Link:
 
     def direct_due(self) -> bool:
         return trio.current_time() >= self.direct_retry_at
+
+
+def _refused(exc: BaseException | None) -> bool:
+    """Whether a failed connect was refused (trio wraps each attempt's error in the cause)."""
+    if isinstance(exc, ConnectionRefusedError):
+        return True
+    if isinstance(exc, BaseExceptionGroup):
+        return bool(exc.exceptions) and all(_refused(e) for e in exc.exceptions)
+    return exc is not None and exc.__cause__ is not None and _refused(exc.__cause__)
 
 
 class Dialer:
@@ -88,7 +101,7 @@ class Dialer:
             ch._proven(proven)  # a restarted peer's sessions start again before this stream carries any
             link.stream = stream
             link.backoff = 0.0
-            ch._spawn(ch._read_dialled, node, stream, buf)
+            ch._spawn(ch._read_dialled, node, stream, buf, proven.epoch)
             return stream
 
     async def _connect(self, addr: str) -> trio.SocketStream:
@@ -105,7 +118,8 @@ class Dialer:
             raise PathFailed(f"connect to {addr} timed out after {timeout:g}s") from None
         except OSError as exc:
             self._ch.counters["dial_failures"] += 1
-            raise PathFailed(f"connect to {addr} failed: {exc.strerror or exc}") from None
+            cls = Refused if _refused(exc) else PathFailed
+            raise cls(f"connect to {addr} failed: {exc.strerror or exc}") from None
 
     async def relay(self, node: bytes, frames: Iterable[bytes]) -> None:
         """Send encoded packets to ``node`` through the relay, each as one relay frame."""

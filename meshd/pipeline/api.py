@@ -34,6 +34,11 @@ class Generator(Protocol):
     """The orchestrator, as the HTTP API calls it."""
 
     recent_traces: Iterable[dict[str, Any]]  # each request's last traces, newest last
+    recent_failovers: Iterable[dict[str, Any]]  # {request, stage, from, to, ms, why}, newest last
+
+    def active(self) -> list[dict[str, Any]]:
+        """Running requests: ``{request, route: {stage-K: prefix}, tokens, failovers}``."""
+        ...
 
     def missing(self) -> list[str]:
         """Pipeline names that do not resolve now."""

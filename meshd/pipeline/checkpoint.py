@@ -300,3 +300,26 @@ def checkpoint_params(config: LlamaConfig) -> int:
 
 __all__ = ["CheckpointError", "ConfigError", "init_checkpoint", "load_weights", "expected_tensors",
            "random_weights", "write_safetensors", "PRESETS"]
+
+
+FINGERPRINT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
+
+
+def fingerprint(model_dir: str | Path) -> str:
+    """16 hex digits that name a checkpoint's content: its config, tokenizer and every weight
+    file, read in full.  Nodes gossip it, so a replica holding other weights is refused;
+    two copies of one checkpoint in different places have the same fingerprint."""
+    import hashlib
+
+    root = Path(model_dir)
+    digest = hashlib.sha256()
+    files = [root / n for n in FINGERPRINT_FILES if (root / n).is_file()]
+    single = root / WEIGHTS_FILE
+    weights = [single] if single.is_file() else sorted(set(_tensor_files(root).values()))
+    files += [p for p in weights if p.is_file()]
+    for path in files:
+        digest.update(path.name.encode() + b"\0")
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+    return digest.hexdigest()[:16]

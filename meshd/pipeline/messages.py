@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from ..wire import (
     MAX_DATA_MESSAGE_BYTES,
+    MAX_STAGES,
     Message,
     Packet,
     Record,
@@ -29,7 +30,12 @@ from ..wire import (
     tuple_of,
 )
 
-APP_VERSION = 1
+
+def check_peer(value: object) -> bytes:
+    return b"" if value == b"" else check_node_id(value)
+
+
+APP_VERSION = 2  # 2: Activation.route and .prefill, StageError.peer
 # A message and its envelope: an activation may be as large as the data channel carries.
 MAX_APP_BYTES = MAX_DATA_MESSAGE_BYTES + 4096
 
@@ -74,8 +80,13 @@ class Activation(Message):
     sampling: Sampling
     sent_at: float  # sender's wall clock, for transit time
     trace: tuple[Hop, ...]
+    route: tuple[bytes, ...]  # the node serving each stage for this request, stage 0 first
+    # Rows [0, prefill) run as one forward pass, then each later row alone: a failover replay
+    # (the prompt, then every token so far) in the shapes of the original run.  0: all at once.
+    prefill: int = 0
     _fields_ = (check_str, check_node_id, check_uint, check_uint, check_uint, check_uint, check_blob,
-                tuple_of(check_uint, 65536), nested(Sampling), check_float, _trace)
+                tuple_of(check_uint, 65536), nested(Sampling), check_float, _trace,
+                tuple_of(check_node_id, MAX_STAGES), check_uint)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +125,11 @@ class StageError(Message):
     req_id: str
     stage: str
     message: str
-    _fields_ = (check_str, check_str, check_str)
+    # The node that failed this request (a send to it failed, it went down, or it is
+    # handing the request over): the orchestrator moves the request to a replica.
+    # Empty when the stage itself failed.
+    peer: bytes = b""
+    _fields_ = (check_str, check_str, check_str, check_peer)
 
 
 @dataclass(frozen=True, slots=True)

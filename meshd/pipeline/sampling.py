@@ -61,6 +61,14 @@ class Sampler:
         self.seed = seed
         self._rng = np.random.default_rng(seed)
 
+    def skip(self, steps: int) -> Sampler:
+        """Advance past ``steps`` sampled steps: a sampler rebuilt for a request that already
+        has ``steps`` tokens (a failover replay) draws what the first one would draw next."""
+        if not self.greedy:
+            for _ in range(steps):
+                self._rng.random(dtype=np.float32)
+        return self
+
     @property
     def greedy(self) -> bool:
         return is_greedy(self.temperature, self.top_k)

@@ -138,8 +138,11 @@ class MemNet:
         node.up = False
         node.scheduled = None
 
-    def restart(self, node: SimNode, seeds: list[str]) -> None:
-        """Bring a crashed node back with the same id and a fresh state."""
+    def restart(self, node: SimNode, seeds: list[str], meta: Meta | None = None) -> None:
+        """Bring a crashed node back with the same id and a fresh state (and ``meta``, if given:
+        a new process says so with a new epoch)."""
+        if meta is not None:
+            node.meta = meta
         rng = random.Random(self.rng.random())
         node.swim = Swim(node.id, node.addr, node.meta, self.config, rng, self.now)
         node.up = True

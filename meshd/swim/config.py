@@ -35,6 +35,15 @@ class Config:
     gossip_budget: int = GOSSIP_BUDGET_BYTES
     # Until a seed answers, the join is retried this often.
     join_retry_interval: float = 1.0
+    # Serf's reconnect: every reconnect_interval the mesh asks each member declared
+    # dead (not left) in the last reconnect_timeout back, at its last address, so a
+    # restarted node that knows nobody (a seed restarted without seeds) is found
+    # again; one answered ask brings it back (see Swim._reconnect).  Serf asks every
+    # 30 s for 24 h, for agents that come back whenever; a run's nodes restart within
+    # seconds, and an ask is one small packet per dead member and interval for the
+    # whole mesh, so meshd asks far sooner and gives up after an hour.
+    reconnect_interval: float = 2.0
+    reconnect_timeout: float = 3600.0
 
     def with_(self, **changes: Any) -> Config:
         return replace(self, **changes)
@@ -70,6 +79,7 @@ WAN = Config(
     gossip_nodes=4,
     gossip_to_the_dead_time=60.0,
     join_retry_interval=5.0,
+    reconnect_interval=10.0,
 )
 LOCAL = Config(
     probe_interval=1.0,
@@ -80,5 +90,7 @@ LOCAL = Config(
     push_pull_interval=15.0,
     gossip_interval=0.1,
     gossip_to_the_dead_time=15.0,
+    # A restarted seed is found within about a second, well within the 5 s a restart may take.
+    reconnect_interval=1.0,
 )
 PROFILES = {"lan": LAN, "wan": WAN, "local": LOCAL}

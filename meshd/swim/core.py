@@ -62,6 +62,14 @@ INF = float("inf")
 # made-up members must not grow our memory without bound.  Far above any real mesh.
 MAX_MEMBERS = 10_000
 
+# Dead members we ask back per reconnect interval at most (in turn, when there are more).
+MAX_RECONNECTS = 8
+
+# About how many members, all told, ask each dead member back per interval.  Serf asks
+# with probability failed/alive, so that the cluster makes about one attempt per dead
+# member per interval whatever its size; a few more ride out a lost packet.
+RECONNECT_ASKERS = 3
+
 
 @dataclass(slots=True)
 class _Probe:
@@ -143,6 +151,9 @@ class Swim:
         self._gossip_tokens = float(config.gossip_burst)
         self._next_push_pull = now + rng.uniform(0, config.push_pull_interval)
         self._next_join = INF
+        self._next_reconnect = now + config.reconnect_interval
+        self._reconnect_pos = 0  # where the next round of reconnects starts
+        self._reconnect_asked: set[str] = set()  # addresses asked back this interval, unanswered
         self.broadcasts.queue(node_id, self._alive_self())
 
     # ------------------------------------------------------------------ views
@@ -162,12 +173,19 @@ class Swim:
         return None
 
     def resolve(self, name: str) -> bytes | None:
-        """The live owner of a registered name, or None."""
-        owner = self.registry.owner(name)
-        if owner is None:
-            return None
-        member = self.members.get(owner)
-        return owner if member is not None and member.state.live else None
+        """One live owner of a registered name (alive before suspect, then the lowest id), or None."""
+        owners = self.live_owners(name)
+        return owners[0] if owners else None
+
+    def live_owners(self, name: str) -> list[bytes]:
+        """The live set of ``name``: owners of its live entries that are alive or suspect,
+        alive ones first, each group by node id."""
+        live = []
+        for owner in self.registry.owners(name):
+            m = self.members.get(owner)
+            if m is not None and m.state.live and not (owner == self.id and self.leaving):
+                live.append((m.state is not State.ALIVE, owner))
+        return [owner for _suspect, owner in sorted(live)]
 
     def suspicion_deadline(self, node: bytes) -> float | None:
         s = self._suspicions.get(node)
@@ -190,6 +208,19 @@ class Swim:
         self.broadcasts.queue(self.id, self._alive_self())
         self._emit(EventKind.UPDATE, self.id, now)
 
+    def probe_soon(self, node: bytes, now: float) -> None:
+        """Probe ``node`` next, at once if no probe is under way: its address must answer a
+        ping of ours before it gets more than a small budget from us (see the node's guard)."""
+        m = self.members.get(node)
+        if m is None or node == self.id or not m.state.live or (self._probe and self._probe.target == node):
+            return
+        if node in self._probe_list:
+            self._probe_list.remove(node)
+        self._probe_pos = min(self._probe_pos, len(self._probe_list))
+        self._probe_list.insert(self._probe_pos, node)
+        if self._probe is None:
+            self._next_probe = min(self._next_probe, now)
+
     def publish_paths(self, summary: PathSummary, now: float) -> None:
         """Gossip our own outbound path summary; a newer one replaces any still queued.
 
@@ -204,8 +235,16 @@ class Swim:
     def register_name(self, name: str, now: float) -> None:
         claim = self.registry.claim(name, self.id)
         self._my_names.add(name)
-        self.broadcasts.queue(("name", name), claim)
+        self.broadcasts.queue(("name", name, self.id), claim)
         self._emit(EventKind.NAME, self.id, now, name=name)
+
+    def withdraw_names(self, now: float) -> None:
+        """Tombstone every name we hold (a drain: new requests go to the other owners)."""
+        self._my_names.clear()
+        for tomb in self.registry.tombstone_owner(self.id):
+            self.registry.own_clock = max(self.registry.own_clock, tomb.clock)
+            self.broadcasts.queue(("name", tomb.name, self.id), tomb, urgent=True)
+            self._emit(EventKind.NAME, self.id, now, name=tomb.name, tombstone=True)
 
     def warm_start(self, members: list[MemberState], now: float) -> None:
         """Start as a long-settled member that already knows ``members`` (alive).
@@ -283,6 +322,8 @@ class Swim:
                     handler(self, msg, sender, addr, now)
         finally:
             self._rx_via = None
+        if self._reconnect_asked and addr in self._reconnect_asked:
+            self._reconnect_answered(addr, sender)
 
     def _handle_ping(self, msg: Ping, sender: bytes, addr: str, now: float) -> None:
         if msg.target != self.id:
@@ -470,6 +511,10 @@ class Swim:
         self._suspicions.pop(msg.node, None)
         old = m.state
         meta_changed = m.meta != msg.meta or m.addr != msg.addr
+        if m.meta.epoch != msg.meta.epoch:
+            # A new process under a known node id: whatever it held (sessions, caches) is gone.
+            self.counters["restarts_seen"] += 1
+            self._emit(EventKind.RESTART, msg.node, now, epoch=msg.meta.epoch)
         m.incarnation, m.addr, m.meta = msg.incarnation, msg.addr, msg.meta
         if old is not State.ALIVE:
             m.state, m.state_change = State.ALIVE, now
@@ -539,14 +584,21 @@ class Swim:
     def _on_name(self, claim: NameClaim, now: float) -> None:
         if not self.registry.merge(claim):
             return
-        self.broadcasts.queue(("name", claim.name), claim)
+        self.broadcasts.queue(("name", claim.name, claim.owner), claim)
         self._emit(EventKind.NAME, claim.owner, now, name=claim.name, tombstone=claim.tombstone)
+        if claim.owner != self.id or self.leaving:
+            return
+        # An entry in our own name that is not what we say now: a tombstone written while
+        # we live (or by our last process), or a claim our last process made.  Say it again
+        # past it, as a refute does: our claim, or our tombstone for a name we no longer hold.
+        self.registry.own_clock = max(self.registry.own_clock, claim.clock)
         if claim.name in self._my_names:
-            if claim.owner == self.id and claim.tombstone and not self.leaving:
-                # Someone buried us while we live: reclaim, as a refute does.
+            if claim.tombstone:
                 self.register_name(claim.name, now)
-            elif claim.owner != self.id:
-                self._my_names.discard(claim.name)  # a newer owner won
+        elif not claim.tombstone:
+            self.counters["names_withdrawn"] += 1
+            for tomb in self.registry.tombstone_owner_name(self.id, claim.name):
+                self.broadcasts.queue(("name", tomb.name, self.id), tomb)
 
     def _refute(self, accused: int, now: float) -> None:
         self.incarnation = next_counter(max(self.incarnation, accused))
@@ -561,7 +613,7 @@ class Swim:
         """The earliest time :meth:`tick` has work to do."""
         if self.leaving:
             return self._next_gossip
-        t = min(self._next_gossip, self._next_push_pull, self._next_join)
+        t = min(self._next_gossip, self._next_push_pull, self._next_join, self._next_reconnect)
         probe = self._probe
         if probe is None:
             t = min(t, self._next_probe)
@@ -595,6 +647,8 @@ class Swim:
             self._periodic_push_pull(now)
         if now >= self._next_join:
             self._send_join(now)
+        if now >= self._next_reconnect:
+            self._reconnect(now)
         for node, s in list(self._suspicions.items()):
             if now >= s.deadline:
                 del self._suspicions[node]
@@ -728,6 +782,72 @@ class Swim:
             self._out.append(Outgoing(addr, None, packet, True))
             self.counters["tx_join"] += 1
 
+    def _reconnect(self, now: float) -> None:
+        """Serf's reconnect: ask recently dead members back, at their last address.
+
+        A member declared dead may be a restarted process that knows nobody (a seed
+        has no seed to join).  Asking costs little: a join push-pull with ourselves
+        only, all a node that does not know us takes from it.  Its answer makes us
+        follow up with our whole state (see :meth:`_reconnect_answered`).  Each
+        member asks each dead one with probability ``RECONNECT_ASKERS`` / (live
+        members), so the mesh asks each about that often per interval.  A member
+        that left said goodbye and is not asked back.
+        """
+        self._next_reconnect = now + self.config.reconnect_interval
+        self._reconnect_asked.clear()  # an answer comes within the interval or not at all
+        targets = self._reconnect_targets(now)
+        if not targets:
+            return
+        share = RECONNECT_ASKERS / max(1, len(self._live))
+        start = self._reconnect_pos % len(targets)
+        picks: list[Member] = []
+        examined = 0
+        for m in targets[start:] + targets[:start]:
+            if len(picks) == MAX_RECONNECTS:
+                break
+            examined += 1
+            if share >= 1.0 or self.rng.random() < share:
+                picks.append(m)
+        self._reconnect_pos = start + examined
+        packet = self._packet([self._introduction()])
+        for m in picks:
+            self._reconnect_asked.add(m.addr)
+            self._out.append(Outgoing(m.addr, None, packet, True))
+            self.counters["tx_reconnect"] += 1
+
+    def _reconnect_answered(self, addr: str, sender: bytes) -> None:
+        """Whoever answered at an address we asked back knows us now, so it takes our whole
+        state: the mesh, and, if it is the member we declared dead, the news it must refute."""
+        self._reconnect_asked.discard(addr)
+        self._out.append(Outgoing(addr, sender, self._packet([self._push_pull(False, True)]), True))
+        self.counters["tx_reconnect_followups"] += 1
+
+    def _introduction(self) -> PushPull:
+        """A join push-pull that carries ourselves and our own names only."""
+        me = self.me
+        own = MemberState(me.id, me.addr, me.incarnation, int(me.state), me.meta)
+        return PushPull(True, True, (own,), tuple(c for c in self.registry.claims if c.owner == self.id))
+
+    def _reconnect_targets(self, now: float) -> list[Member]:
+        """Members dead (not left) for at most ``reconnect_timeout``, one per address, at an
+        address no live member holds (a new process there has joined already)."""
+        if len(self.members) == self.live_count():
+            return []  # nobody dead or left, the usual case: no scan
+        horizon = now - self.config.reconnect_timeout
+        taken: set[str] = set()
+        dead: list[Member] = []
+        for m in self.members.values():
+            if m.state.live:
+                taken.add(m.addr)
+            elif m.state is State.DEAD and m.state_change >= horizon:
+                dead.append(m)
+        targets = []
+        for m in dead:
+            if m.addr not in taken:
+                taken.add(m.addr)
+                targets.append(m)
+        return targets
+
     # -------------------------------------------------------------- sending
 
     def outbox(self) -> list[Outgoing]:
@@ -765,7 +885,7 @@ class Swim:
         members = tuple(
             MemberState(m.id, m.addr, m.incarnation, int(m.state), m.meta) for m in self.members.values()
         )
-        return PushPull(join, reply, members, tuple(self.registry.claims.values()))
+        return PushPull(join, reply, members, tuple(self.registry.claims))
 
     def _alive_self(self) -> Alive:
         me = self.me

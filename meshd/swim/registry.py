@@ -1,52 +1,104 @@
-"""A last-writer-wins name registry (``pp-entry``, ``pp-stage-K``, ...).
+"""The name registry (``pp-entry``, ``pp-stage-K``, ...): entries keyed by (name, owner).
 
-Each name maps to the claim with the highest (clock, tombstone, owner). When
-an owner dies, every member writes the same tombstone for its names, so the
-registry converges without extra traffic; a member that comes back reclaims
-its names with a higher clock.
+Each owner keeps its own clock for its own claims, and only a newer entry
+from the same owner replaces one.  A tombstone is per owner: every member
+writes it when that owner leaves or is declared dead, and it never hides
+another owner's claim.  A name resolves to its live set, the live owners of
+its non-tombstoned entries (the caller says which owners are live); more
+than one means replicas.  An owner that finds a tombstone in its own name
+while it lives claims again past it, as SWIM's refutation does.
 """
 
 from __future__ import annotations
 
 from ..wire import MAX_PUSHPULL_NAMES, NameClaim, next_counter
 
-# Names we hold at most: as many as one push-pull can carry.
+# Entries we hold at most: as many as one push-pull can carry.
 MAX_NAMES = MAX_PUSHPULL_NAMES
+
+Key = tuple[str, bytes]
 
 
 class Registry:
-    def __init__(self) -> None:
-        self.claims: dict[str, NameClaim] = {}
+    def __init__(self, clock: int = 0) -> None:
+        self._by_name: dict[str, dict[bytes, NameClaim]] = {}
+        self._count = 0
+        # The highest clock we used for a claim of our own; a restart continues from it
+        # (the node persists it beside its key file) so a new claim beats the old entries.
+        self.own_clock = clock
 
     def merge(self, claim: NameClaim) -> bool:
-        """Take ``claim`` if it beats what we hold; True if it changed anything."""
-        held = self.claims.get(claim.name)
+        """Take ``claim`` if it is newer than our entry for its key; True if it changed anything."""
+        held = self.get(claim.name, claim.owner)
         if held is not None and not claim.beats(held):
             return False
-        if held is None and len(self.claims) >= MAX_NAMES:
+        if held is None and self._count >= MAX_NAMES and not self._evict():
             return False  # a flood of made-up names must not grow the table
-        self.claims[claim.name] = claim
+        self._put(claim)
         return True
 
+    def get(self, name: str, owner: bytes) -> NameClaim | None:
+        entries = self._by_name.get(name)
+        return entries.get(owner) if entries is not None else None
+
+    @property
+    def claims(self) -> list[NameClaim]:
+        """Every entry, tombstones included (what push-pull carries)."""
+        return [c for entries in self._by_name.values() for c in entries.values()]
+
+    def _put(self, claim: NameClaim) -> None:
+        entries = self._by_name.setdefault(claim.name, {})
+        if claim.owner not in entries:
+            self._count += 1
+        entries[claim.owner] = claim
+
     def claim(self, name: str, owner: bytes) -> NameClaim:
-        held = self.claims.get(name)
-        clock = next_counter(held.clock) if held is not None else 1
-        claim = NameClaim(name=name, owner=owner, clock=clock, tombstone=False)
-        self.claims[name] = claim
+        """Our claim on ``name``, past any entry in our name (a tombstone of a past process)."""
+        held = self.get(name, owner)
+        self.own_clock = next_counter(max(self.own_clock, held.clock if held is not None else 0))
+        claim = NameClaim(name=name, owner=owner, clock=self.own_clock, tombstone=False)
+        self._put(claim)
         return claim
 
     def tombstone_owner(self, owner: bytes) -> list[NameClaim]:
-        """Tombstone every live name ``owner`` holds; returns the tombstones."""
+        """Tombstone every live entry of ``owner``; returns the tombstones."""
         out = []
-        for name, held in list(self.claims.items()):
-            if held.owner == owner and not held.tombstone:
-                tomb = NameClaim(name=name, owner=owner, clock=next_counter(held.clock), tombstone=True)
-                self.claims[name] = tomb
-                out.append(tomb)
+        for name in list(self._by_name):
+            out.extend(self.tombstone_owner_name(owner, name))
         return out
 
-    def owner(self, name: str) -> bytes | None:
-        held = self.claims.get(name)
+    def tombstone_owner_name(self, owner: bytes, name: str) -> list[NameClaim]:
+        """Tombstone ``owner``'s entry for ``name`` if it is live; returns the tombstone, if any."""
+        held = self.get(name, owner)
         if held is None or held.tombstone:
-            return None
-        return held.owner
+            return []
+        tomb = NameClaim(name=name, owner=owner, clock=next_counter(held.clock), tombstone=True)
+        self._put(tomb)
+        return [tomb]
+
+    def owner(self, name: str) -> bytes | None:
+        """The lowest-id owner with a live entry for ``name`` (liveness not checked), or None."""
+        owners = sorted(self.owners(name))
+        return owners[0] if owners else None
+
+    def owners(self, name: str) -> list[bytes]:
+        """Every owner with a live (non-tombstoned) entry for ``name``, alive or not."""
+        return [owner for owner, c in self._by_name.get(name, {}).items() if not c.tombstone]
+
+    def entries(self, name: str) -> list[NameClaim]:
+        return list(self._by_name.get(name, {}).values())
+
+    def names(self) -> list[str]:
+        return sorted(self._by_name)
+
+    def _evict(self) -> bool:
+        """Make room by dropping one tombstone: it hides nothing another owner claims."""
+        for name, entries in self._by_name.items():
+            for owner, held in entries.items():
+                if held.tombstone:
+                    del entries[owner]
+                    if not entries:
+                        del self._by_name[name]
+                    self._count -= 1
+                    return True
+        return False

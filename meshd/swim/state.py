@@ -59,6 +59,7 @@ class EventKind(enum.Enum):
     DEAD = "dead"
     LEFT = "left"
     NAME = "name"  # the registry changed
+    RESTART = "restart"  # a member's new process (a new epoch): detail {"epoch"}
     PATH = "path"  # a probe told us which path reaches a member: detail {"direct": bool, "rtt"}
 
 

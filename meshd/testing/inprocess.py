@@ -44,3 +44,18 @@ async def wait_converged(nodes: list[Running] | list[Node], timeout: float = 20.
         lagging = [f"{c.me.name} sees {c.live_count()}" for c in cores if c.live_count() != len(nodes)]
         raise trio.TooSlowError(f"no convergence of {len(nodes)} nodes in {timeout:g}s: "
                                 + ", ".join(lagging)) from None
+
+
+async def start_killable(nursery: trio.Nursery, options: NodeOptions, lines: list[str],
+                         identity: Identity | None = None) -> tuple[Running, trio.CancelScope]:
+    """``start_node``, and the scope that stops it the way SIGKILL would: sockets closed at
+    once, no leave said."""
+
+    async def run(*, task_status: trio.TaskStatus[tuple[Running, trio.CancelScope]]) -> None:
+        with trio.CancelScope() as scope:
+            node = Node(identity or Identity.generate(), options, out=lines.append)
+            async with trio.open_nursery() as inner:
+                daemon = await inner.start(serve_daemon, node)
+                task_status.started((Running(daemon), scope))
+
+    return await nursery.start(run)

@@ -1,0 +1,101 @@
+"""The ``kill:`` and ``restart:`` faults, carried out as the tokens come.
+
+A fault names a job, or a replicated stage by its bare name (``stage-K``): then the
+target is the replica serving the request at that moment, which only the orchestrator
+knows.  Its ``GET /api/requests`` gives each running request's route (stage name ->
+peer prefix), and the run's stage map ties the prefix to a job.  Each fault carried out
+is recorded for the report, so a reader can match it with the failover it caused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from .failure import Failure, RunFailed
+from .jobs import JobDriver
+from .model import parse_stage_job
+from .plan import Disruption
+from .report import Progress
+
+
+def serving_job(answer: Any, request: str | None, stage: str, prefixes: dict[str, str]) -> str:
+    """The job serving ``stage`` (``stage-K``) for ``request`` in an ``/api/requests`` answer.
+
+    ``prefixes`` maps node id prefixes to job names.  ``request`` None (a stream that did not
+    say its id) is taken to be the one running request, if only one runs.  ValueError says why
+    no job can be named.
+    """
+    running = answer.get("requests") if isinstance(answer, dict) else None
+    if not isinstance(running, list):
+        raise ValueError(f"the answer has no list of requests: {answer!r:.200}")
+    entry = _our_request(running, request)
+    route = entry.get("route")
+    peer = route.get(stage) if isinstance(route, dict) else None
+    if not isinstance(peer, str):
+        raise ValueError(f"request {entry.get('request')} has no {stage} in its route {route!r}")
+    job = prefixes.get(peer)
+    if job is None:
+        raise ValueError(f"{stage} of request {entry.get('request')} is peer {peer}, no job of this run")
+    parsed, wanted = parse_stage_job(job), parse_stage_job(stage)
+    if parsed is None or wanted is None or parsed[0] != wanted[0]:
+        raise ValueError(f"{stage} of request {entry.get('request')} is peer {peer}, which is {job}")
+    return job
+
+
+def _our_request(running: list[Any], request: str | None) -> dict[str, Any]:
+    entries = [r for r in running if isinstance(r, dict)]
+    if request is None:
+        if len(entries) != 1:
+            raise ValueError(f"{len(entries)} requests are running and the stream did not say which is ours")
+        return entries[0]
+    for entry in entries:
+        if entry.get("request") == request:
+            return entry
+    raise ValueError(f"request {request} is not among the running ones "
+                     f"({', '.join(str(e.get('request')) for e in entries) or 'none'})")
+
+
+class Disruptor:
+    """Carries out the run's ``kill:`` / ``restart:`` faults when their token comes.
+
+    ``ask_requests`` returns the orchestrator's ``/api/requests`` answer (ValueError when it
+    cannot); ``done`` collects what was carried out, as the report shows it.
+    """
+
+    def __init__(self, kills: list[Disruption], driver: JobDriver, ask_requests: Callable[[], Any],
+                 prefixes: dict[str, str], progress: Progress, done: list[dict[str, Any]]) -> None:
+        self.kills, self.driver, self.ask_requests = kills, driver, ask_requests
+        self.prefixes, self.progress, self.done = prefixes, progress, done
+
+    @property
+    def restarted(self) -> list[str]:
+        """The jobs restarted so far, in order, each once."""
+        return list(dict.fromkeys(d["job"] for d in self.done if d["action"] == "restart"))
+
+    def after_token(self, count: int, request: str | None) -> None:
+        """``count`` tokens are out (``request`` is the stream's id): carry out the faults due now."""
+        for fault in self.kills:
+            if fault.token == count:
+                self._carry_out(fault, self.target(fault, request))
+
+    def target(self, fault: Disruption, request: str | None) -> str:
+        """The job ``fault`` hits now; RunFailed when a replicated stage's serving replica is unknown."""
+        if not fault.serving:
+            return fault.who
+        try:
+            return serving_job(self.ask_requests(), request, fault.stage, self.prefixes)
+        except ValueError as exc:
+            why = f"cannot tell which replica of {fault.stage} serves the request: {exc}"
+            raise RunFailed(Failure.error(f"--fault {fault.spec}: {why}")) from None
+
+    def _carry_out(self, fault: Disruption, job: str) -> None:
+        if fault.restart:
+            self.driver.restart(job)
+        else:
+            self.driver.kill(job)
+        peer = next((p for p, name in self.prefixes.items() if name == job), None)
+        action = "restart" if fault.restart else "kill"
+        self.done.append({"fault": fault.spec, "action": action, "job": job, "peer": peer,
+                          "token": fault.token})
+        self.progress.log(f"{action} {job} ({peer or 'no peer'}) after token {fault.token}")

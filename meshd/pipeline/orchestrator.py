@@ -1,0 +1,378 @@
+"""The orchestrator: takes requests, picks a route through the stages, and moves a request to a
+replica when a node of its route fails.
+
+Each request gets a route when it starts: one live owner of each ``pp-stage-K``
+(replicas when a name has several).  The pick: alive before suspect, then the
+fewest of our running requests, then the lowest measured round trip, then the
+node id; a node that serves another checkpoint than ours, or is draining, is
+never picked.  The route travels with every activation, so a request stays
+on the nodes it started on.
+
+When a node of the route fails (a stage reports that a send to it failed or
+that it looks down, it becomes suspect or dead, it restarted, or it hands the
+request over while draining), the request continues on a replica of that
+stage under a new wire id: the new route replays the prompt as one prefill
+and then every token so far one at a time, the shapes of the original run, so
+the tokens stay the same bits as ``meshd generate``'s, and the sampler skips
+the draws already made (Petals replays a client's history the same way).
+With no replica, the request fails naming the stage and the peer; a suspect
+without a replica is waited for, since it may refute.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import trio
+
+from ..mesh import MemberInfo, Mesh
+from ..wire import Message
+from .api import NotReady, PipelineError, StageLost
+from .app import App, arrived, resolve
+from .checkpoint import fingerprint
+from .config import LlamaConfig
+from .generate import check_context, prompt_ids
+from .messages import Activation, Hop, Release, Sampling, StageError, Token
+from .tokenizer import load_tokenizer
+
+log = logging.getLogger("meshd.pipeline")
+
+LOST_CHECK_S = 0.05  # how often a waiting request looks at the nodes of its route
+MAX_FAILOVERS = 8  # per request: past this, it fails
+MAX_REPORTED_DOWN = 1024
+REPORTED_DOWN_S = 30.0  # past this, failure detection has had its say: it is alive
+
+
+# A node of a route that failed: (stage, node, why, gone).  ``gone``: the node cannot serve
+# (dead, down, unreachable); otherwise it lost the request's state but may take its replay.
+Trouble = tuple[int, bytes, str, bool]
+
+
+@dataclass
+class _Request:
+    req_id: str  # the caller's id for it; the wire id changes with each failover
+    ids: list[int]
+    sampling: Sampling
+    route: tuple[bytes, ...] = ()
+    epochs: tuple[int, ...] = ()  # each route node's process when it was picked
+    wire_id: str = ""
+    attempt: int = 0
+    tokens: list[int] = field(default_factory=list)
+    next_step: int = 0
+    logits: list[np.ndarray] = field(default_factory=list)
+    traces: list[tuple[Hop, ...]] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    trouble: Trouble | None = None  # reported by a stage, or by a failed send
+    failovers: list[dict[str, Any]] = field(default_factory=list)
+    failover_started: float | None = None  # perf_counter when the last failover began
+    excluded: set[bytes] = field(default_factory=set)
+    changed: trio.Event = field(default_factory=trio.Event)
+
+
+class Orchestrator(App):
+    def __init__(self, mesh: Mesh, model_dir: str | Path, stages: int) -> None:
+        super().__init__(mesh)
+        self.stages = stages
+        self.config = LlamaConfig.load(model_dir)
+        self.checkpoint = fingerprint(model_dir)
+        self.tokenizer = load_tokenizer(model_dir, self.config.bos_token_id, self.config.eos_token_ids)
+        self.requests: dict[str, _Request] = {}  # by wire id
+        self.recent_traces: deque[dict] = deque(maxlen=256)
+        self.recent_failovers: deque[dict] = deque(maxlen=64)
+        self._refused: set[tuple[bytes, str]] = set()  # (node, checkpoint) already logged as refused
+        # Nodes a stage saw go down, with their process epoch then: not picked again until
+        # the mesh says more (a new epoch), bounded.
+        self._reported_down: dict[bytes, tuple[int, float]] = {}
+
+    # --- readiness and routes ---
+
+    def candidates(self, stage: int) -> list[MemberInfo]:
+        """The nodes that may serve ``stage`` for a new request, best first."""
+        load: dict[bytes, int] = {}
+        for req in self.requests.values():
+            for node in req.route:
+                load[node] = load.get(node, 0) + 1
+        out = [m for m in self.mesh.owners(f"pp-stage-{stage}")
+               if self._usable(m, stage) and not self._seen_down(m)]
+
+        def rank(m: MemberInfo) -> tuple:
+            rtt = self.mesh.rtt(m.id)
+            return (m.state != "alive", load.get(m.id, 0), float("inf") if rtt is None else rtt, m.id)
+
+        return sorted(out, key=rank)
+
+    def _seen_down(self, m: MemberInfo) -> bool:
+        """A stage reported ``m`` down lately, and it runs the same process still."""
+        seen = self._reported_down.get(m.id)
+        return seen is not None and seen[0] == m.epoch and time.monotonic() - seen[1] < REPORTED_DOWN_S
+
+    def _usable(self, m: MemberInfo, stage: int) -> bool:
+        if m.draining:
+            return False
+        if m.checkpoint != self.checkpoint:
+            if (m.id, m.checkpoint) not in self._refused:
+                self._refused.add((m.id, m.checkpoint))
+                log.warning("refusing %s as a replica of stage-%d: it serves checkpoint %s, this run's is %s",
+                            self.mesh.describe(m.id), stage, m.checkpoint or "(none)", self.checkpoint)
+            return False
+        return True
+
+    def missing(self) -> list[str]:
+        """Pipeline names with no usable live owner (for 503s)."""
+        out = [] if self.mesh.resolve("pp-entry") else ["pp-entry"]
+        out += [f"pp-stage-{k}" for k in range(self.stages) if not self.candidates(k)]
+        return out + ([] if self.mesh.resolve("pp-exit") else ["pp-exit"])
+
+    def decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens)
+
+    async def wait_ready(self, timeout: float) -> None:
+        with trio.move_on_after(timeout):
+            while self.missing():
+                await trio.sleep(0.05)
+        if self.missing():
+            raise NotReady(self.missing())
+
+    def active(self) -> list[dict[str, Any]]:
+        """Running requests: where each runs now (stage -> peer prefix), and how far it is."""
+        return [{"request": req.req_id,
+                 "route": {f"stage-{k}": node.hex()[:8] for k, node in enumerate(req.route)},
+                 "tokens": len(req.tokens), "failovers": list(req.failovers)}
+                for req in self.requests.values()]
+
+    # --- one request ---
+
+    async def generate(self, prompt: str, max_tokens: int, temperature: float = 0.0, top_k: int = 0,
+                       seed: int = 0, *, want_logits: bool = False, token_timeout: float = 30.0,
+                       on_token=None) -> dict:
+        ids = prompt_ids(self.tokenizer, prompt)
+        check_context(self.config, len(ids), max_tokens)
+        missing = self.missing()
+        if missing:
+            raise NotReady(missing)
+        await resolve(self.mesh, "pp-entry", 1.0)
+        req = _Request(uuid.uuid4().hex[:12], ids,
+                       Sampling(max_tokens, float(temperature), top_k, seed, want_logits))
+        t0 = time.perf_counter()
+        try:
+            await self._start(req)
+            seen = 0
+            waited = 0.0
+            while req.finish_reason is None and req.error is None:
+                with trio.move_on_after(LOST_CHECK_S) as scope:
+                    await req.changed.wait()
+                await self._check_route(req)
+                if scope.cancelled_caught:
+                    waited += LOST_CHECK_S
+                    if waited >= token_timeout:
+                        raise PipelineError(f"no token {len(req.tokens)} for request {req.req_id} within "
+                                            f"{token_timeout:g}s; route: {self._describe_route(req)}")
+                    continue
+                waited = 0.0
+                req.changed = trio.Event()
+                if on_token is not None:
+                    while seen < len(req.tokens):
+                        await on_token(req.tokens[seen])
+                        seen += 1
+            if req.error is not None:
+                raise PipelineError(req.error)
+        finally:
+            self.requests.pop(req.wire_id, None)
+        total = time.perf_counter() - t0
+        first = req.token_times[0] - t0 if req.token_times else None
+        result: dict[str, Any] = {
+            "request": req.req_id,
+            "tokens": req.tokens,
+            "text": self.tokenizer.decode(req.tokens),
+            "finish_reason": req.finish_reason,
+            "failovers": req.failovers,
+            "timings": {
+                "total_s": total,
+                "first_token_s": first,
+                "tokens_per_s": len(req.tokens) / total if total > 0 else 0.0,
+                "hops": summarize(req.traces),
+            },
+        }
+        if want_logits:
+            result["logits"] = np.stack(req.logits) if req.logits else np.zeros((0, self.config.vocab_size),
+                                                                               np.float32)
+        self.recent_traces.append({"req_id": req.req_id, "traces": [[h.to_body() for h in t]
+                                                                     for t in req.traces[-4:]]})
+        return result
+
+    async def _start(self, req: _Request, keep: tuple[bytes, ...] = (), replace: int = -1) -> None:
+        """Send ``req`` down a route: a new one, or ``keep`` with stage ``replace`` and its
+        excluded nodes picked again.
+
+        A request with tokens already replays them (the prompt as one prefill, then each
+        token alone), so the new route's KV caches hold what the old one's did."""
+        route = []
+        for k in range(self.stages):
+            node = keep[k] if keep and keep[k] not in req.excluded and k != replace else None
+            if node is None:
+                picks = [m for m in self.candidates(k) if m.id not in req.excluded]
+                if not picks:
+                    raise NotReady([f"pp-stage-{k}"])
+                node = picks[0].id
+            route.append(node)
+        req.route = tuple(route)
+        req.epochs = tuple(self._epoch(n) for n in route)
+        req.wire_id = req.req_id if req.attempt == 0 else f"{req.req_id}.{req.attempt}"
+        self.requests[req.wire_id] = req
+        tokens = tuple(req.ids) + tuple(req.tokens)
+        hop = Hop("transit", "orchestrator->stage-0", 0.0, self.path_to(route[0]))
+        await self.send(route[0], Activation(req.wire_id, self.mesh.node_id, 0, req.next_step, 0, 0, b"",
+                                             tokens, req.sampling, time.time(), (hop,), req.route,
+                                             len(req.ids) if req.tokens else 0))
+
+    def _epoch(self, node: bytes) -> int:
+        m = self.mesh.member_by_id(node)
+        return m.epoch if m is not None else 0
+
+    async def _check_route(self, req: _Request) -> None:
+        """Move ``req`` to a replica if a node of its route failed; fail it if none can take over."""
+        if req.finish_reason is not None or req.error is not None:
+            return
+        # What the mesh says first (a death or a restart is news a report may predate).
+        trouble = self._route_trouble(req) or req.trouble
+        req.trouble = None
+        if trouble is None:
+            return
+        stage, node, why, gone = trouble
+        if req.attempt >= MAX_FAILOVERS:
+            raise PipelineError(f"request {req.req_id}: stage-{stage} failed again after {req.attempt} "
+                                f"failovers: {why}")
+        # A node that lost the request's state but runs (a restart, a cache it dropped) may
+        # take the replay itself; one that is gone may not.
+        replicas = [m for m in self.candidates(stage)
+                    if m.id not in req.excluded and not (gone and m.id == node)]
+        if not replicas:
+            m = self.mesh.member_by_id(node)
+            if why == "suspect" or (" " in why and m is not None and m.state == "alive"):
+                # It may refute, or what a stage saw may be its old process (a restart under
+                # the same key): with no replica, the mesh's verdict decides.  Look again.
+                req.trouble = trouble if why != "suspect" else None
+                return
+            state = self._state_word(node, why)
+            detail = "" if why == state else f" ({why})"
+            raise StageLost(f"stage-{stage} (peer {node.hex()[:8]} {state}): no replica to take over{detail}")
+        if gone:
+            req.excluded.add(node)
+        await self._failover(req, stage, node, why)
+
+    def _state_word(self, node: bytes, why: str) -> str:
+        """One word for what became of ``node``: its member state if it is not alive, else
+        ``down`` or ``unreachable`` (what a stage or a send said), or ``why`` if that is one."""
+        if " " not in why:
+            return why
+        m = self.mesh.member_by_id(node)
+        if m is None or m.state != "alive":
+            return m.state if m is not None else "gone"
+        return "down" if self.mesh.peer_down(node) or "is down" in why else "unreachable"
+
+    def _route_trouble(self, req: _Request) -> Trouble | None:
+        """The first node of the route that is not fit to go on."""
+        for k, node in enumerate(req.route):
+            if node == self.mesh.node_id:
+                continue
+            m = self.mesh.member_by_id(node)
+            if m is None or m.state != "alive":
+                return k, node, m.state if m is not None else "gone", True
+            if m.epoch != req.epochs[k]:
+                return k, node, "restarted", False
+            if self.mesh.peer_down(node):
+                return k, node, "down", True
+        return None
+
+    async def _failover(self, req: _Request, stage: int, node: bytes, why: str) -> None:
+        old_id, old_route = req.wire_id, req.route
+        self.requests.pop(old_id, None)
+        req.attempt += 1
+        req.failover_started = time.perf_counter()
+        await self._start(req, keep=old_route, replace=stage)
+        record = {"request": req.req_id, "stage": f"stage-{stage}", "from": node.hex()[:8],
+                  "to": req.route[stage].hex()[:8], "ms": None, "why": why, "at_token": len(req.tokens)}
+        req.failovers.append(record)
+        self.recent_failovers.append(record)
+        log.warning("request %s: %s %s; continuing on %s (replaying %d tokens)", req.req_id,
+                    self.mesh.describe(node), why, self.mesh.describe(req.route[stage]), len(req.tokens))
+        for other in set(old_route) - {node}:  # the old route's caches are no use now
+            await self.send(other, Release(old_id))
+
+    def _describe_route(self, req: _Request) -> str:
+        out = []
+        for k, node in enumerate(req.route):
+            m = self.mesh.member_by_id(node)
+            out.append(f"stage-{k} {node.hex()[:8]} {m.state if m is not None else 'gone'}")
+        return ", ".join(out)
+
+    def lost_stage(self) -> str | None:
+        """``stage-2 (peer 2b91108e dead)`` if a stage of this run has no live node at all."""
+        for k in range(self.stages):
+            name = f"stage-{k}"
+            gone = [m for m in self.mesh.members() if m.name == name and not m.live]
+            if gone and not self.mesh.owners(f"pp-stage-{k}"):
+                m = gone[0]
+                return f"{name} (peer {m.prefix} {m.state})"
+        return None
+
+    # --- messages from the stages ---
+
+    async def on_message(self, src: bytes, msg: Message) -> None:
+        if isinstance(msg, Token):
+            req = self.requests.get(msg.req_id)
+            if req is None or msg.step != req.next_step:
+                return  # a request that ended or moved, or a step we have
+            req.next_step += 1
+            req.traces.append(arrived(msg.trace, msg.sent_at))
+            if msg.logits:
+                req.logits.append(np.frombuffer(msg.logits, dtype=np.float32).copy())
+            if msg.done != "eos":
+                req.tokens.append(msg.token)
+                req.token_times.append(time.perf_counter())
+            if req.failover_started is not None and req.failovers:
+                req.failovers[-1]["ms"] = round((time.perf_counter() - req.failover_started) * 1000, 1)
+                req.failover_started = None
+            if msg.done:
+                req.finish_reason = msg.done
+            req.changed.set()
+        elif isinstance(msg, StageError):
+            req = self.requests.get(msg.req_id)
+            if req is None:
+                return
+            if msg.peer and msg.peer in req.route:
+                # A stage naming itself lost the request's state, or hands it over while draining.
+                req.trouble = (req.route.index(msg.peer), msg.peer, msg.message, msg.peer != src)
+                if msg.peer != src:
+                    self._reported_down[msg.peer] = (self._epoch(msg.peer), time.monotonic())
+                    while len(self._reported_down) > MAX_REPORTED_DOWN:
+                        self._reported_down.pop(next(iter(self._reported_down)))
+            else:
+                req.error = f"{msg.stage}: {msg.message}"
+            req.changed.set()
+
+    async def failed(self, msg: Message, exc: Exception, peer: bytes = b"") -> None:
+        req = self.requests.get(getattr(msg, "req_id", ""))
+        if req is not None and peer in req.route:
+            req.trouble = (req.route.index(peer), peer, str(exc), True)
+            req.changed.set()
+
+
+def summarize(traces: list[tuple[Hop, ...]]) -> list[dict]:
+    """Median ms per hop name over a request's steps: where a token's time goes."""
+    by_name: dict[tuple[str, str], list[float]] = {}
+    for trace in traces:
+        for hop in trace:
+            by_name.setdefault((hop.kind, hop.name), []).append(hop.ms)
+    paths = {(h.kind, h.name): h.path for t in traces for h in t}
+    return [{"kind": kind, "name": name, "median_ms": float(np.median(v)), "path": paths[(kind, name)]}
+            for (kind, name), v in by_name.items()]

@@ -1,0 +1,459 @@
+"""A stage: its layers of the model, a KV cache per request, and its place in each request's route.
+
+Stage K holds layers split_layers(N)[K].  Stage 0 embeds; each stage runs its
+layers and forwards the hidden state to the next node of the request's route
+(the orchestrator picks one replica per stage when the request starts, and
+every activation carries that route); the last stage samples, streams the
+token to the orchestrator, and feeds it back to the route's stage 0 (the
+autoregressive edge).  Each activation carries a trace: every stage's compute
+time and every hop's transit time and path.
+
+Churn: a stage drops the requests of an orchestrator that is gone; tells a
+request's orchestrator at once when the next or previous node of its route
+looks down (its stream ended and its port refused a dial), so the request
+moves to a replica; and on SIGTERM drains: it withdraws its names, lets its
+requests finish for a while, and hands over the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+import trio
+
+from ..mesh import Mesh
+from ..wire import Message
+from .api import PipelineError
+from .app import PREFILL_ROWS, App, arrived
+from .checkpoint import fingerprint
+from .config import LlamaConfig
+from .messages import Activation, HeadInput, HeadPart, Hop, Release, Sampling, StageError, Token
+from .model import KVCache, StageModel, head_cut, split_layers
+from .sampling import Sampler, Shortlist, is_greedy, merge, shortlist
+
+log = logging.getLogger("meshd.pipeline")
+
+MAX_CACHED_REQUESTS = 64
+# The LM head is cut between stage 0 and the last stage only when half of it outweighs the
+# extra message that costs: on loopback a hop is about 0.3 ms, some 2-4 M multiply-adds of
+# numpy.  The small preset's head (32000 x 288) is cut; the tiny one's (258 x 64) is not,
+# and cutting it slowed `meshd smoke-run` from 64-89 to 48-64 tokens/s.
+HEAD_SPLIT_MIN_MACS = 4_000_000
+# Tokens streamed to the orchestrator wait up to this long to share one message (the first
+# and last of a request go at once).  Each message wakes the orchestrator's process, and on
+# a host with fewer cores than nodes a woken process can take the core of the stage that
+# computes the next token: one message per token cost the pipeline about a tenth of its speed.
+TOKEN_BATCH_S = 0.02
+TOKEN_BATCH_MAX = 32
+WATCH_S = 0.05  # how often the neighbours of running requests are looked at
+ACTIVE_S = 2.0  # a request that moved within this long is running (draining waits for it)
+
+
+class LostState(PipelineError):
+    """A message of a request this stage holds no state for (it restarted, or dropped it)."""
+
+
+@dataclass
+class _Job:
+    """One request at this stage."""
+
+    origin: bytes  # its orchestrator
+    route: tuple[bytes, ...]
+    cache: KVCache
+    started: float  # trio time it started here (or its replay did)
+    touched: float  # trio time of its last message
+    sampler: Sampler | None = None
+    reported: set[bytes] = field(default_factory=set)  # peers already reported down for it
+
+
+class StageService(App):
+    def __init__(self, mesh: Mesh, model_dir: str | Path, stage: int, stages: int) -> None:
+        super().__init__(mesh)
+        self.stage, self.stages = stage, stages
+        self.name = f"stage-{stage}"
+        config = LlamaConfig.load(model_dir)
+        self.checkpoint = fingerprint(model_dir)
+        self.layers = split_layers(config.num_hidden_layers, stages)[stage]
+        self.last = stage == stages - 1
+        # With two stages or more, stage 0 and the last stage each compute half of the LM
+        # head's rows at once, and stage 0 samples (see _share_head): the head is the
+        # biggest matmul of a decode step, and stage 0 would only wait for the token.
+        self.split_head = stages >= 2 and config.vocab_size * config.hidden_size >= HEAD_SPLIT_MIN_MACS
+        self.model = StageModel.load(model_dir, self.layers, config=config,
+                                     head=True if stage == 0 and self.split_head else None)
+        cut = head_cut(config.vocab_size)
+        self.head_rows = slice(0, cut) if stage == 0 else slice(cut, config.vocab_size)
+        self.eos = set(config.eos_token_ids)
+        self.jobs: OrderedDict[str, _Job] = OrderedDict()  # least recently started first
+        self._heads: dict[tuple[str, int], _HeadJoin] = {}  # at stage 0: (req_id, step) -> the two halves
+        self._outbox: dict[bytes, list[Message]] = {}  # per orchestrator: tokens (and errors) not yet sent
+        self.counters = {"activations": 0, "tokens": 0, "errors": 0, "dropped_orphans": 0,
+                         "reported_down": 0, "handed_over": 0}
+        self.draining = False
+        self._lost: dict[str, None] = {}  # requests we said we have no state for (bounded)
+
+    def start_background(self, nursery: trio.Nursery) -> None:
+        nursery.start_soon(self._watch)
+
+    def _splits_head(self, s: Sampling) -> bool:
+        """Whether this request's head is cut in two; not when every logit must travel
+        (``want_logits``) or be sampled from (temperature without top-k)."""
+        return self.split_head and not s.want_logits and (is_greedy(s.temperature, s.top_k) or s.top_k > 0)
+
+    async def on_message(self, src: bytes, msg: Message) -> None:
+        if isinstance(msg, Activation):
+            await self._activation(msg)
+        elif isinstance(msg, Token):  # the feedback edge, at stage 0
+            job = self.jobs.get(msg.req_id)
+            if job is None:
+                raise LostState(f"{self.name} has no KV cache for request {msg.req_id} at step "
+                                f"{msg.step + 1} (did this stage restart?)")
+            await self._activation(Activation(
+                msg.req_id, msg.origin, msg.pos, msg.step + 1, 0, 0, b"", (msg.token,),
+                msg.sampling, msg.sent_at, msg.trace, job.route,
+            ))
+        elif isinstance(msg, HeadInput):
+            await self._head_input(msg)
+        elif isinstance(msg, HeadPart):
+            await self._head_part(msg)
+        elif isinstance(msg, Release):
+            job = self._forget(msg.req_id)
+            if job is not None and not self.last:
+                await self.send(job.route[self.stage + 1], msg)
+
+    # --- the forward pass ---
+
+    def _job(self, msg: Activation, rows: int) -> _Job:
+        """The request's state here: new at position 0 (a start, or a failover's replay)."""
+        if len(msg.route) != self.stages or msg.route[self.stage] != self.mesh.node_id:
+            raise PipelineError(f"{self.name}: request {msg.req_id} is routed through "
+                                f"{len(msg.route)} stages, not through this node as {self.name}")
+        job = self.jobs.get(msg.req_id)
+        if msg.pos == 0:
+            # The cache holds the prompt (the replay's first ``prefill`` rows) and every token.
+            need = (msg.prefill or rows) + msg.sampling.max_tokens
+            now = trio.current_time()
+            job = _Job(msg.origin, msg.route, self.model.new_cache(
+                min(need, self.model.config.max_position_embeddings)), now, now)
+            self.jobs.pop(msg.req_id, None)
+            self.jobs[msg.req_id] = job
+            while len(self.jobs) > MAX_CACHED_REQUESTS:
+                self.jobs.popitem(last=False)
+        elif job is None:
+            raise LostState(f"{self.name} has no KV cache for request {msg.req_id} at position "
+                            f"{msg.pos} (did this stage restart?)")
+        job.touched = trio.current_time()
+        return job
+
+    async def _forward(self, hidden: np.ndarray, cache: KVCache, pos: int, prefill: int) -> np.ndarray:
+        """Our layers over ``hidden``: rows [0, prefill) as one pass, then each later row alone
+        (a replay keeps the original run's shapes, so its numbers are the same bits)."""
+        model = self.model
+        if not 0 < prefill < hidden.shape[0]:
+            if hidden.shape[0] > PREFILL_ROWS:  # a prefill: off the event loop, so gossip keeps its timing
+                return await trio.to_thread.run_sync(model.forward, hidden, cache, pos)
+            return model.forward(hidden, cache, pos)  # a decode step is shorter than a thread hand-off
+
+        def replay() -> np.ndarray:
+            outs = [model.forward(hidden[:prefill], cache, pos)]
+            for i in range(prefill, hidden.shape[0]):
+                outs.append(model.forward(np.array(hidden[i:i + 1]), cache, pos + i))
+            return np.concatenate(outs)
+
+        return await trio.to_thread.run_sync(replay)
+
+    async def _activation(self, msg: Activation) -> None:
+        self.counters["activations"] += 1
+        job = self.jobs.get(msg.req_id)
+        if self._gone(msg.origin, job.started if job is not None and msg.pos else None):
+            self._drop_orphan(msg.req_id)
+            return
+        trace = arrived(msg.trace, msg.sent_at)
+        model = self.model
+        if msg.tokens:
+            hidden = model.embed(list(msg.tokens))  # (T, D)
+        else:
+            hidden = np.frombuffer(msg.hidden, dtype=np.float32).reshape(msg.rows, msg.dims)
+        job = self._job(msg, hidden.shape[0])
+        t0 = time.perf_counter()
+        out = await self._forward(hidden, job.cache, msg.pos, msg.prefill)
+        pos = msg.pos + hidden.shape[0]
+        trace = (*trace, Hop("compute", self.name, (time.perf_counter() - t0) * 1000, ""))
+        if self.last and self._splits_head(msg.sampling):
+            await self._share_head(msg, model.final_norm(out[-1:]), trace, pos, job)
+            return
+        if not self.last:
+            nxt = job.route[self.stage + 1]
+            hop = Hop("transit", f"{self.name}->stage-{self.stage + 1}", 0.0, self.path_to(nxt))
+            await self.send(nxt, Activation(
+                msg.req_id, msg.origin, msg.pos, msg.step, out.shape[0], out.shape[1],
+                np.ascontiguousarray(out, dtype=np.float32).tobytes(), (), msg.sampling, time.time(),
+                (*trace, hop), job.route, msg.prefill,
+            ))
+            return
+        logits = model.logits(out[-1:])[0]
+        s = msg.sampling
+        token = self._sampler(job, s, msg.step)(logits)
+        done = self._done(token, msg.step, s)
+        self.counters["tokens"] += 1
+        entry = job.route[0]
+        if not done:
+            # The feedback edge first: it is on the critical path of the next token.
+            hop = Hop("transit", f"{self.name}->stage-0", 0.0, self.path_to(entry))
+            await self.send(entry, Token(msg.req_id, msg.origin, msg.step, token, pos, "", b"", s,
+                                         time.time(), (hop,)))
+        else:
+            self._forget(msg.req_id)
+            if self.stages > 1:
+                await self.send(entry, Release(msg.req_id))
+        raw = logits.astype(np.float32).tobytes() if s.want_logits else b""
+        await self._stream(Token(msg.req_id, msg.origin, msg.step, token, pos, done, raw, s, time.time(),
+                                 (*trace, Hop("transit", f"{self.name}->orchestrator", 0.0,
+                                              self.path_to(msg.origin)))))
+
+    # --- tokens to the orchestrator ---
+
+    async def _stream(self, token: Token) -> None:
+        """Stream ``token`` to its orchestrator: a request's first and last token at once, the
+        rest gathered for up to TOKEN_BATCH_S into one message (see TOKEN_BATCH_S).
+
+        ``token.sent_at`` is when it joined the outbox; its trace ends with the transit to
+        the orchestrator, still to be timed."""
+        pending = self._outbox.setdefault(token.origin, [])
+        pending.append(token)
+        if token.step == 0 or token.done or token.logits or len(pending) >= TOKEN_BATCH_MAX:
+            await self._flush(token.origin)
+        elif len(pending) == 1:
+            assert self._nursery is not None
+            self._nursery.start_soon(self._flush_later, token.origin)
+
+    async def _flush_later(self, origin: bytes) -> None:
+        await trio.sleep(TOKEN_BATCH_S)
+        await self._flush(origin)
+
+    async def _flush(self, origin: bytes) -> None:
+        """Send the outbox of ``origin``, in order, as one message."""
+        pending = self._outbox.pop(origin, [])
+        if not pending:
+            return
+        now = time.time()
+        batch = [self._leaving(m, now) if isinstance(m, Token) else m for m in pending]
+        try:
+            await self.send(origin, *batch)  # what is not delivered fails through ``failed``
+        except Exception as exc:  # a message that cannot even be encoded: say so, and go on
+            log.warning("%s: could not send %d messages to the orchestrator: %s", self.name, len(batch), exc)
+
+    def _leaving(self, token: Token, now: float) -> Token:
+        """``token`` as it leaves the outbox: its wait there is a step of its own, and its
+        transit to the orchestrator is timed from now."""
+        wait = Hop("wait", f"{self.name} outbox", max(0.0, (now - token.sent_at) * 1000), "")
+        return replace(token, sent_at=now, trace=(*token.trace[:-1], wait, token.trace[-1]))
+
+    def _sampler(self, job: _Job, s: Sampling, step: int) -> Sampler:
+        """The request's sampler, made at its first sample here: step 0 for a new request,
+        the token count for a replay, whose sampler skips the draws already made."""
+        if job.sampler is None:
+            job.sampler = Sampler(s.temperature, s.top_k, s.seed).skip(step)
+        return job.sampler
+
+    def _done(self, token: int, step: int, s: Sampling) -> str:
+        """Why generation ends with this token ("eos", "length"), or "" while it goes on."""
+        return "eos" if token in self.eos else ("length" if step + 1 >= s.max_tokens else "")
+
+    def _forget(self, req_id: str) -> _Job | None:
+        for key in [k for k in self._heads if k[0] == req_id]:
+            del self._heads[key]
+        return self.jobs.pop(req_id, None)
+
+    def _drop_orphan(self, req_id: str) -> None:
+        """Forget a request whose orchestrator is gone: nobody would read what we compute."""
+        self._forget(req_id)
+        self.counters["dropped_orphans"] += 1
+
+    # --- the LM head in two halves: the last stage and stage 0 ---
+
+    async def _share_head(self, msg: Activation, normed: np.ndarray, trace: tuple[Hop, ...],
+                          pos: int, job: _Job) -> None:
+        """At the last stage: stage 0 gets the normalised hidden state first, and computes its
+        rows while we compute ours; then it gets our shortlist, and samples."""
+        s = msg.sampling
+        entry = job.route[0]
+        hop = Hop("transit", f"{self.name}->stage-0", 0.0, self.path_to(entry))
+        await self.send(entry, HeadInput(msg.req_id, msg.origin, msg.step, pos,
+                                         np.ascontiguousarray(normed[0], dtype="<f4").tobytes(), s,
+                                         time.time(), (*trace, hop)))
+        t0 = time.perf_counter()
+        logits = self.model.head_logits(normed, self.head_rows)[0]
+        ids, values = shortlist(logits, s.temperature, s.top_k, self.head_rows.start)
+        await self.send(entry, HeadPart(msg.req_id, msg.origin, msg.step, ids.astype("<i8").tobytes(),
+                                        values.astype("<f4").tobytes(), (time.perf_counter() - t0) * 1000))
+
+    def _join(self, req_id: str, step: int) -> _HeadJoin:
+        join = self._heads.get((req_id, step))
+        if join is None:
+            join = self._heads[(req_id, step)] = _HeadJoin()
+            while len(self._heads) > MAX_CACHED_REQUESTS:  # halves of requests that died midway
+                self._heads.pop(next(iter(self._heads)))
+        return join
+
+    async def _head_input(self, msg: HeadInput) -> None:
+        """At stage 0: our rows of the head for this step."""
+        dims = self.model.config.hidden_size
+        if len(msg.hidden) != 4 * dims:
+            raise PipelineError(f"{self.name}: head input of {len(msg.hidden)} bytes, expected {4 * dims}")
+        trace = arrived(msg.trace, msg.sent_at)
+        s = msg.sampling
+        t0 = time.perf_counter()
+        normed = np.frombuffer(msg.hidden, dtype="<f4").reshape(1, dims)
+        mine = shortlist(self.model.head_logits(normed, self.head_rows)[0], s.temperature, s.top_k)
+        join = self._join(msg.req_id, msg.step)
+        join.input, join.trace = msg, trace
+        join.mine, join.mine_ms = mine, (time.perf_counter() - t0) * 1000
+        if join.theirs is not None:
+            await self._sample(msg.req_id, msg.step)
+
+    async def _head_part(self, msg: HeadPart) -> None:
+        """At stage 0: the last stage's shortlist for this step."""
+        join = self._join(msg.req_id, msg.step)
+        join.theirs = _their_shortlist(msg, self.head_rows.stop, self.model.config.vocab_size)
+        join.their_ms = msg.ms
+        if join.input is not None:
+            await self._sample(msg.req_id, msg.step)
+
+    async def _sample(self, req_id: str, step: int) -> None:
+        join = self._heads.pop((req_id, step))
+        msg = join.input
+        assert msg is not None and join.mine is not None and join.theirs is not None
+        job = self.jobs.get(req_id)
+        if job is None:
+            raise LostState(f"{self.name} has no state for request {req_id} at step {step}")
+        s = msg.sampling
+        t0 = time.perf_counter()
+        token = self._sampler(job, s, step).choose(merge([join.mine, join.theirs], s.top_k))
+        done = self._done(token, step, s)
+        self.counters["tokens"] += 1
+        trace = (*join.trace,
+                 Hop("compute", f"{self.name} head", join.mine_ms + (time.perf_counter() - t0) * 1000, ""),
+                 Hop("compute", f"stage-{self.stages - 1} head", join.their_ms, ""))
+        if done:
+            self._forget(req_id)
+            await self.send(job.route[self.stage + 1], Release(req_id))
+        else:
+            # The next step first: it is the critical path; the orchestrator's copy after.
+            await self._activation(Activation(req_id, msg.origin, msg.pos, step + 1, 0, 0, b"", (token,), s,
+                                              0.0, (), job.route))
+        hop = Hop("transit", f"{self.name}->orchestrator", 0.0, self.path_to(msg.origin))
+        await self._stream(Token(req_id, msg.origin, step, token, msg.pos, done, b"", s, time.time(),
+                                 (*trace, hop)))
+
+    # --- failures, churn and draining ---
+
+    async def failed(self, msg: Message, exc: Exception, peer: bytes = b"") -> None:
+        self.counters["errors"] += 1
+        req_id = getattr(msg, "req_id", "")
+        job = self.jobs.get(req_id)
+        origin = getattr(msg, "origin", None) or (job.origin if job is not None else None)
+        if origin is None or origin == peer or self._gone(origin, job.started if job is not None else None):
+            return  # a Release, or the orchestrator is what failed or is gone: nobody to tell
+        text = str(exc) if isinstance(exc, PipelineError) else f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, LostState):
+            if req_id in self._lost:
+                return  # said once: every later step of it fails the same way
+            self._lost[req_id] = None
+            while len(self._lost) > MAX_CACHED_REQUESTS:
+                self._lost.pop(next(iter(self._lost)))
+            peer = self.mesh.node_id  # we lost it: the orchestrator replays it, here or on a replica
+        await self._tell(origin, StageError(req_id, self.name, text[:500], peer))
+
+    async def _tell(self, origin: bytes, error: StageError) -> None:
+        # Behind the tokens waiting in the outbox: the orchestrator stops listening to a
+        # request at its error, and every token before the error belongs to its stream.
+        self._outbox.setdefault(origin, []).append(error)
+        await self._flush(origin)
+
+    async def _watch(self) -> None:
+        """Drop the requests of a gone orchestrator; report a request's down neighbours."""
+        while True:
+            await trio.sleep(WATCH_S)
+            for req_id, job in list(self.jobs.items()):
+                if self._gone(job.origin, job.started):
+                    self._drop_orphan(req_id)
+                    continue
+                for peer in self._neighbours(job):
+                    if peer not in job.reported and self.mesh.peer_down(peer):
+                        job.reported.add(peer)
+                        self.counters["reported_down"] += 1
+                        await self._tell(job.origin, StageError(
+                            req_id, self.name, f"{self.mesh.describe(peer)} is down: its data stream ended "
+                            "and its port refused a dial", peer))
+
+    def _gone(self, node: bytes, since: float | None) -> bool:
+        """Whether ``node`` (an orchestrator) is dead, left or unknown, or looks down since
+        ``since`` (when a request of it started here; None for a request starting now).
+
+        A mark from before a request started is about an older process: a restarted
+        orchestrator's new requests reach us before the mesh tells us of its new epoch."""
+        m = self.mesh.member_by_id(node)
+        if m is None or not m.live:
+            return True
+        down = self.mesh.down_since(node)
+        return since is not None and down is not None and down >= since
+
+    def _neighbours(self, job: _Job) -> set[bytes]:
+        """The nodes this stage exchanges the request's messages with."""
+        route, k = job.route, self.stage
+        out = {route[k - 1] if k > 0 else route[-1], route[k + 1] if k + 1 < len(route) else route[0]}
+        out.discard(self.mesh.node_id)
+        return out
+
+    def active(self) -> list[str]:
+        """Requests that moved within ACTIVE_S: the ones a drain waits for."""
+        now = trio.current_time()
+        return [r for r, job in self.jobs.items() if now - job.touched < ACTIVE_S]
+
+    async def drain(self, timeout: float) -> None:
+        """Leave gracefully: withdraw our names (new requests go to the replicas), let running
+        requests finish for up to ``timeout`` seconds, then hand the rest over to replicas."""
+        self.draining = True
+        self.mesh.set_draining()
+        log.info("%s draining: %d requests running", self.name, len(self.active()))
+        with trio.move_on_after(timeout):
+            while self.active():
+                await trio.sleep(0.05)
+        for req_id in self.active():
+            job = self.jobs[req_id]
+            self.counters["handed_over"] += 1
+            await self._tell(job.origin, StageError(
+                req_id, self.name, f"{self.mesh.describe(self.mesh.node_id)} is draining: "
+                "handing the request over", self.mesh.node_id))
+        await trio.sleep(0.2)  # the hand-over notes reach their orchestrators
+
+
+@dataclass
+class _HeadJoin:
+    """Stage 0's two halves of one step's LM head, whichever comes first."""
+
+    input: HeadInput | None = None
+    trace: tuple[Hop, ...] = ()
+    mine: Shortlist | None = None
+    mine_ms: float = 0.0
+    theirs: Shortlist | None = None
+    their_ms: float = 0.0
+
+
+def _their_shortlist(msg: HeadPart, low: int, vocab: int) -> Shortlist:
+    """The last stage's shortlist, checked: ids ascending within its rows [low, vocab)."""
+    if len(msg.ids) % 8 or len(msg.values) != len(msg.ids) // 2 or not msg.ids:
+        raise PipelineError(f"head part for {msg.req_id} step {msg.step}: {len(msg.ids)} bytes of ids "
+                            f"and {len(msg.values)} of values do not pair up")
+    ids = np.frombuffer(msg.ids, dtype="<i8").astype(np.int64)
+    values = np.frombuffer(msg.values, dtype="<f4").astype(np.float32)
+    if ids[0] < low or ids[-1] >= vocab or (ids.size > 1 and np.any(np.diff(ids) <= 0)):
+        raise PipelineError(f"head part for {msg.req_id} step {msg.step}: ids outside {low}..{vocab - 1} "
+                            f"or not ascending")
+    return ids, values

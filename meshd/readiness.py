@@ -1,0 +1,249 @@
+"""Whether the pipeline can serve now, and why not: one fact every surface shows.
+
+A pure function of a node's snapshot dict (``meshd.snapshot.snapshot``): the
+run's stage count (``--stages``), the live sets of the pipeline names
+(``pp-orchestrator``, ``pp-stage-K``, ``pp-entry``, ``pp-exit``), each owner's
+metadata (checkpoint, draining) and the gossiped paths between the nodes that
+hand work to each other.  ``/api/topology``, ``/api/peers``, ``meshd doctor``
+and the page read the result from the snapshot, so they cannot disagree.
+
+A reason in ``why`` stops the pipeline; a warning in ``warnings`` does not
+(another replica serves, or a pair of replicas has no path while another pair
+has one).  Every message starts with the stage or hop it concerns.  Facts the
+snapshot lacks are not guessed: an unreported path or an empty checkpoint
+fingerprint is never held against a node.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+LIVE = ("alive", "suspect")
+ORCHESTRATOR = "pp-orchestrator"
+STAGES_UNKNOWN = "stages unknown: no member says how many stages the run has"
+
+
+def stage_name(k: int) -> str:
+    """The registry name of stage ``k``."""
+    return f"pp-stage-{k}"
+
+
+def readiness(snap: dict) -> dict:
+    """``{"ready", "why", "warnings", "stages", "orchestrator", "checkpoint", "expected_stages"}``.
+
+    ``stages`` has one row per expected stage: its replicas (``prefix``, ``state``,
+    ``checkpoint``, ``draining``, ``serving``) and ``live``, how many serve.
+    """
+    views = _views_by_prefix(snap)
+    expected = expected_stages(snap)
+    if expected is None:
+        return {"ready": False, "why": [STAGES_UNKNOWN], "warnings": [], "stages": [],
+                "orchestrator": None, "checkpoint": None, "expected_stages": None}
+    names = snap.get("names") or {}
+    run_checkpoint = _run_checkpoint(snap, names, views)
+    why: list[str] = []
+    warnings: list[str] = _stage_count_warnings(snap, expected)
+    orchestrator = _role_row("orchestrator", ORCHESTRATOR, names, views, run_checkpoint, why, warnings)
+    rows = []
+    for k in range(expected):
+        row = _role_row(f"stage-{k}", stage_name(k), names, views, run_checkpoint, why, warnings)
+        rows.append({"stage": k, **row})
+    _check_edge_names(rows, names, why)
+    _check_hops(snap, orchestrator, rows, why, warnings)
+    return {"ready": not why, "why": why, "warnings": warnings, "stages": rows,
+            "orchestrator": orchestrator, "checkpoint": run_checkpoint or None, "expected_stages": expected}
+
+
+def expected_stages(snap: dict) -> int | None:
+    """The node's own ``--stages``, else the most any live member reports, else None."""
+    own = snap["self"].get("stages")
+    if own:
+        return int(own)
+    reported = [m.get("stages") for m in snap.get("members", []) if m.get("state") in LIVE]
+    counts = [int(n) for n in reported if n]
+    return max(counts) if counts else None
+
+
+def _views_by_prefix(snap: dict) -> dict[str, dict]:
+    """Member views (ourselves included) by the 8-hex prefix the name registry shows."""
+    out = {m["prefix"]: m for m in snap.get("members", [])}
+    out[snap["self"]["prefix"]] = snap["self"]
+    return out
+
+
+def _run_checkpoint(snap: dict, names: dict, views: dict[str, dict]) -> str:
+    """The orchestrator's checkpoint fingerprint when it says one, else ours ("" when none)."""
+    for owner in (names.get(ORCHESTRATOR) or {}).get("live", []):
+        fingerprint = views.get(owner, {}).get("checkpoint")
+        if fingerprint:
+            return str(fingerprint)
+    return str(snap["self"].get("checkpoint") or "")
+
+
+def _stage_count_warnings(snap: dict, expected: int) -> list[str]:
+    """A live member that expects another stage count was started for another run."""
+    out = []
+    for m in snap.get("members", []):
+        if m.get("state") in LIVE and m.get("stages") and m["stages"] != expected:
+            out.append(f"{_label(m)}: {m['prefix']} expects {m['stages']} stages, this run {expected}")
+    return out
+
+
+def _label(view: dict) -> str:
+    if view.get("role") == "stage" and view.get("stage") is not None:
+        return f"stage-{view['stage']}"
+    return str(view.get("role") or view.get("name") or "?")
+
+
+def _short(fingerprint: str) -> str:
+    return fingerprint if len(fingerprint) <= 12 else fingerprint[:12] + ".."
+
+
+# ------------------------------------------------------------- one role
+
+
+_REPLICA_KEYS = ("prefix", "state", "checkpoint", "draining", "serving", "id")
+
+
+def _replica(entry: dict, views: dict[str, dict], run_checkpoint: str) -> dict:
+    """One owner's entry as readiness sees it; ``serving`` when it can take new work."""
+    view = views.get(entry["owner"], {})
+    checkpoint = str(view.get("checkpoint") or "")
+    draining = bool(view.get("draining"))
+    mismatch = bool(run_checkpoint and checkpoint and checkpoint != run_checkpoint)
+    live = bool(entry.get("live"))
+    return {"prefix": entry["owner"], "state": view.get("state", "unknown"), "checkpoint": checkpoint or None,
+            "draining": draining, "serving": live and not draining and not mismatch,
+            "live": live, "mismatch": mismatch, "tombstone": bool(entry.get("tombstone")),
+            "id": view.get("id")}
+
+
+def _role_row(label: str, name: str, names: dict, views: dict[str, dict], run_checkpoint: str,
+              why: list[str], warnings: list[str]) -> dict:
+    """The replicas of ``name`` and how many serve; adds its reasons and warnings."""
+    entries = (names.get(name) or {}).get("entries", [])
+    replicas = [_replica(e, views, run_checkpoint) for e in entries]
+    # A tombstone shows only while its owner is known dead: a replica that went down.
+    shown = [r for r in replicas if not r["tombstone"] or r["state"] == "dead"]
+    serving = [r for r in shown if r["serving"]]
+    if serving:
+        warnings.extend(_degraded(label, shown, len(serving), run_checkpoint))
+    else:
+        why.extend(_unserved(label, name, replicas, run_checkpoint))
+    public = [{k: r[k] for k in _REPLICA_KEYS} for r in shown]
+    return {"name": label, "replicas": public, "live": len(serving)}
+
+
+def _unserved(label: str, name: str, replicas: list[dict], run_checkpoint: str) -> list[str]:
+    """Why no owner of ``name`` can take new work, one line per cause."""
+    if not replicas:
+        return [f"{label}: no live owner of {name}"]
+    live = [r for r in replicas if r["live"]]
+    if not live:
+        claims = [r for r in replicas if not r["tombstone"]]
+        if not claims:
+            gone = ", ".join(f"{r['prefix']} {_gone(r['state'])}" for r in replicas)
+            noun = "a tombstone (owner" if len(replicas) == 1 else "tombstones (owners"
+            return [f"{label}: {name} is held only by {noun} {gone})"]
+        owners = ", ".join(f"{r['prefix']} {_gone(r['state'])}" for r in claims)
+        return [f"{label}: no live owner of {name} ({owners})"]
+    if all(r["draining"] for r in live):
+        return [f"{label}: every owner is draining ({', '.join(r['prefix'] for r in live)})"]
+    out = []
+    for r in live:
+        if r["mismatch"]:
+            out.append(f"{label}: {r['prefix']} serves checkpoint {_short(r['checkpoint'])} "
+                       f"but the run's is {_short(run_checkpoint)}")
+        elif r["draining"]:
+            out.append(f"{label}: {r['prefix']} is draining")
+    return out
+
+
+def _gone(state: str) -> str:
+    return {"left": "left", "dead": "is dead", "unknown": "is not a known member"}.get(state, f"is {state}")
+
+
+def _degraded(label: str, shown: list[dict], serving: int, run_checkpoint: str) -> list[str]:
+    """What is wrong with some replicas while ``serving`` others take the work."""
+    out = []
+    for r in shown:
+        others = serving - (1 if r["serving"] else 0)
+        rest = f"; {others} other{'s' if others != 1 else ''} serve{'' if others != 1 else 's'}"
+        if not r["live"]:
+            out.append(f"{label}: replica {r['prefix']} is down ({r['state']}){rest}")
+        elif r["mismatch"]:
+            out.append(f"{label}: {r['prefix']} serves checkpoint {_short(r['checkpoint'] or '')} but the "
+                       f"run's is {_short(run_checkpoint)}; not used{rest}")
+        elif r["draining"]:
+            out.append(f"{label}: replica {r['prefix']} is draining{rest}")
+        elif r["state"] == "suspect":
+            out.append(f"{label}: replica {r['prefix']} is suspect" + (rest if others else ""))
+    return out
+
+
+def _check_edge_names(rows: list[dict], names: dict, why: list[str]) -> None:
+    """``pp-entry`` and ``pp-exit`` are what the orchestrator sends to and hears from."""
+    if not rows:
+        return
+    for row, name in ((rows[0], "pp-entry"), (rows[-1], "pp-exit")):
+        if row["live"] and not (names.get(name) or {}).get("resolves"):
+            why.append(f"{row['name']}: no live owner of {name}")
+
+
+# ------------------------------------------------------------- paths
+
+
+def path(snap: dict, frm: str, to: str) -> dict:
+    """The path from node ``frm`` to node ``to`` (full ids): ``{"path", "rtt_ms", "direct_failures",
+    "reason", "since_s"}``; ``path`` is ``direct``, ``relay``, ``none`` or ``unknown``.
+
+    Our own outbound paths come from our own path table (fresher than our
+    summary); every other node's from the summary it gossiped.
+    """
+    if frm == snap["self"]["id"]:
+        m: dict = next((v for v in snap.get("members", []) if v["id"] == to), {})
+        way = m.get("path_out", "direct")
+        return {"path": way, "rtt_ms": m.get("rtt_ms"), "direct_failures": m.get("direct_failures", 0),
+                "reason": m.get("last_failure") if way != "direct" else None,
+                "since_s": m.get("path_out_since_s")}
+    entries = (snap.get("path_summaries") or {}).get(frm, {}).get("entries", [])
+    x = next((e for e in entries if e.get("to") == to), None)
+    if x is None:
+        return {"path": "unknown", "rtt_ms": None, "direct_failures": 0, "reason": None, "since_s": None}
+    return {k: x.get(k) for k in ("path", "rtt_ms", "direct_failures", "reason", "since_s")}
+
+
+def _hops(orchestrator: dict, rows: list[dict]) -> list[tuple[dict, dict]]:
+    """Who hands work to whom: orchestrator to stage-0, each stage to the next, the last
+    stage back to stage-0 (the next token) and to the orchestrator (the stream)."""
+    hops = [(orchestrator, rows[0])]
+    hops += [(rows[k], rows[k + 1]) for k in range(len(rows) - 1)]
+    if len(rows) > 1:
+        hops.append((rows[-1], rows[0]))
+    hops.append((rows[-1], orchestrator))
+    return hops
+
+
+def _check_hops(snap: dict, orchestrator: dict, rows: list[dict], why: list[str],
+                warnings: list[str]) -> None:
+    """A hop with no working path between any pair of serving replicas stops the pipeline."""
+    if not rows:
+        return
+    for a, b in _hops(orchestrator, rows):
+        pairs = [(x, y) for x in a["replicas"] if x["serving"] and x["id"]
+                 for y in b["replicas"] if y["serving"] and y["id"] and y["id"] != x["id"]]
+        if not pairs:
+            continue
+        broken = [(x, y, p) for x, y in pairs if (p := path(snap, x["id"], y["id"]))["path"] == "none"]
+        hop = f"{a['name']}->{b['name']}"
+        if broken and len(broken) == len(pairs):
+            why.append(f"{hop}: no path ({'; '.join(_pair(x, y, p) for x, y, p in broken)})")
+        elif broken:
+            works = any(path(snap, x["id"], y["id"])["path"] in ("direct", "relay") for x, y in pairs)
+            other = "another pair works" if works else "the other pairs are not reported yet"
+            warnings.extend(f"{hop}: no path {_pair(x, y, p)}; {other}" for x, y, p in broken)
+
+
+def _pair(x: dict, y: dict, p: dict[str, Any]) -> str:
+    fails = p.get("direct_failures") or 0
+    return f"{x['prefix']}→{y['prefix']}: {p.get('reason') or 'unanswered'}" + (f" ×{fails}" if fails else "")

@@ -1,0 +1,222 @@
+"""Churn in one trio run: a request moves to a replica when a node of its route fails, with
+the same tokens; with no replica it fails by name; stages drop a gone orchestrator's work;
+a restarted stage, new identity or old, serves the next request."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+import pytest
+import trio
+
+from meshd.identity import Identity
+from meshd.node import NodeOptions
+from meshd.pipeline.api import StageLost
+from meshd.pipeline.checkpoint import init_checkpoint
+from meshd.pipeline.generate import generate
+from meshd.relay.server import serve_relay
+from meshd.testing.inprocess import start_killable, wait_converged
+
+PROMPT = "the quick brown fox"
+SAMPLINGS = [(0.0, 0, 0), (0.9, 20, 7)]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny6")
+    init_checkpoint(path, "tiny", seed=0, num_hidden_layers=6)
+    return path
+
+
+@asynccontextmanager
+async def running(checkpoint, replicas: list[int]):
+    """A mesh with ``replicas[k]`` nodes for stage k, stopped when the block ends."""
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            mesh = Mesh(nursery, checkpoint, len(replicas))
+            await mesh.start(replicas)
+            yield mesh
+            nursery.cancel_scope.cancel()
+
+
+class Mesh:
+    """A relay, an orchestrator and stages (``replicas[k]`` nodes for stage k), each killable."""
+
+    def __init__(self, nursery: trio.Nursery, model, stages: int) -> None:
+        self.nursery, self.model, self.stages = nursery, str(model), stages
+        self.lines: list[str] = []
+        self.nodes: dict[bytes, tuple] = {}  # node id -> (Running, scope)
+
+    async def start(self, replicas: list[int]) -> None:
+        host, port = await self.nursery.start(serve_relay, "127.0.0.1", 0)
+        self.opts = dict(profile="local", relay=f"ws://{host}:{port}", stages=self.stages, model=self.model)
+        self.orch, self.orch_scope = await start_killable(
+            self.nursery, NodeOptions(role="orchestrator", dashboard="127.0.0.1:0", **self.opts), self.lines)
+        for k, n in enumerate(replicas):
+            for _ in range(n):
+                await self.add(k)
+        await self.settle()
+
+    async def add(self, stage: int, identity: Identity | None = None, model=None):
+        opts = dict(self.opts, model=str(model or self.model))
+        running, scope = await start_killable(
+            self.nursery, NodeOptions(stage=stage, seeds=[self.orch.addr], **opts), self.lines, identity)
+        self.nodes[running.node_id] = (running, scope)
+        return running
+
+    async def settle(self) -> None:
+        live = [self.orch, *(r for r, s in self.nodes.values() if not s.cancel_called)]
+        await wait_converged(live)
+        await self.orch.app.wait_ready(10)
+
+    def serving(self, stage: int) -> bytes:
+        """The node serving ``stage`` for the one running request."""
+        (req,) = self.orch.app.requests.values()
+        return req.route[stage]
+
+    def kill(self, node: bytes) -> None:
+        self.nodes[node][1].cancel()
+
+
+def reference(model, max_tokens, temperature, top_k, seed):
+    return generate(model, PROMPT, max_tokens, temperature, top_k, seed)["tokens"]
+
+
+@pytest.mark.parametrize("temperature,top_k,seed", SAMPLINGS)
+async def test_a_killed_replica_mid_generation_hands_the_request_to_another_with_the_same_tokens(
+        checkpoint, temperature, top_k, seed):
+    async with running(checkpoint, [1, 2, 1]) as mesh:
+        killed = []
+
+        async def on_token(_token):
+            if not killed and mesh.orch.app.active()[0]["tokens"] >= 5:
+                killed.append(mesh.serving(1))
+                mesh.kill(killed[0])
+
+        got = await mesh.orch.app.generate(PROMPT, 20, temperature, top_k, seed, on_token=on_token)
+        assert got["tokens"] == reference(checkpoint, 20, temperature, top_k, seed)
+        (failover,) = got["failovers"]
+        assert failover["stage"] == "stage-1" and failover["from"] == killed[0].hex()[:8]
+        assert failover["to"] != failover["from"] and failover["ms"] is not None
+
+
+async def test_with_no_replica_the_request_fails_naming_the_stage_and_the_next_one_needs_a_new_node(
+        checkpoint):
+    async with running(checkpoint, [1, 1, 1]) as mesh:
+        want = reference(checkpoint, 20, 0.0, 0, 0)
+
+        killed = []
+
+        async def on_token(_token):
+            if not killed and mesh.orch.app.active()[0]["tokens"] >= 5:
+                killed.append(mesh.serving(1))
+                mesh.kill(killed[0])
+
+        with pytest.raises(StageLost, match=r"stage-1 \(peer [0-9a-f]{8} "):
+            await mesh.orch.app.generate(PROMPT, 20, on_token=on_token)
+        # A new process for stage-1, under a new identity: it serves as soon as it has joined.
+        await mesh.add(1)
+        await mesh.settle()
+        assert (await mesh.orch.app.generate(PROMPT, 20))["tokens"] == want
+
+
+async def test_a_stage_restarted_with_its_own_key_serves_the_next_request(checkpoint):
+    async with running(checkpoint, [1, 1, 1]) as mesh:
+        want = reference(checkpoint, 12, 0.0, 0, 0)
+        assert (await mesh.orch.app.generate(PROMPT, 12))["tokens"] == want
+        stage1 = next(r for r, _s in mesh.nodes.values() if r.options.stage == 1)
+        identity = stage1.identity
+        mesh.kill(stage1.node_id)
+        await trio.sleep(0.2)
+        await mesh.add(1, identity=identity)  # the same node id, a new process
+        await mesh.settle()
+        assert (await mesh.orch.app.generate(PROMPT, 12))["tokens"] == want
+
+
+async def test_stages_drop_the_requests_of_an_orchestrator_that_is_gone(checkpoint):
+    async with running(checkpoint, [1, 1]) as mesh:
+        stages = [r.app for r, _s in mesh.nodes.values()]
+
+        async def generate_forever():
+            await mesh.orch.app.generate(PROMPT, 200)
+
+        mesh.nursery.start_soon(generate_forever)
+        while stages[-1].counters["tokens"] < 5:
+            await trio.sleep(0.001)
+        mesh.orch_scope.cancel()
+        with trio.fail_after(10):
+            while any(s.jobs for s in stages):
+                await trio.sleep(0.05)
+        computed = [s.counters["activations"] for s in stages]
+        await trio.sleep(1.0)
+        assert [s.counters["activations"] for s in stages] == computed  # nothing more computed
+        assert all(s.counters["dropped_orphans"] > 0 for s in stages), [s.counters for s in stages]
+
+
+async def test_a_draining_replica_takes_no_new_request_and_none_fails(checkpoint):
+    async with running(checkpoint, [2, 1]) as mesh:
+        want = reference(checkpoint, 8, 0.0, 0, 0)
+        results, errors = [], []
+
+        async def back_to_back():
+            for _ in range(20):
+                try:
+                    results.append((await mesh.orch.app.generate(PROMPT, 8))["tokens"])
+                except Exception as exc:  # noqa: BLE001 - every failure is counted
+                    errors.append(exc)
+
+        async with trio.open_nursery() as inner:
+            inner.start_soon(back_to_back)
+            while len(results) < 5:
+                await trio.sleep(0.01)
+            leaving = mesh.serving(0) if mesh.orch.app.requests else next(
+                r.node_id for r, _s in mesh.nodes.values() if r.options.stage == 0)
+            node, scope = mesh.nodes[leaving]
+            await node.app.drain(5.0)
+            await node.node.leave()
+            scope.cancel()
+        assert errors == [] and results == [want] * 20
+
+
+async def test_a_replica_with_another_checkpoint_is_refused_with_a_line_saying_why(checkpoint, tmp_path,
+                                                                                   caplog):
+    other = tmp_path / "other"
+    init_checkpoint(other, "tiny", seed=1, num_hidden_layers=6)
+    async with running(checkpoint, [1, 1]) as mesh:
+        stranger = await mesh.add(1, model=other)
+        await mesh.settle()
+        for _ in range(4):
+            got = await mesh.orch.app.generate(PROMPT, 6)
+            assert got["tokens"] == reference(checkpoint, 6, 0.0, 0, 0)
+        assert stranger.app.counters["activations"] == 0
+        said = [r.message for r in caplog.records if "refusing" in r.message]
+        assert any(stranger.identity.prefix in line for line in said)
+
+
+async def test_the_http_api_shows_the_route_while_it_runs_and_the_failover_after(checkpoint):
+    import httpx
+
+    async with running(checkpoint, [2, 1]) as mesh:
+        async with httpx.AsyncClient(base_url=mesh.orch.dashboard_url, timeout=30) as client:
+            assert (await client.get("/api/requests")).json() == {"requests": [], "failovers": []}
+            killed = []
+
+            async def watch():
+                while not killed:
+                    running = (await client.get("/api/requests")).json()["requests"]
+                    if running and running[0]["tokens"] >= 3:
+                        prefix = running[0]["route"]["stage-0"]
+                        killed.append(prefix)
+                        mesh.kill(next(n for n in mesh.nodes if n.hex()[:8] == prefix))
+                    await trio.sleep(0.01)
+
+            async with trio.open_nursery() as inner:
+                inner.start_soon(watch)
+                r = await client.post("/api/generate", json={"prompt": PROMPT, "max_tokens": 60})
+                inner.cancel_scope.cancel()
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["tokens"] == reference(checkpoint, 60, 0.0, 0, 0)
+            assert killed and [f["from"] for f in body["failovers"]] == killed
+            recent = (await client.get("/api/requests")).json()["failovers"]
+            assert recent == body["failovers"] and recent[0]["request"] == body["request"]

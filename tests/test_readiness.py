@@ -1,0 +1,239 @@
+"""Readiness: whether the pipeline can serve now and why not, from a node's snapshot.
+
+The pure function is driven with snapshots built by hand (a 3-stage run with
+replicas, then one thing broken at a time); then ``meshd doctor`` and
+``meshd peers`` read it from real in-process nodes.
+"""
+
+from __future__ import annotations
+
+import json
+
+import trio
+
+from dashboard.views import peers, problems, topology
+from meshd.cli import main
+from meshd.readiness import STAGES_UNKNOWN, readiness
+
+RUN = "cd34" * 8  # the run's checkpoint fingerprint
+OTHER = "ab12" * 8
+
+ORCH, S0, S1A, S1B, S2 = "0cc0cc00", "50505050", "51a51a51", "51b51b51", "52525252"
+
+
+def node(prefix: str, stage: int | None = None, *, state: str = "alive", stages: int | None = 3,
+         checkpoint: str = RUN, draining: bool = False) -> dict:
+    """A member view as ``meshd.snapshot.member_view`` writes it (the fields readiness reads)."""
+    role = "orchestrator" if stage is None else "stage"
+    return {"id": prefix * 8, "prefix": prefix, "name": role if stage is None else f"stage-{stage}",
+            "role": role, "stage": stage, "state": state, "stages": stages, "checkpoint": checkpoint,
+            "draining": draining, "epoch": 7, "addr": f"127.0.0.1:{int(prefix[:4], 16)}"}
+
+
+def names_of(view: dict) -> list[str]:
+    """What ``NodeOptions.names`` registers: the last stage knows it is last only from --stages."""
+    if view["role"] == "orchestrator":
+        return ["pp-orchestrator"]
+    k, last = view["stage"], (view["stages"] or 0) - 1
+    return [f"pp-stage-{k}"] + (["pp-entry"] if k == 0 else []) + (["pp-exit"] if k == last else [])
+
+
+def snap_of(me: dict, others: list[dict], *, tombstoned: tuple[str, ...] = (),
+            summaries: dict[str, dict[str, str]] | None = None) -> dict:
+    """A snapshot seen from ``me``: every node claims its names (``tombstoned`` prefixes hold
+    tombstones), and ``summaries`` gives gossiped paths {from prefix: {to prefix: path}}."""
+    names: dict[str, dict] = {}
+    for v in [me, *others]:
+        for name in names_of(v):
+            tomb = v["prefix"] in tombstoned
+            live = not tomb and v["state"] in ("alive", "suspect")
+            entry = {"owner": v["prefix"], "clock": 1, "tombstone": tomb, "live": live}
+            names.setdefault(name, {"entries": []})["entries"].append(entry)
+    for claim in names.values():
+        claim["live"] = [e["owner"] for e in claim["entries"] if e["live"]]
+        claim["resolves"] = bool(claim["live"])
+        claim["tombstone"] = all(e["tombstone"] for e in claim["entries"])
+        claim["owner"] = (claim["live"] or [claim["entries"][0]["owner"]])[0]
+    paths = {frm * 8: {"entries": [{"to": to * 8, "path": way, "reason": "timeout", "direct_failures": 3}
+                                   for to, way in row.items()]}
+             for frm, row in (summaries or {}).items()}
+    return {"self": me, "members": [{**v, "path_out": "direct"} for v in others], "names": names,
+            "path_summaries": paths, "relay": None}
+
+
+def healthy() -> tuple[dict, list[dict]]:
+    return node(ORCH), [node(S0, 0), node(S1A, 1), node(S1B, 1), node(S2, 2)]
+
+
+def test_a_healthy_three_stage_run_with_two_replicas_is_ready():
+    me, others = healthy()
+    r = readiness(snap_of(me, others))
+    assert r["ready"] is True and r["why"] == [] and r["warnings"] == []
+    assert [(s["name"], s["live"]) for s in r["stages"]] == [("stage-0", 1), ("stage-1", 2), ("stage-2", 1)]
+    assert {x["prefix"] for x in r["stages"][1]["replicas"]} == {S1A, S1B}
+    assert set(r["stages"][1]["replicas"][0]) >= {"prefix", "state", "checkpoint", "draining"}
+
+
+def test_a_stage_nobody_claims_stops_the_run():
+    me, others = healthy()
+    r = readiness(snap_of(me, [v for v in others if v["prefix"] != S2]))
+    assert r["ready"] is False and r["why"] == ["stage-2: no live owner of pp-stage-2"]
+
+
+def test_a_last_stage_started_without_stages_leaves_pp_exit_unowned():
+    me, others = healthy()
+    others[3] = node(S2, 2, stages=None)
+    r = readiness(snap_of(me, others))
+    assert r["ready"] is False and r["why"] == ["stage-2: no live owner of pp-exit"]
+
+
+def test_a_stage_whose_owner_is_dead_names_it():
+    me, others = healthy()
+    others[0] = node(S0, 0, state="dead")
+    r = readiness(snap_of(me, others))
+    assert r["why"] == [f"stage-0: no live owner of pp-stage-0 ({S0} is dead)"]
+
+
+def test_a_name_held_only_by_a_tombstone_says_whose():
+    me, others = healthy()
+    others = [node(S0, 0), node(S1A, 1, state="left"), node(S2, 2)]
+    r = readiness(snap_of(me, others, tombstoned=(S1A,)))
+    assert r["ready"] is False
+    assert r["why"] == [f"stage-1: pp-stage-1 is held only by a tombstone (owner {S1A} left)"]
+
+
+def test_a_replica_on_another_checkpoint_does_not_count():
+    me, others = healthy()
+    others[3] = node(S2, 2, checkpoint=OTHER)
+    r = readiness(snap_of(me, others))
+    assert r["why"] == [f"stage-2: {S2} serves checkpoint {OTHER[:12]}.. but the run's is {RUN[:12]}.."]
+    assert r["stages"][2]["live"] == 0
+    # Beside a replica on the run's checkpoint it is only a warning.
+    others[1] = node(S1A, 1, checkpoint=OTHER)
+    r = readiness(snap_of(me, [v for v in others if v["prefix"] != S2] + [node(S2, 2)]))
+    assert r["ready"] is True and r["stages"][1]["live"] == 1
+    assert r["warnings"] == [f"stage-1: {S1A} serves checkpoint {OTHER[:12]}.. but the run's is "
+                             f"{RUN[:12]}..; not used; 1 other serves"]
+
+
+def test_the_run_checkpoint_is_the_orchestrators():
+    me, others = healthy()
+    me = node(S0, 0, checkpoint=OTHER)  # we, stage-0, serve another checkpoint than the orchestrator
+    r = readiness(snap_of(me, [node(ORCH), *others[1:]]))
+    assert r["checkpoint"] == RUN
+    assert r["why"] == [f"stage-0: {S0} serves checkpoint {OTHER[:12]}.. but the run's is {RUN[:12]}.."]
+
+
+def test_a_stage_whose_every_owner_drains_stops_the_run_and_one_draining_replica_warns():
+    me, others = healthy()
+    r = readiness(snap_of(me, others[:3] + [node(S2, 2, draining=True)]))
+    assert r["why"] == [f"stage-2: every owner is draining ({S2})"]
+    r = readiness(snap_of(me, [others[0], node(S1A, 1, draining=True), *others[2:]]))
+    assert r["ready"] is True
+    assert r["warnings"] == [f"stage-1: replica {S1A} is draining; 1 other serves"]
+
+
+def test_no_path_between_consecutive_stages_stops_the_run():
+    me, others = healthy()
+    r = readiness(snap_of(me, others, summaries={S0: {S1A: "none", S1B: "none"}}))
+    assert r["ready"] is False
+    assert r["why"] == [f"stage-0->stage-1: no path ({S0}→{S1A}: timeout ×3; {S0}→{S1B}: timeout ×3)"]
+    # One pair broken while the other has a path: the run serves through the other replica.
+    r = readiness(snap_of(me, others, summaries={S0: {S1A: "none", S1B: "relay"}}))
+    assert r["ready"] is True
+    assert r["warnings"] == [f"stage-0->stage-1: no path {S0}→{S1A}: timeout ×3; another pair works"]
+
+
+def test_an_unreported_path_is_not_held_against_the_run():
+    me, others = healthy()
+    r = readiness(snap_of(me, others, summaries={S0: {}}))
+    assert r["ready"] is True and r["warnings"] == []
+
+
+def test_no_orchestrator_stops_the_run():
+    me, others = healthy()
+    r = readiness(snap_of(others[0], others[1:]))
+    assert r["ready"] is False and r["why"] == ["orchestrator: no live owner of pp-orchestrator"]
+
+
+def test_a_dead_replica_beside_a_live_one_is_a_warning():
+    me, others = healthy()
+    others[2] = node(S1B, 1, state="dead")
+    r = readiness(snap_of(me, others, tombstoned=(S1B,)))
+    assert r["ready"] is True and r["stages"][1]["live"] == 1
+    assert r["warnings"] == [f"stage-1: replica {S1B} is down (dead); 1 other serves"]
+
+
+def test_the_stage_count_comes_from_us_else_from_the_members():
+    me, others = healthy()
+    silent = [node(v["prefix"], v["stage"], stages=None) for v in others]
+    r = readiness(snap_of(node(ORCH, stages=None), silent))
+    assert r["ready"] is False and r["why"] == [STAGES_UNKNOWN]
+    r = readiness(snap_of(node(ORCH, stages=None), others))
+    assert r["ready"] is True and r["expected_stages"] == 3
+    r = readiness(snap_of(node(ORCH, stages=4), others))
+    assert r["why"] == ["stage-3: no live owner of pp-stage-3"]
+
+
+def test_topology_peers_and_problems_carry_it():
+    me, others = healthy()
+    snap = snap_of(me, [v for v in others if v["prefix"] != S2])
+    topo = topology(snap)
+    assert topo["readiness"]["ready"] is False and topo["readiness"]["why"] == [
+        "stage-2: no live owner of pp-stage-2"]
+    data = peers(snap)
+    assert data["readiness"] == topo["readiness"]
+    by_prefix = {p["prefix"]: p for p in data["peers"]}
+    assert by_prefix[S1A]["replica_of"] == "stage-1" and by_prefix[S1A]["checkpoint"] == RUN
+    assert (by_prefix[S1A]["replica"], by_prefix[S1B]["replica"], by_prefix[S1A]["replicas"]) == (1, 2, 2)
+    assert by_prefix[S0]["replicas"] == 1 and data["self"]["replica_of"] is None
+    dead = snap_of(me, others[:3] + [node(S2, 2, state="dead")])
+    [unresolved] = [p for p in problems(dead) if p["kind"] == "unresolved" and p["where"] == "pp-stage-2"]
+    assert f"owners: {S2} dead" in unresolved["detail"]
+
+
+# ------------------------------------------------------------- through the CLI, on real nodes
+
+
+async def _run(capsys, *argv: str) -> tuple[int, str]:
+    capsys.readouterr()
+    code = await trio.to_thread.run_sync(main, list(argv))
+    return code, capsys.readouterr().out
+
+
+async def test_doctor_says_why_until_the_missing_stage_joins_then_peers_shows_its_replicas(capsys):
+    from meshd.node import NodeOptions
+    from meshd.testing.inprocess import start_node, wait_converged
+
+    lines: list[str] = []
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            opts = dict(profile="local", stages=2, dashboard="127.0.0.1:0")
+            orch = await start_node(nursery, NodeOptions(role="orchestrator", **opts), lines)
+            s0 = await start_node(nursery, NodeOptions(stage=0, seeds=[orch.addr], **opts), lines)
+            await wait_converged([orch, s0])
+            code, out = await _run(capsys, "doctor", orch.dashboard_url)
+            assert code == 1
+            assert out.startswith("not ready\nWhy\n  stage-1: no live owner of pp-stage-1\n"), out
+            code, out = await _run(capsys, "doctor", orch.dashboard_url, "--json")
+            report = json.loads(out)
+            assert code == 1 and report["ready"] is False
+            assert report["readiness"]["why"] == ["stage-1: no live owner of pp-stage-1"]
+
+            replicas = [await start_node(nursery, NodeOptions(stage=1, seeds=[s0.addr], **opts), lines)
+                        for _ in range(2)]
+            await wait_converged([orch, s0, *replicas])
+            with trio.fail_after(15):
+                while True:
+                    code, out = await _run(capsys, "doctor", orch.dashboard_url)
+                    if code == 0:
+                        break
+                    await trio.sleep(0.2)  # until every name and path summary has arrived
+            assert out.startswith("ready: yes (stage-0, stage-1×2)\nok: 4 live nodes"), out
+
+            code, out = await _run(capsys, "peers", orch.dashboard_url)
+            assert code == 0 and "pipeline: ready" in out
+            rows = [line.split()[:3] for line in out.splitlines() if line.startswith("stage-1 ")]
+            prefixes = sorted(r.identity.prefix for r in replicas)
+            assert rows == [["stage-1", "(1/2)", prefixes[0]], ["stage-1", "(2/2)", prefixes[1]]], out
+            nursery.cancel_scope.cancel()
