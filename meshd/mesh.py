@@ -83,6 +83,10 @@ class Mesh(Protocol):
         """When ``node`` started to look down (trio time), or None."""
         ...
 
+    def probe_soon(self, node: bytes) -> None:
+        """Have failure detection probe ``node`` next (a request through it stalls)."""
+        ...
+
     def describe(self, node: bytes) -> str:
         """``stage-2 (2b91108e)``: how logs and errors name a peer."""
         ...

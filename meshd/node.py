@@ -332,6 +332,10 @@ class Node:
     def down_since(self, node: bytes) -> float | None:
         return self.data.down_since(node)
 
+    def probe_soon(self, node: bytes) -> None:
+        self.core.probe_soon(node, trio.current_time())
+        self._wake.set()
+
     async def send(self, node: bytes, data: bytes, timeout: float = 30.0) -> str:
         """Deliver ``data`` to ``node`` reliably and in order; returns the path used.
 

@@ -220,3 +220,26 @@ async def test_the_http_api_shows_the_route_while_it_runs_and_the_failover_after
             assert killed and [f["from"] for f in body["failovers"]] == killed
             recent = (await client.get("/api/requests")).json()["failovers"]
             assert recent == body["failovers"] and recent[0]["request"] == body["request"]
+
+
+async def test_a_replica_gone_silent_mid_generation_is_suspected_and_its_request_moves(checkpoint):
+    # Silent: it reads nothing more, answers no probe and reaches nobody, but its streams stay
+    # open (a stopped process): only failure detection can tell, once the stall has its route
+    # probed first.
+    async with running(checkpoint, [1, 2, 1]) as mesh:
+        silenced = []
+
+        async def hang(_src, _msg):
+            await trio.sleep_forever()
+
+        async def on_token(_token):
+            if not silenced and mesh.orch.app.active()[0]["tokens"] >= 5:
+                node, _scope = mesh.nodes[mesh.serving(1)]
+                silenced.append(node.node_id)
+                node.app.on_message = hang
+                node.options.faults.isolate = True
+
+        got = await mesh.orch.app.generate(PROMPT, 60, on_token=on_token)
+        assert got["tokens"] == reference(checkpoint, 60, 0.0, 0, 0)
+        (failover,) = got["failovers"]
+        assert failover["from"] == silenced[0].hex()[:8] and failover["why"] == "suspect"

@@ -21,6 +21,7 @@ without a replica is waited for, since it may refute.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 import uuid
@@ -47,6 +48,11 @@ log = logging.getLogger("meshd.pipeline")
 LOST_CHECK_S = 0.05  # how often a waiting request looks at the nodes of its route
 MAX_FAILOVERS = 8  # per request: past this, it fails
 MAX_REPORTED_DOWN = 1024
+# A request stalls when no token came for STALL_GAPS of its median gaps (at least STALL_MIN_S;
+# STALL_FIRST_S before it has tokens): then its route is probed first.
+STALL_GAPS = 8
+STALL_MIN_S = 0.25
+STALL_FIRST_S = 2.0
 REPORTED_DOWN_S = 30.0  # past this, failure detection has had its say: it is alive
 
 
@@ -74,6 +80,7 @@ class _Request:
     trouble: Trouble | None = None  # reported by a stage, or by a failed send
     failovers: list[dict[str, Any]] = field(default_factory=list)
     failover_started: float | None = None  # perf_counter when the last failover began
+    stall_probed: bool = False  # its route was probed for this stall
     excluded: set[bytes] = field(default_factory=set)
     changed: trio.Event = field(default_factory=trio.Event)
 
@@ -173,11 +180,18 @@ class Orchestrator(App):
                 await self._check_route(req)
                 if scope.cancelled_caught:
                     waited += LOST_CHECK_S
+                    if waited >= self._stall_s(req) and not req.stall_probed:
+                        # A stalled request: its route is probed first, so a node gone silent
+                        # is suspected a probe after the stall, not whenever its turn comes.
+                        req.stall_probed = True
+                        for node in set(req.route) - {self.mesh.node_id}:
+                            self.mesh.probe_soon(node)
                     if waited >= token_timeout:
                         raise PipelineError(f"no token {len(req.tokens)} for request {req.req_id} within "
                                             f"{token_timeout:g}s; route: {self._describe_route(req)}")
                     continue
                 waited = 0.0
+                req.stall_probed = False
                 req.changed = trio.Event()
                 if on_token is not None:
                     while seen < len(req.tokens):
@@ -233,6 +247,16 @@ class Orchestrator(App):
         await self.send(route[0], Activation(req.wire_id, self.mesh.node_id, 0, req.next_step, 0, 0, b"",
                                              tokens, req.sampling, time.time(), (hop,), req.route,
                                              len(req.ids) if req.tokens else 0))
+
+    @staticmethod
+    def _stall_s(req: _Request) -> float:
+        """How long without a token counts as a stall: several of the request's usual gaps,
+        and never less than STALL_MIN_S (a prefill, a busy host)."""
+        times = req.token_times[-9:]
+        if len(times) < 3:
+            return STALL_FIRST_S
+        gaps = sorted(b - a for a, b in itertools.pairwise(times))
+        return max(STALL_MIN_S, STALL_GAPS * gaps[len(gaps) // 2])
 
     def _epoch(self, node: bytes) -> int:
         m = self.mesh.member_by_id(node)
