@@ -288,7 +288,8 @@ class Orchestrator(App):
                 return
             state = self._state_word(node, why)
             detail = "" if why == state else f" ({why})"
-            raise StageLost(f"stage-{stage} (peer {node.hex()[:8]} {state}): no replica to take over{detail}")
+            peer = node.hex()[:8]
+            raise StageLost(f"stage-{stage} (peer {peer} {state}), and no replica to take over{detail}")
         if gone:
             req.excluded.add(node)
         await self._failover(req, stage, node, why)
