@@ -377,8 +377,9 @@ class Orchestrator(App):
             if msg.peer and msg.peer in req.route:
                 # A stage naming itself lost the request's state, or hands it over while draining.
                 req.trouble = (req.route.index(msg.peer), msg.peer, msg.message, msg.peer != src)
-                if msg.peer != src:
-                    self._reported_down[msg.peer] = (self._epoch(msg.peer), time.monotonic())
+                if msg.peer != src:  # about the process the request was routed to
+                    epoch = req.epochs[req.route.index(msg.peer)]
+                    self._reported_down[msg.peer] = (epoch, time.monotonic())
                     while len(self._reported_down) > MAX_REPORTED_DOWN:
                         self._reported_down.pop(next(iter(self._reported_down)))
             else:
