@@ -61,7 +61,7 @@ def snapshot(swim: Swim, now: float, paths: PathTable | None = None, relay: dict
         live = swim.live_owners(name)
         entries = sorted(swim.registry.entries(name), key=lambda c: (c.tombstone, c.owner))
         names[name] = {
-            # One owner it resolves to (or the first entry's), as before replicas.
+            # One owner it resolves to (else the first entry's), for readers that want one.
             "owner": prefix(live[0] if live else entries[0].owner),
             "tombstone": all(c.tombstone for c in entries),
             "resolves": bool(live),

@@ -40,20 +40,6 @@ def test_messages_wait_for_earlier_ids_and_senders_are_independent():
     assert feed(r, A, chunks(3, b"")) == [b""]
 
 
-def test_a_session_seen_only_from_its_middle_is_never_acked():
-    # We restarted: a peer still sends in the session our last process saw begin.  Acked, its
-    # messages would wait for ids that never come, and the peer would forget them.
-    r = Reassembler()
-    for msg_id in (37, 38):
-        assert r.accept(A, DataChunk(S, msg_id, 3, 0, b"old")) == (False, [])
-        assert r.accept(A, DataChunk(S, msg_id, 3, 0, b"old")) == (False, [])  # nor when resent
-    # Its new session, from 1: acked and delivered.
-    assert r.accept(A, DataChunk(S + 1, 1, 3, 0, b"new")) == (True, [b"new"])
-    # Once a session's start is seen, a whole message waiting for an earlier one is acked.
-    assert r.accept(A, DataChunk(S + 1, 3, 3, 0, b"3rd")) == (True, [])
-    assert r.accept(A, DataChunk(S + 1, 2, 3, 0, b"2nd")) == (True, [b"2nd", b"3rd"])
-
-
 def test_ack_only_when_whole():
     r = Reassembler()
     parts = chunks(1, b"12345678")
@@ -122,8 +108,8 @@ def test_all_peers_together_are_held_to_the_total_budget():
 
 def test_complete_messages_waiting_for_a_withheld_first_one_count_against_the_budget():
     r = Reassembler(peer_budget=3 * (1000 + 64 * 1024))
-    for msg_id in (2, 3, 4):  # held, and not acked until the session's start is seen
-        assert r.accept(A, DataChunk(S, msg_id, 1000, 0, b"y" * 1000)) == (False, [])
+    for msg_id in (2, 3, 4):
+        assert r.accept(A, DataChunk(S, msg_id, 1000, 0, b"y" * 1000)) == (True, [])
     with pytest.raises(ChunkError):
         r.accept(A, DataChunk(S, 5, 1000, 0, b"y" * 1000))
     # The withheld one arrives after all: everything is delivered and the claims are given back.

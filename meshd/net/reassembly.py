@@ -83,7 +83,6 @@ class Reassembler:
         self._claimed: dict[bytes, int] = {}  # per peer, over all its sessions
         self.claimed_total = 0
         self.duplicates = 0
-        self.unanchored = 0  # whole messages held unacked: their session's start not seen
         self.expired = 0
 
     def held(self, sender: bytes) -> int:
@@ -98,12 +97,9 @@ class Reassembler:
         """
         state = self._session(sender, chunk.session, now)
         msg_id = chunk.msg_id
-        if msg_id < state.next_id:
+        if msg_id < state.next_id or msg_id in state.complete:
             self.duplicates += 1
-            return True, []  # delivered already: ack again
-        if msg_id in state.complete:
-            self.duplicates += 1
-            return self._anchored(state), []  # whole, waiting for an earlier id
+            return True, []  # already whole: ack again, deliver nothing
         if msg_id >= state.next_id + MAX_AHEAD:
             raise ChunkError(f"message {msg_id} is too far ahead of {state.next_id}")
         if chunk.total > MAX_DATA_MESSAGE_BYTES:
@@ -139,19 +135,7 @@ class Reassembler:
             self._release(sender, state, claim)
             ready.append(data)
             state.next_id += 1
-        if not self._anchored(state):
-            self.unanchored += 1
-        return self._anchored(state), ready
-
-    @staticmethod
-    def _anchored(state: _FromSender) -> bool:
-        """Whether we saw the session begin (its message 1 delivered).
-
-        Until then a whole message is held but not acked: in a session that began before
-        we saw it (our last process took part in it: we restarted) the ids before it never
-        come, and an ack would make the sender forget a message nobody will deliver.
-        Unacked, it is sent again, in a new session once the sender learns we restarted."""
-        return state.next_id > 1
+        return True, ready
 
     def expire(self, now: float) -> int:
         """Drop sessions that hold data and made no progress for ``idle_expiry``; returns how many."""
