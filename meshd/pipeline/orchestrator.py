@@ -340,16 +340,6 @@ class Orchestrator(App):
             out.append(f"stage-{k} {node.hex()[:8]} {m.state if m is not None else 'gone'}")
         return ", ".join(out)
 
-    def lost_stage(self) -> str | None:
-        """``stage-2 (peer 2b91108e dead)`` if a stage of this run has no live node at all."""
-        for k in range(self.stages):
-            name = f"stage-{k}"
-            gone = [m for m in self.mesh.members() if m.name == name and not m.live]
-            if gone and not self.mesh.owners(f"pp-stage-{k}"):
-                m = gone[0]
-                return f"{name} (peer {m.prefix} {m.state})"
-        return None
-
     # --- messages from the stages ---
 
     async def on_message(self, src: bytes, msg: Message) -> None:

@@ -76,11 +76,6 @@ class Registry:
         self._put(tomb)
         return [tomb]
 
-    def owner(self, name: str) -> bytes | None:
-        """The lowest-id owner with a live entry for ``name`` (liveness not checked), or None."""
-        owners = sorted(self.owners(name))
-        return owners[0] if owners else None
-
     def owners(self, name: str) -> list[bytes]:
         """Every owner with a live (non-tombstoned) entry for ``name``, alive or not."""
         return [owner for owner, c in self._by_name.get(name, {}).items() if not c.tombstone]
