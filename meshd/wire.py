@@ -22,8 +22,10 @@ from typing import Any, ClassVar
 import msgpack
 
 # 2: DataChunk.ack_now; 3: HeadInput, HeadPart; 4: stream handshake; 5: its epochs;
-# 6: Meta.epoch and Meta.checkpoint, names keyed by (name, owner) with a signature field
-PROTOCOL_VERSION = 6
+# 6: Meta.epoch and Meta.checkpoint, names keyed by (name, owner) with a signature field;
+# 7: signed facts (Alive, Suspect, Dead, MemberState, PathSummary), Meta.dh and Meta.keyring,
+# the handshake's key exchange and mesh-key proof, KeyringChange
+PROTOCOL_VERSION = 7
 
 # A UDP datagram carries at most 65507 bytes of payload; we stay below it.
 MAX_PACKET_BYTES = 60_000
@@ -135,6 +137,27 @@ def _claim_signature(value: Any) -> bytes:
     return value
 
 
+# An X25519 public key (32 bytes), or empty where a node has none.
+DH_KEY_BYTES = 32
+
+
+def _dh_key(value: Any) -> bytes:
+    if type(value) is not bytes or len(value) not in (0, DH_KEY_BYTES):
+        raise WireError(f"expected an empty or {DH_KEY_BYTES}-byte key")
+    return value
+
+
+# Mesh key ids: short hex digests of the keys (never the keys themselves).
+MAX_KEY_ID_CHARS = 16
+MAX_KEYRING = 8
+
+
+def _key_id(value: Any) -> str:
+    if type(value) is not str or not 0 < len(value) <= MAX_KEY_ID_CHARS:
+        raise WireError(f"expected a key id of at most {MAX_KEY_ID_CHARS} characters")
+    return value
+
+
 def _optional(check: Callable[[Any], Any]) -> Callable[[Any], Any]:
     def checker(value: Any) -> Any:
         return None if value is None else check(value)
@@ -202,9 +225,12 @@ class Meta(_Record):
     epoch: int = 0  # this process's random id: a new one under a known node id is a restart
     checkpoint: str = ""  # fingerprint of the checkpoint served (config and weights); "" for none
     draining: bool = False  # leaving soon: takes no new requests, finishes or hands over its own
+    dh: bytes = b""  # this process's X25519 public key: data-channel keys with it derive from it
+    keyring: tuple[str, ...] = ()  # ids of the mesh keys it holds, the one it sends with first
 
     _fields_ = (_str, _optional(_stage), _optional(_stage), _tuple_of(_str, MAX_ADDRS),
-                _optional(_str), _str, _counter, _counter, _str, _bool)
+                _optional(_str), _str, _counter, _counter, _str, _bool, _dh_key,
+                _tuple_of(_key_id, MAX_KEYRING))
 
     @property
     def name(self) -> str:
@@ -226,13 +252,17 @@ def _state(value: Any) -> int:
 
 @dataclass(frozen=True, slots=True)
 class MemberState(_Record):
+    """One member in push-pull.  ``sig`` is the member's own: over its Alive (node,
+    incarnation, addr, meta) for every state but left, over its leave for left."""
+
     node: bytes
     addr: str
     incarnation: int
     state: int
     meta: Meta
+    sig: bytes = b""
 
-    _fields_ = (_node_id, _str, _counter, _state, _nested(Meta))
+    _fields_ = (_node_id, _str, _counter, _state, _nested(Meta), _claim_signature)
 
 
 # --- messages: ONLY APPEND, never renumber ---
@@ -278,32 +308,44 @@ class Nack(Message):
     _fields_ = (_uint,)
 
 
+# Signed facts (see meshd.swim.facts): ``sig`` is empty where nobody signs (the simulator).
+
+
 @dataclass(frozen=True, slots=True)
 class Alive(Message):
+    """``node`` says it lives at ``addr`` with ``meta``; ``sig`` is its own."""
+
     TAG = 5
     incarnation: int
     node: bytes
     addr: str
     meta: Meta
-    _fields_ = (_counter, _node_id, _str, _nested(Meta))
+    sig: bytes = b""
+    _fields_ = (_counter, _node_id, _str, _nested(Meta), _claim_signature)
 
 
 @dataclass(frozen=True, slots=True)
 class Suspect(Message):
+    """``sender`` suspects ``node``; ``sig`` is the accuser's."""
+
     TAG = 6
     incarnation: int
     node: bytes
     sender: bytes  # who suspects; independent senders shorten the timer
-    _fields_ = (_counter, _node_id, _node_id)
+    sig: bytes = b""
+    _fields_ = (_counter, _node_id, _node_id, _claim_signature)
 
 
 @dataclass(frozen=True, slots=True)
 class Dead(Message):
+    """``sender`` declares ``node`` dead, or (sender == node) ``node`` leaves; ``sig`` is the sender's."""
+
     TAG = 7
     incarnation: int
     node: bytes
     sender: bytes  # sender == node means a graceful leave
-    _fields_ = (_counter, _node_id, _node_id)
+    sig: bytes = b""
+    _fields_ = (_counter, _node_id, _node_id, _claim_signature)
 
 
 @dataclass(frozen=True, slots=True)
@@ -387,6 +429,12 @@ def _nonce(value: Any) -> bytes:
     return value
 
 
+def _mesh_proof(value: Any) -> bytes:
+    if type(value) is not bytes or len(value) > 64:
+        raise WireError("expected a mesh-key proof of at most 64 bytes")
+    return value
+
+
 def _signature(value: Any) -> bytes:
     if type(value) is not bytes or len(value) != SIGNATURE_BYTES:
         raise WireError(f"expected a {SIGNATURE_BYTES}-byte signature")
@@ -401,7 +449,8 @@ class StreamChallenge(Message):
     TAG = 19
     nonce: bytes
     epoch: int
-    _fields_ = (_nonce, _counter)
+    dh: bytes = b""  # the sender's X25519 public key for this process (data-channel keys)
+    _fields_ = (_nonce, _counter, _dh_key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -414,7 +463,9 @@ class StreamProof(Message):
     nonce: bytes
     signature: bytes
     epoch: int
-    _fields_ = (_nonce, _signature, _counter)
+    dh: bytes = b""  # the sender's X25519 public key for this process (data-channel keys)
+    mesh_proof: bytes = b""  # with a mesh key: its id and a MAC over the handshake (see handshake.py)
+    _fields_ = (_nonce, _signature, _counter, _dh_key, _mesh_proof)
 
 
 # --- path summaries: each node's own outbound view, gossiped for the topology ---
@@ -458,7 +509,40 @@ class PathSummary(Message):
     node: bytes
     version: int
     entries: tuple[PathEntry, ...]
-    _fields_ = (_node_id, _counter, _tuple_of(_nested(PathEntry), MAX_PATH_ENTRIES))
+    sig: bytes = b""  # ``node``'s own
+    _fields_ = (_node_id, _counter, _tuple_of(_nested(PathEntry), MAX_PATH_ENTRIES), _claim_signature)
+
+
+KEYRING_OPS = ("install", "use", "remove")
+
+
+def _keyring_op(value: Any) -> str:
+    if value not in KEYRING_OPS:
+        raise WireError("expected a keyring operation: install, use or remove")
+    return value
+
+
+def _mesh_key(value: Any) -> bytes:
+    if type(value) is not bytes or len(value) not in (0, 32):
+        raise WireError("expected an empty or 32-byte mesh key")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class KeyringChange(Message):
+    """``issuer`` changes every member's mesh keyring: install ``key``, or use or remove the
+    key ``key_id``.  Gossiped inside packets sealed with the mesh key; ``clock`` is the
+    issuer's own and ``sig`` its signature, so a change is applied once and by nobody's
+    word but a member's."""
+
+    TAG = 21
+    issuer: bytes
+    clock: int
+    op: str
+    key_id: str
+    key: bytes  # the key itself for install, empty otherwise
+    sig: bytes = b""
+    _fields_ = (_node_id, _counter, _keyring_op, _key_id, _mesh_key, _claim_signature)
 
 
 # Tags 12-15, 17 and 18 are taken (they carried pipeline messages, which now travel as
@@ -466,7 +550,7 @@ class PathSummary(Message):
 MESSAGE_TYPES: dict[int, type[Message]] = {
     cls.TAG: cls
     for cls in (Ping, PingReq, Ack, Nack, Alive, Suspect, Dead, PushPull, NameClaim, DataChunk, DataAck,
-                PathSummary, StreamChallenge, StreamProof)
+                PathSummary, StreamChallenge, StreamProof, KeyringChange)
 }
 
 

@@ -358,7 +358,8 @@ def test_a_fake_member_at_a_third_partys_address_draws_little_traffic_there(mesh
 
 # --- a fuzz of well-formed messages with extreme values ---
 
-EXTREME = st.sampled_from([wire.COUNTER_MAX + 1, 2**63, U64_MAX, 2**64, -1, -(2**63), 2**70])
+# Only values msgpack can carry: anything larger cannot be sent by anybody.
+EXTREME = st.sampled_from([wire.COUNTER_MAX + 1, 2**63, U64_MAX, -1, -(2**63)])
 ANY_INT = EXTREME | st.sampled_from([0, 1, 2**32, wire.COUNTER_MAX])
 TEXT = st.sampled_from(["", "pp-entry", "x" * 512, "x" * 513, "\u0000", "\ufffd" * 100])
 

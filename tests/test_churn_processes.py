@@ -70,7 +70,8 @@ class Run:
                 return time.monotonic() - t0
             time.sleep(0.1)
         text = last.text if isinstance(last, httpx.Response) else repr(last)
-        raise AssertionError(f"not served within {seconds:g}s; last answer: {text}")
+        logs = "\n".join(f"--- {p.name}\n" + "\n".join(p.lines[-25:]) for p in self.procs)
+        raise AssertionError(f"not served within {seconds:g}s; last answer: {text}\n{logs}")
 
     def doctor(self) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "meshd", "doctor", self.url], capture_output=True,

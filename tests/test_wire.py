@@ -62,7 +62,7 @@ EXAMPLES: dict[int, wire.Message] = {
     wire.Ack.TAG: wire.Ack(seq=0),
     wire.Nack.TAG: wire.Nack(seq=42),
     wire.Alive.TAG: wire.Alive(incarnation=3, node=NODE_A, addr="10.0.0.1:7946", meta=FULL_META),
-    wire.Suspect.TAG: wire.Suspect(incarnation=4, node=NODE_A, sender=NODE_B),
+    wire.Suspect.TAG: wire.Suspect(incarnation=4, node=NODE_A, sender=NODE_B, sig=b"\x05" * 64),
     wire.Dead.TAG: wire.Dead(incarnation=5, node=NODE_A, sender=NODE_A),
     wire.PushPull.TAG: wire.PushPull(
         join=True,
@@ -84,7 +84,10 @@ EXAMPLES: dict[int, wire.Message] = {
     )),
     wire.StreamChallenge.TAG: wire.StreamChallenge(nonce=b"\x07" * wire.STREAM_NONCE_BYTES, epoch=2**63 - 1),
     wire.StreamProof.TAG: wire.StreamProof(nonce=b"\x08" * wire.STREAM_NONCE_BYTES,
-                                           signature=b"\x09" * wire.SIGNATURE_BYTES, epoch=0),
+                                           signature=b"\x09" * wire.SIGNATURE_BYTES, epoch=0,
+                                           dh=b"\x0a" * wire.DH_KEY_BYTES, mesh_proof=b"\x0b" * 20),
+    wire.KeyringChange.TAG: wire.KeyringChange(issuer=NODE_B, clock=3, op="install", key_id="0a1b2c3d",
+                                               key=b"\x0c" * 32, sig=b"\x0d" * wire.SIGNATURE_BYTES),
 }
 
 
@@ -375,9 +378,9 @@ def _pushpull_of_size(target: int) -> wire.Packet:
     """A valid packet whose encoding is exactly ``target`` bytes long."""
     full = wire.MemberState(NODE_A, "a", 0, wire.STATE_ALIVE, wire.Meta(addrs=("a" * 500,) * wire.MAX_ADDRS))
 
-    def build(n_full: int, n_long: int, last: int) -> wire.Packet:
+    def build(n_full: int, n_long: int, last: int, pad: int = 0) -> wire.Packet:
         tail = wire.MemberState(NODE_B, "b", 0, wire.STATE_ALIVE,
-                                wire.Meta(addrs=("b" * 500,) * n_long + ("c" * last,)))
+                                wire.Meta(addrs=("b" * 500,) * n_long + ("c" * last,), version="v" * pad))
         return wire.Packet(SENDER, (wire.PushPull(False, False, (full,) * n_full + (tail,), ()),))
 
     def size(packet: wire.Packet) -> int:
@@ -386,11 +389,12 @@ def _pushpull_of_size(target: int) -> wire.Packet:
 
     for n_full in range(30):
         for n_long in range(wire.MAX_ADDRS):
-            short = size(build(n_full, n_long, 256))
-            if 0 <= target - short <= 256:  # str16 lengths 256..512 grow the packet byte by byte
-                packet = build(n_full, n_long, 256 + target - short)
-                assert size(packet) == target
-                return packet
+            for pad in (0, 256, 384, 512):
+                short = size(build(n_full, n_long, 256, pad))
+                if 0 <= target - short <= 256:  # str16 lengths 256..512 grow the packet byte by byte
+                    packet = build(n_full, n_long, 256 + target - short, pad)
+                    assert size(packet) == target
+                    return packet
     raise AssertionError(f"cannot build a packet of {target} bytes")
 
 
@@ -448,6 +452,19 @@ def test_node_id_of_wrong_size_or_type_refused(node):
         wire.decode(raw_packet([], sender=node))
 
 
+def _meta(**fields) -> list:
+    """A Meta body with ``fields`` set to raw (possibly illegal) values."""
+    body = ["stage", None, None, [], None, "", 0, 0, "", False, b"", []]
+    names = [f.name for f in dataclasses.fields(wire.Meta)]
+    for name, value in fields.items():
+        body[names.index(name)] = value
+    return body
+
+
+def _alive(meta: list, sig: bytes = b"") -> list:
+    return [wire.Alive.TAG, [1, NODE_A, "a", meta, sig]]
+
+
 @pytest.mark.parametrize(
     "message",
     [
@@ -461,19 +478,26 @@ def test_node_id_of_wrong_size_or_type_refused(node):
         [wire.PingReq.TAG, [1, NODE_A, "a", 1]],  # int is not a bool
         [wire.PingReq.TAG, [1, NODE_A, "a", None]],
         [wire.PingReq.TAG, [1, NODE_A, b"a", True]],  # bytes is not a str
-        [wire.Alive.TAG, [1, NODE_A, "a", ["stage", -2, None, [], None, "", 0, 0, "", False]]],
-        [wire.Alive.TAG, [1, NODE_A, "a", ["stage", True, None, [], None, "", 0, 0, "", False]]],
-        [wire.Alive.TAG, [1, NODE_A, "a", ["stage", None, None, ["a"] * (wire.MAX_ADDRS + 1), None, "", 0, 0,
-                                          "", False]]],
-        [wire.Alive.TAG, [1, NODE_A, "a", ["stage", None, None, [1], None, "", 0, 0, "", False]]],
-        [wire.Alive.TAG, [1, NODE_A, "a", ["stage", None, None, [], None, None, 0, 0, "", False]]],  # version
+        _alive(_meta(stage=-2)),
+        _alive(_meta(stage=True)),
+        _alive(_meta(addrs=["a"] * (wire.MAX_ADDRS + 1))),
+        _alive(_meta(addrs=[1])),
+        _alive(_meta(version=None)),
         [wire.Alive.TAG, [1, NODE_A, "a", ["stage", None, None, [], None, "", 0, 0]]],  # too few fields
-        [wire.Alive.TAG, [1, NODE_A, "a", ["stage", None, None, [], None, "", 0, -1, "", False]]],  # epoch
-        [wire.Alive.TAG, [1, NODE_A, "a", ["stage", None, None, [], None, "", 0, 0, 1, False]]],  # checkpoint
-        [wire.Alive.TAG, [1, NODE_A, "a", ["stage", None, None, [], None, "", 0, 0, "", 0]]],  # draining
-        [wire.PushPull.TAG, [False, False, [[NODE_A, "a", 0, 4, wire.Meta().to_body()]], []]],  # bad state
-        [wire.PushPull.TAG, [False, False, [[NODE_A, "a", 0, True, wire.Meta().to_body()]], []]],
-        [wire.PushPull.TAG, [False, False, [[NODE_A, "a", 0, 1.0, wire.Meta().to_body()]], []]],
+        _alive(_meta(epoch=-1)),
+        _alive(_meta(checkpoint=1)),
+        _alive(_meta(draining=0)),
+        _alive(_meta(dh=b"d" * 31)),
+        _alive(_meta(keyring=["k"] * (wire.MAX_KEYRING + 1))),
+        _alive(_meta(keyring=[""])),
+        _alive(_meta(keyring=["k" * (wire.MAX_KEY_ID_CHARS + 1)])),
+        _alive(_meta(), b"s" * 63),  # signature
+        [wire.Suspect.TAG, [1, NODE_A, NODE_A, b"s" * 65]],
+        [wire.KeyringChange.TAG, [NODE_A, 1, "rotate", "0a1b2c3d", b"", b""]],
+        [wire.KeyringChange.TAG, [NODE_A, 1, "install", "0a1b2c3d", b"k" * 31, b""]],
+        [wire.PushPull.TAG, [False, False, [[NODE_A, "a", 0, 4, _meta(), b""]], []]],  # bad state
+        [wire.PushPull.TAG, [False, False, [[NODE_A, "a", 0, True, wire.Meta().to_body(), b""]], []]],
+        [wire.PushPull.TAG, [False, False, [[NODE_A, "a", 0, 1.0, wire.Meta().to_body(), b""]], []]],
         [wire.PushPull.TAG, [False, False, [], [["n", NODE_A, 1, False, b""]] * (wire.MAX_PUSHPULL_NAMES + 1)
                              ]],
         [wire.PushPull.TAG, [False, False, None, []]],
@@ -490,8 +514,9 @@ def test_boundary_values_accepted():
         [wire.Ack.TAG, [U64_MAX]],
         [wire.PingReq.TAG, [1, NODE_A, "a", False]],
         [wire.Alive.TAG, [1, NODE_A, "a", ["stage", 0, None, ["a"] * wire.MAX_ADDRS, None, "", 0,
-                                          wire.COUNTER_MAX, "f" * wire.MAX_STR, True]]],
-        [wire.PushPull.TAG, [False, False, [[NODE_A, "a", 0, 3, wire.Meta().to_body()]],
+                                          wire.COUNTER_MAX, "f" * wire.MAX_STR, True, b"d" * 32,
+                                          ["k" * wire.MAX_KEY_ID_CHARS] * wire.MAX_KEYRING], b"s" * 64]],
+        [wire.PushPull.TAG, [False, False, [[NODE_A, "a", 0, 3, wire.Meta().to_body(), b""]],
                              [["n", NODE_A, 1, False, b""]] * (wire.MAX_PUSHPULL_NAMES - 1)
                              + [["n", NODE_A, 1, False, b"s" * 64]]]],
     ]
