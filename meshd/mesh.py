@@ -24,6 +24,7 @@ class MemberInfo:
     epoch: int = 0  # its process: a new epoch under the same id is a restart
     checkpoint: str = ""  # fingerprint of the checkpoint it serves
     draining: bool = False  # leaving: takes no new requests
+    changed: float = 0.0  # when its state last changed (trio time)
 
     @property
     def live(self) -> bool:

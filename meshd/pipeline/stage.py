@@ -52,6 +52,9 @@ TOKEN_BATCH_S = 0.02
 TOKEN_BATCH_MAX = 32
 WATCH_S = 0.05  # how often the neighbours of running requests are looked at
 ACTIVE_S = 2.0  # a request that moved within this long is running (draining waits for it)
+# A request whose orchestrator the mesh has not told us of within this long is dropped: the
+# sender of a request we hold is a member, and gossip names a new member within a few periods.
+ORIGIN_UNKNOWN_S = 10.0
 
 
 class LostState(PipelineError):
@@ -393,16 +396,23 @@ class StageService(App):
                             "and its port refused a dial", peer))
 
     def _gone(self, node: bytes, since: float | None) -> bool:
-        """Whether ``node`` (an orchestrator) is dead, left or unknown, or looks down since
-        ``since`` (when a request of it started here; None for a request starting now).
+        """Whether ``node`` (an orchestrator) died, left or looks down since ``since`` (when a
+        request of it started here; None for a request starting now), or stayed unknown for
+        ORIGIN_UNKNOWN_S after it.
 
-        A mark from before a request started is about an older process: a restarted
-        orchestrator's new requests reach us before the mesh tells us of its new epoch."""
+        A request is its orchestrator's word that it lived when it sent it: a mark from
+        before the request started (dead, down) is about an older process.  A restarted
+        orchestrator's new requests can reach us before the mesh tells us it is back, and a
+        new one's before the mesh tells us of it at all."""
+        if since is None:
+            return False
         m = self.mesh.member_by_id(node)
-        if m is None or not m.live:
+        if m is None:
+            return trio.current_time() - since > ORIGIN_UNKNOWN_S
+        if not m.live and m.changed >= since:
             return True
         down = self.mesh.down_since(node)
-        return since is not None and down is not None and down >= since
+        return down is not None and down >= since
 
     def _neighbours(self, job: _Job) -> set[bytes]:
         """The nodes this stage exchanges the request's messages with."""
