@@ -477,9 +477,9 @@ def test_our_own_failed_probe_confirms_an_existing_suspicion():
 
 
 def test_buddy_system_a_ping_to_a_suspect_carries_the_suspicion():
-    bench = Bench(2)
-    a, b = bench.swims
-    bench.tell(b, STRANGER, Suspect(0, a.id, STRANGER), now=0.0)
+    bench = Bench(3)
+    a, b, c = bench.swims
+    bench.tell(b, c, Suspect(0, a.id, c.id), now=0.0)
     t, (out,) = bench.tick_until(b, Ping)
     (ping,) = found(out, Ping)
     assert (out.node, out.addr, ping.target) == (a.id, a.me.addr, a.id)
@@ -488,6 +488,15 @@ def test_buddy_system_a_ping_to_a_suspect_carries_the_suspicion():
     replies = bench.hand(out, t)
     assert a.incarnation == 1  # refuted on the spot, not when gossip finds it
     assert [found(r, Ack) for r in replies] == [[Ack(ping.seq)]]
+
+
+def test_an_accusation_by_somebody_who_never_joined_counts_for_nothing():
+    bench = Bench(2)
+    a, b = bench.swims
+    bench.tell(b, STRANGER, Suspect(0, a.id, STRANGER), now=0.0)
+    bench.tell(b, STRANGER, Dead(0, a.id, STRANGER), now=0.0)
+    assert b.members[a.id].state is State.ALIVE
+    assert b.counters["rx_accusations_refused"] == 2
 
 
 def test_a_ping_to_an_alive_member_carries_no_suspicion():
@@ -558,9 +567,10 @@ def test_ping_req_helpers_are_alive_members_not_suspects():
     bench = Bench(6)
     b = bench.swims[1]
     t, ping = first_probe(bench, b)
-    suspects = [s for s in bench.swims if s.id not in (b.id, ping.target)][:2]
+    others = [s for s in bench.swims if s.id not in (b.id, ping.target)]
+    suspects, accuser = others[:2], others[2]
     for s in suspects:
-        bench.tell(b, STRANGER, Suspect(0, s.id, STRANGER), now=t)
+        bench.tell(b, accuser, Suspect(0, s.id, accuser.id), now=t)
     assert all(b.members[s.id].state is State.SUSPECT for s in suspects)
     _, outs = bench.tick_until(b, PingReq)
     helpers = {o.node for o in outs}

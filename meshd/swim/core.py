@@ -32,6 +32,7 @@ from ..wire import (
     Ack,
     Alive,
     Dead,
+    KeyringChange,
     MemberState,
     Message,
     Meta,
@@ -52,6 +53,7 @@ from ..wire import (
 from .awareness import Awareness
 from .broadcast import BroadcastQueue
 from .config import Config
+from .facts import Facts, Unsigned, accusation_data, alive_data, claim_data, keyring_change_data, paths_data
 from .registry import Registry
 from .state import Event, EventKind, Member, Outgoing, State
 from .suspicion import Suspicion
@@ -69,6 +71,12 @@ MAX_RECONNECTS = 8
 # with probability failed/alive, so that the cluster makes about one attempt per dead
 # member per interval whatever its size; a few more ride out a lost packet.
 RECONNECT_ASKERS = 3
+
+# Names only the nodes of an allow list may claim (``--allow-nodes``): the pipeline's.
+STAGE_NAME_PREFIXES = ("pp-stage-", "pp-entry", "pp-exit")
+
+# Keyring changes we remember having applied, per issuer: their highest clock.
+MAX_KEYRING_ISSUERS = 1024
 
 
 @dataclass(slots=True)
@@ -108,8 +116,17 @@ class Swim:
         config: Config,
         rng: random.Random,
         now: float,
+        facts: Facts | None = None,
+        allow_nodes: frozenset[bytes] | None = None,
     ) -> None:
         self.id = node_id
+        # Who signs and checks facts (see facts.py): the node's identity; nobody in the simulator.
+        self.facts: Facts = facts if facts is not None else Unsigned()
+        # Node ids that may claim stage names; None lets every member.
+        self.allow_nodes = allow_nodes
+        self._alive_signed: tuple[tuple[int, str, Meta], bytes] | None = None
+        self._keyring_clocks: dict[bytes, int] = {}  # issuer -> highest change clock applied
+        self.keyring_clock = 0  # our own changes' clock
         self.config = config
         self.rng = rng
         self.incarnation = 0
@@ -230,10 +247,10 @@ class Swim:
         held = self.path_summaries.get(self.id)
         if held is not None and summary.version <= held[0].version:
             summary = replace(summary, version=next_counter(held[0].version))
-        self._on_path_summary(summary, now)
+        self._on_path_summary(self._sign_paths(summary), now)
 
     def register_name(self, name: str, now: float) -> None:
-        claim = self.registry.claim(name, self.id)
+        claim = self.registry.claim(name, self.id, self._sign_claim)
         self._my_names.add(name)
         self.broadcasts.queue(("name", name, self.id), claim)
         self._emit(EventKind.NAME, self.id, now, name=name)
@@ -241,7 +258,7 @@ class Swim:
     def withdraw_names(self, now: float) -> None:
         """Tombstone every name we hold (a drain: new requests go to the other owners)."""
         self._my_names.clear()
-        for tomb in self.registry.tombstone_owner(self.id):
+        for tomb in self.registry.tombstone_owner(self.id, self._sign_claim):
             self.registry.own_clock = max(self.registry.own_clock, tomb.clock)
             self.broadcasts.queue(("name", tomb.name, self.id), tomb, urgent=True)
             self._emit(EventKind.NAME, self.id, now, name=tomb.name, tombstone=True)
@@ -276,7 +293,8 @@ class Swim:
         me = self.me
         me.state = State.LEFT
         me.state_change = now
-        msg = Dead(self.incarnation, self.id, self.id)
+        msg = self._accusation(Dead, self.id, self.incarnation)
+        me.proof = msg.sig  # push-pull passes our leave on as our own word
         self.broadcasts.queue(self.id, msg)
         for node in list(self._live)[:64]:
             m = self.members[node]
@@ -436,15 +454,16 @@ class Swim:
             if not known and ms.node != sender:
                 continue
             if ms.state == State.ALIVE:
-                self._on_alive(Alive(ms.incarnation, ms.node, ms.addr, ms.meta), now)
+                self._on_alive(Alive(ms.incarnation, ms.node, ms.addr, ms.meta, ms.sig), now)
             elif ms.state == State.LEFT:
-                self._on_dead(Dead(ms.incarnation, ms.node, ms.node), now)
+                self._on_dead(Dead(ms.incarnation, ms.node, ms.node, ms.sig), now)  # its own leave
             else:
                 # Dead is only a suspicion until we see it ourselves: it may refute.
                 # A member we never knew stays unknown (memberlist's mergeState:
                 # suspectNode ignores unknown nodes); if it lives, its own Alive
-                # will reach us.
-                self._on_suspect(Suspect(ms.incarnation, ms.node, sender), now)
+                # will reach us.  Hearsay: nobody signed it, so it starts a suspicion
+                # of ours but confirms none and is not passed on as anyone's word.
+                self._on_suspect(Suspect(ms.incarnation, ms.node, sender), now, hearsay=True)
         for claim in msg.names:
             if known or claim.owner == sender:
                 self._on_name(claim, now)
@@ -454,13 +473,20 @@ class Swim:
     def _handle_path_summary(self, msg: PathSummary, sender: bytes, addr: str, now: float) -> None:
         held = self.path_summaries.get(msg.node)
         if msg.node == self.id:
-            if held is not None and msg.version >= held[0].version:
-                # Somebody speaks for us: say our own paths again, past their version.
+            if held is not None and msg.version >= held[0].version and self.facts.verify(
+                    self.id, msg.sig, paths_data(msg)):
+                # Our last process's summary: say our own paths again, past its version.
                 self.counters["path_summary_refuted"] += 1
-                self._on_path_summary(replace(held[0], version=next_counter(msg.version)), now)
+                self._on_path_summary(self._sign_paths(replace(held[0], version=next_counter(msg.version))),
+                                      now)
             return
         if msg.node not in self.members:
             return  # only members' paths are drawn; a known member's next summary arrives soon
+        if held is not None and held[0].version >= msg.version:
+            return
+        if not self.facts.verify(msg.node, msg.sig, paths_data(msg)):
+            self.counters["rx_bad_signature"] += 1
+            return
         self._on_path_summary(msg, now)
 
     def _on_path_summary(self, msg: PathSummary, now: float) -> None:
@@ -469,6 +495,19 @@ class Swim:
             return  # old news: neither kept nor passed on
         self.path_summaries[msg.node] = (msg, now)
         self.broadcasts.queue(("paths", msg.node), msg, background=True)
+
+    def _handle_keyring_change(self, msg: KeyringChange, sender: bytes, addr: str, now: float) -> None:
+        if msg.issuer == self.id or msg.clock <= self._keyring_clocks.get(msg.issuer, -1):
+            return  # ours, or applied already
+        if msg.issuer not in self.members or not self.facts.verify(
+                msg.issuer, msg.sig, keyring_change_data(msg)):
+            self.counters["rx_bad_signature"] += 1
+            return
+        self._keyring_clocks[msg.issuer] = msg.clock
+        if len(self._keyring_clocks) > MAX_KEYRING_ISSUERS:
+            del self._keyring_clocks[next(iter(self._keyring_clocks))]
+        self.broadcasts.queue(("keyring", msg.issuer), msg, urgent=True)
+        self._emit(EventKind.KEYRING, msg.issuer, now, change=msg)
 
     _handlers: ClassVar[dict[type[Message], Callable[[Swim, Any, bytes, str, float], None]]] = {
         Ping: _handle_ping,
@@ -481,6 +520,7 @@ class Swim:
         NameClaim: _handle_name,
         PushPull: _handle_push_pull,
         PathSummary: _handle_path_summary,
+        KeyringChange: _handle_keyring_change,
     }
 
     # -------------------------------------------------------- state changes
@@ -489,7 +529,8 @@ class Swim:
         if msg.node == self.id:
             if msg.incarnation >= self.incarnation and not self.leaving and (
                 msg.incarnation > self.incarnation or msg.meta != self.me.meta or msg.addr != self.me.addr
-            ):
+            ) and self._signed_alive(msg):
+                # Our own word, from our last process: say ours past it.
                 self._refute(msg.incarnation, now)
             return
         m = self.members.get(msg.node)
@@ -497,8 +538,10 @@ class Swim:
             if len(self.members) >= MAX_MEMBERS:
                 self.counters["members_refused_full"] += 1
                 return
+            if not self._signed_alive(msg):
+                return
             state = State.ALIVE
-            m = Member(msg.node, msg.addr, msg.meta, msg.incarnation, state, now)
+            m = Member(msg.node, msg.addr, msg.meta, msg.incarnation, state, now, proof=msg.sig)
             self.members[msg.node] = m
             self._set_live(m, True)
             # A newcomer goes to a random place in the probe order (memberlist).
@@ -506,7 +549,7 @@ class Swim:
             self.broadcasts.queue(msg.node, msg)
             self._emit(EventKind.JOIN, msg.node, now)
             return
-        if msg.incarnation <= m.incarnation:
+        if msg.incarnation <= m.incarnation or not self._signed_alive(msg):
             return
         self._suspicions.pop(msg.node, None)
         old = m.state
@@ -515,9 +558,13 @@ class Swim:
             # A new process under a known node id: whatever it held (sessions, caches) is gone.
             self.counters["restarts_seen"] += 1
             self._emit(EventKind.RESTART, msg.node, now, epoch=msg.meta.epoch)
-        m.incarnation, m.addr, m.meta = msg.incarnation, msg.addr, msg.meta
+        m.incarnation, m.addr, m.meta, m.proof = msg.incarnation, msg.addr, msg.meta, msg.sig
         if old is not State.ALIVE:
             m.state, m.state_change = State.ALIVE, now
+        if old is State.DEAD:
+            # Its names come back with it: what we wrote when we declared it dead was ours.
+            for claim in self.registry.revive_owner(msg.node):
+                self._emit(EventKind.NAME, msg.node, now, name=claim.name, tombstone=False)
         self._set_live(m, True)
         # A refutation clears a suspicion: it goes before accusations and other news,
         # so that it beats the suspicion timers it races (a false death is the worse error).
@@ -531,7 +578,9 @@ class Swim:
         elif meta_changed:
             self._emit(EventKind.UPDATE, msg.node, now)
 
-    def _on_suspect(self, msg: Suspect, now: float) -> None:
+    def _on_suspect(self, msg: Suspect, now: float, hearsay: bool = False) -> None:
+        """``msg.sender`` suspects ``msg.node``.  ``hearsay``: from a push-pull's member list,
+        signed by nobody: it may start a suspicion of ours, never confirm one or travel on."""
         m = self.members.get(msg.node)
         if m is None:
             return
@@ -541,18 +590,20 @@ class Swim:
                 self.broadcasts.queue(self.id, self._alive_self())
             return
         if msg.node == self.id:
-            if not self.leaving:
+            if not self.leaving and (hearsay or self._signed_accusation(msg)):
                 self._refute(msg.incarnation, now)
             return
         if m.state is State.SUSPECT:
             s = self._suspicions.get(msg.node)
-            if s is not None and s.confirm(msg.sender):
+            if not hearsay and s is not None and s.would_confirm(msg.sender) and self._signed_accusation(msg):
+                s.confirm(msg.sender)
                 self.broadcasts.queue(msg.node, msg)  # spread the confirmation
             return
-        if m.state is not State.ALIVE:
+        if m.state is not State.ALIVE or not (hearsay or self._signed_accusation(msg)):
             return
         m.incarnation, m.state, m.state_change = msg.incarnation, State.SUSPECT, now
-        self.broadcasts.queue(msg.node, msg)
+        if not hearsay:
+            self.broadcasts.queue(msg.node, msg)
         self.counters["suspicions"] += 1
         cfg = self.config
         n = self.live_count()
@@ -567,6 +618,8 @@ class Swim:
         m = self.members.get(msg.node)
         if m is None or msg.incarnation < m.incarnation or m.state in (State.DEAD, State.LEFT):
             return
+        if not self._signed_accusation(msg):
+            return  # a leave is only ever the member's own word; a death, a member's
         if msg.node == self.id:
             if not self.leaving:
                 self._refute(msg.incarnation, now)
@@ -575,6 +628,8 @@ class Swim:
         left = msg.sender == msg.node
         m.incarnation, m.state_change = msg.incarnation, now
         m.state = State.LEFT if left else State.DEAD
+        if left:
+            m.proof = msg.sig
         self._set_live(m, False)
         self.broadcasts.queue(msg.node, msg)
         for tomb in self.registry.tombstone_owner(msg.node):
@@ -582,6 +637,15 @@ class Swim:
         self._emit(EventKind.LEFT if left else EventKind.DEAD, msg.node, now, by=prefix(msg.sender))
 
     def _on_name(self, claim: NameClaim, now: float) -> None:
+        held = self.registry.get(claim.name, claim.owner)
+        if held is not None and not claim.beats(held):
+            return  # old news: no signature to check
+        if not claim.tombstone and not self._may_claim(claim):
+            self.counters["rx_names_refused"] += 1
+            return
+        if not self.facts.verify(claim.owner, claim.sig, claim_data(claim)):
+            self.counters["rx_bad_signature"] += 1
+            return
         if not self.registry.merge(claim):
             return
         self.broadcasts.queue(("name", claim.name, claim.owner), claim)
@@ -597,7 +661,7 @@ class Swim:
                 self.register_name(claim.name, now)
         elif not claim.tombstone:
             self.counters["names_withdrawn"] += 1
-            for tomb in self.registry.tombstone_owner_name(self.id, claim.name):
+            for tomb in self.registry.tombstone_owner_name(self.id, claim.name, self._sign_claim):
                 self.broadcasts.queue(("name", tomb.name, self.id), tomb)
 
     def _refute(self, accused: int, now: float) -> None:
@@ -655,7 +719,7 @@ class Swim:
                 m = self.members[node]
                 if m.state is State.SUSPECT:
                     self.counters["declared_dead"] += 1
-                    self._on_dead(Dead(m.incarnation, node, self.id), now)
+                    self._on_dead(self._accusation(Dead, node, m.incarnation), now)
         for seq, r in list(self._relays.items()):
             if now >= r.nack_at:
                 self._send(r.requester_addr, r.requester, [Nack(r.their_seq)])
@@ -677,7 +741,7 @@ class Swim:
         msgs: list[Message] = [Ping(seq, target)]
         if m.state is State.SUSPECT:
             # Buddy system: tell the suspect directly, so it can refute at once.
-            msgs.append(Suspect(m.incarnation, target, self.id))
+            msgs.append(self._accusation(Suspect, target, m.incarnation))
         self.counters["probes"] += 1
         # Always direct, even when the path table prefers the relay: this is how a
         # recovered direct link is found again.
@@ -731,7 +795,7 @@ class Swim:
         m = self.members.get(probe.target)
         if m is not None and m.state.live:
             # Already suspect: our own failed probe is an independent confirmation.
-            self._on_suspect(Suspect(m.incarnation, probe.target, self.id), now)
+            self._on_suspect(self._accusation(Suspect, probe.target, m.incarnation), now)
 
     def _gossip(self, now: float) -> None:
         """Dedicated gossip: only for fresh news, and within a budget.
@@ -825,7 +889,7 @@ class Swim:
     def _introduction(self) -> PushPull:
         """A join push-pull that carries ourselves and our own names only."""
         me = self.me
-        own = MemberState(me.id, me.addr, me.incarnation, int(me.state), me.meta)
+        own = MemberState(me.id, me.addr, me.incarnation, int(me.state), me.meta, self._alive_self().sig)
         return PushPull(True, True, (own,), tuple(c for c in self.registry.claims if c.owner == self.id))
 
     def _reconnect_targets(self, now: float) -> list[Member]:
@@ -882,14 +946,67 @@ class Swim:
         return Packet(sender=self.id, messages=tuple(msgs))
 
     def _push_pull(self, join: bool, reply: bool) -> PushPull:
+        me = self.me
         members = tuple(
-            MemberState(m.id, m.addr, m.incarnation, int(m.state), m.meta) for m in self.members.values()
+            MemberState(m.id, m.addr, m.incarnation, int(m.state), m.meta,
+                        self._alive_self().sig if m is me and not self.leaving else m.proof)
+            for m in self.members.values()
         )
-        return PushPull(join, reply, members, tuple(self.registry.claims))
+        # Entries nobody signed (tombstones we wrote when an owner died) are ours alone.
+        signed = self.facts.signing
+        return PushPull(join, reply, members, tuple(c for c in self.registry.claims if c.sig or not signed))
 
     def _alive_self(self) -> Alive:
         me = self.me
-        return Alive(self.incarnation, self.id, me.addr, me.meta)
+        key = (self.incarnation, me.addr, me.meta)
+        if self._alive_signed is None or self._alive_signed[0] != key:
+            self._alive_signed = key, self.facts.sign(alive_data(self.id, *key))
+            me.proof = self._alive_signed[1]
+        return Alive(self.incarnation, self.id, me.addr, me.meta, self._alive_signed[1])
+
+    # ------------------------------------------------------------- signing
+
+    def _signed_alive(self, msg: Alive) -> bool:
+        if self.facts.verify(msg.node, msg.sig, alive_data(msg.node, msg.incarnation, msg.addr, msg.meta)):
+            return True
+        self.counters["rx_bad_signature"] += 1
+        return False
+
+    def _signed_accusation(self, msg: Suspect | Dead) -> bool:
+        """Whether ``msg`` is its sender's own signed word, and the sender a live member (or
+        the accused itself, leaving): somebody who never joined accuses nobody."""
+        accuser = self.members.get(msg.sender)
+        if msg.sender != msg.node and (accuser is None or not accuser.state.live):
+            self.counters["rx_accusations_refused"] += 1
+            return False
+        kind = "suspect" if isinstance(msg, Suspect) else "dead"
+        data = accusation_data(kind, msg.node, msg.incarnation, msg.sender)
+        if self.facts.verify(msg.sender, msg.sig, data):
+            return True
+        self.counters["rx_bad_signature"] += 1
+        return False
+
+    def _accusation(self, kind: type[Suspect] | type[Dead], node: bytes, incarnation: int) -> Any:
+        """Our signed word that ``node`` is suspect or dead (our leave, for ourselves)."""
+        label = "suspect" if kind is Suspect else "dead"
+        sig = self.facts.sign(accusation_data(label, node, incarnation, self.id))
+        return kind(incarnation, node, self.id, sig)
+
+    def _sign_claim(self, claim: NameClaim) -> NameClaim:
+        return replace(claim, sig=self.facts.sign(claim_data(claim)))
+
+    def _sign_paths(self, summary: PathSummary) -> PathSummary:
+        return replace(summary, sig=self.facts.sign(paths_data(summary)))
+
+    def _may_claim(self, claim: NameClaim) -> bool:
+        """Whether ``claim.owner`` may hold ``claim.name``: stage names are for the allow list."""
+        return (self.allow_nodes is None or claim.owner in self.allow_nodes
+                or not claim.name.startswith(STAGE_NAME_PREFIXES))
+
+    def keyring_change(self, change: KeyringChange, now: float) -> None:
+        """Gossip our signed change of the mesh keyring to every member (the node applied it)."""
+        self.keyring_clock = max(self.keyring_clock, change.clock)
+        self.broadcasts.queue(("keyring", self.id), change, urgent=True)
 
     def _next_seq(self) -> int:
         self._seq = (self._seq + 1) & 0xFFFFFFFF

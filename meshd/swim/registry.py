@@ -7,9 +7,16 @@ another owner's claim.  A name resolves to its live set, the live owners of
 its non-tombstoned entries (the caller says which owners are live); more
 than one means replicas.  An owner that finds a tombstone in its own name
 while it lives claims again past it, as SWIM's refutation does.
+
+Entries travel signed by their owner (see facts.py); the caller passes the
+signing function for its own.  A tombstone written because an owner was
+declared dead is ours, unsigned and never passed on: if the owner refutes,
+its claims come back (``revive_owner``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from ..wire import MAX_PUSHPULL_NAMES, NameClaim, next_counter
 
@@ -17,12 +24,19 @@ from ..wire import MAX_PUSHPULL_NAMES, NameClaim, next_counter
 MAX_NAMES = MAX_PUSHPULL_NAMES
 
 Key = tuple[str, bytes]
+Sign = Callable[[NameClaim], NameClaim]
+
+
+def _unsigned(claim: NameClaim) -> NameClaim:
+    return claim
 
 
 class Registry:
     def __init__(self, clock: int = 0) -> None:
         self._by_name: dict[str, dict[bytes, NameClaim]] = {}
         self._count = 0
+        # Owners' claims hidden by a tombstone we wrote when we declared the owner dead.
+        self._buried: dict[Key, NameClaim] = {}
         # The highest clock we used for a claim of our own; a restart continues from it
         # (the node persists it beside its key file) so a new claim beats the old entries.
         self.own_clock = clock
@@ -34,6 +48,7 @@ class Registry:
             return False
         if held is None and self._count >= MAX_NAMES and not self._evict():
             return False  # a flood of made-up names must not grow the table
+        self._buried.pop(claim.key, None)
         self._put(claim)
         return True
 
@@ -52,29 +67,49 @@ class Registry:
             self._count += 1
         entries[claim.owner] = claim
 
-    def claim(self, name: str, owner: bytes) -> NameClaim:
+    def claim(self, name: str, owner: bytes, sign: Sign = _unsigned) -> NameClaim:
         """Our claim on ``name``, past any entry in our name (a tombstone of a past process)."""
         held = self.get(name, owner)
         self.own_clock = next_counter(max(self.own_clock, held.clock if held is not None else 0))
-        claim = NameClaim(name=name, owner=owner, clock=self.own_clock, tombstone=False)
+        claim = sign(NameClaim(name=name, owner=owner, clock=self.own_clock, tombstone=False))
+        self._buried.pop(claim.key, None)
         self._put(claim)
         return claim
 
-    def tombstone_owner(self, owner: bytes) -> list[NameClaim]:
-        """Tombstone every live entry of ``owner``; returns the tombstones."""
+    def tombstone_owner(self, owner: bytes, sign: Sign | None = None) -> list[NameClaim]:
+        """Tombstone every live entry of ``owner``; returns the tombstones.
+
+        ``sign`` given: the owner's own withdrawal, signed.  None: the owner was declared
+        dead; the tombstones are ours, and ``revive_owner`` undoes them."""
         out = []
         for name in list(self._by_name):
-            out.extend(self.tombstone_owner_name(owner, name))
+            out.extend(self.tombstone_owner_name(owner, name, sign))
         return out
 
-    def tombstone_owner_name(self, owner: bytes, name: str) -> list[NameClaim]:
+    def tombstone_owner_name(self, owner: bytes, name: str, sign: Sign | None = None) -> list[NameClaim]:
         """Tombstone ``owner``'s entry for ``name`` if it is live; returns the tombstone, if any."""
         held = self.get(name, owner)
         if held is None or held.tombstone:
             return []
         tomb = NameClaim(name=name, owner=owner, clock=next_counter(held.clock), tombstone=True)
+        if sign is None:
+            self._buried[held.key] = held
+        else:
+            tomb = sign(tomb)
         self._put(tomb)
         return [tomb]
+
+    def revive_owner(self, owner: bytes) -> list[NameClaim]:
+        """An owner we declared dead refuted: its claims our tombstones hid hold again."""
+        out = []
+        for key, claim in list(self._buried.items()):
+            if key[1] == owner:
+                del self._buried[key]
+                held = self.get(*key)
+                if held is not None and held.tombstone and not held.sig:
+                    self._put(claim)
+                    out.append(claim)
+        return out
 
     def owners(self, name: str) -> list[bytes]:
         """Every owner with a live (non-tombstoned) entry for ``name``, alive or not."""
@@ -92,6 +127,7 @@ class Registry:
             for owner, held in entries.items():
                 if held.tombstone:
                     del entries[owner]
+                    self._buried.pop((name, owner), None)
                     if not entries:
                         del self._by_name[name]
                     self._count -= 1

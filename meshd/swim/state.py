@@ -30,6 +30,9 @@ class Member:
     state_change: float
     last_seen: float | None = None  # any packet from it
     rtt: float | None = None  # last direct probe round trip
+    # Its own signature: over its Alive (incarnation, addr, meta) while it lives, over its
+    # leave once it left; push-pull passes it on, so its word reaches others as its own.
+    proof: bytes = b""
 
     @property
     def prefix(self) -> str:
@@ -61,6 +64,7 @@ class EventKind(enum.Enum):
     NAME = "name"  # the registry changed
     RESTART = "restart"  # a member's new process (a new epoch): detail {"epoch"}
     PATH = "path"  # a probe told us which path reaches a member: detail {"direct": bool, "rtt"}
+    KEYRING = "keyring"  # a member changed the mesh keyring: detail {"change": KeyringChange}
 
 
 @dataclass(frozen=True, slots=True)

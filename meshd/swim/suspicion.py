@@ -28,6 +28,10 @@ class Suspicion:
         self.n = 0
         self.deadline = start + suspicion_duration(0, k, low, high)
 
+    def would_confirm(self, sender: bytes) -> bool:
+        """Whether ``sender``'s accusation would count (checked before its signature is)."""
+        return self.n < self.k and sender not in self.confirmers
+
     def confirm(self, sender: bytes) -> bool:
         """Count an independent confirmation; True if it was new and shortened the timer."""
         if self.n >= self.k or sender in self.confirmers:
