@@ -5,7 +5,7 @@ It reads node state only through the mesh's ``snapshot()``, joins only through
 its ``join`` and drives generation only through the orchestrator's
 ``Generator`` interface.  It serves the page (``/``), the dashboard API
 (``/api/peers``, ``/api/peers/add``, ``/api/topology``, ``/api/snapshot``,
-``/api/traces``, ``/metrics``) and ``/api/generate`` and ``/v1/completions``.
+``/api/traces``, ``/api/keys``, ``/metrics``) and ``/api/generate`` and ``/v1/completions``.
 
 Every request passes ``guard.DashboardGuard`` first: the Host must name this
 dashboard, a state-changing request must come from its own page (Origin) with
@@ -124,6 +124,28 @@ async def api_peers_add(request: Request) -> Response:
     return JSONResponse({"joining": addr}, status_code=202)
 
 
+async def api_keys(request: Request) -> Response:
+    return JSONResponse(views.keys(_mesh(request).snapshot()))
+
+
+async def api_keys_change(request: Request) -> Response:
+    """``{"op": "install"|"use"|"remove", "key": KEY}``: a rotation step for the whole mesh,
+    applied here and gossiped (KEY: base64 for install; the key or its id for use and remove)."""
+    from meshd.keyring import KeyringError
+
+    try:
+        body = await json_body(request)
+        op, key = body.get("op"), body.get("key")
+        if op not in ("install", "use", "remove"):
+            raise BadRequest("'op' must be install, use or remove")
+        if not isinstance(key, str) or not key or len(key) > 128:
+            raise BadRequest("'key' must be a string: the key (base64), or for use and remove its id")
+        done = _mesh(request).change_keyring(op, key)
+    except (BadRequest, KeyringError) as exc:
+        return error(400, str(exc))
+    return JSONResponse(done, status_code=202)
+
+
 async def api_topology(request: Request) -> Response:
     return JSONResponse(views.topology(_mesh(request).snapshot()))
 
@@ -163,6 +185,8 @@ def create_app(node: Mesh, generator: Generator | None = None, token: str | None
         Route("/api/peers/add", api_peers_add, methods=["POST"]),
         Route("/api/topology", api_topology, methods=["GET"]),
         Route("/api/traces", api_traces, methods=["GET"]),
+        Route("/api/keys", api_keys, methods=["GET"]),
+        Route("/api/keys", api_keys_change, methods=["POST"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/api/snapshot", api_snapshot, methods=["GET"]),
         *generation.ROUTES,

@@ -207,3 +207,13 @@ def _unresolved(snap: dict) -> list[dict[str, Any]]:
                     "detail": f"{name} does not resolve to a live node (owners: {states})",
                     "check": f"start {name}'s node, or check why its owners are not alive"})
     return out
+
+
+def keys(snap: dict) -> dict:
+    """``GET /api/keys``: our mesh keyring and every member's, as their metadata says (``members``
+    holds ourselves first, then the others in any state)."""
+    me = snap["self"]
+    ring = list(me.get("keyring") or [])
+    members = [{"name": _name(m), "prefix": m["prefix"], "state": m.get("state"),
+                "keyring": list(m.get("keyring") or [])} for m in [me, *snap.get("members", [])]]
+    return {"keyring": ring, "primary": ring[0] if ring else None, "members": members}

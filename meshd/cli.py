@@ -9,7 +9,7 @@ import sys
 
 from . import __version__
 from .argtypes import positive_float
-from .identity import Identity, IdentityError, load_or_create
+from .identity import Identity, IdentityError, load_node_ids, load_or_create
 from .net.faults import Faults, FaultSpecError
 from .net.udp import AddressError, BindError, parse_addr
 from .swim import PROFILES
@@ -67,10 +67,21 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--fault", action="append", default=[], metavar="SPEC",
                      help="inject a fault in this node's transport: drop:HOST:PORT (our direct packets "
                           "to that peer are lost), isolate, loss:P, delay:MS; repeatable")
+    run.add_argument("--allow-nodes", metavar="FILE",
+                     help="only the node ids in FILE (one per line, 64 hex digits) may claim stage names")
+    trust = run.add_mutually_exclusive_group()
+    trust.add_argument("--mesh-key-file", metavar="PATH",
+                       help="the mesh's key(ring): every packet is sealed with it and what does not open "
+                            "is dropped (make one with `meshd keys generate --out PATH`); required beyond "
+                            "loopback unless --insecure")
+    trust.add_argument("--insecure", action="store_true",
+                       help="run beyond loopback without a mesh key: anyone who reaches the port can join")
     run.set_defaults(func=_cmd_run)
 
     from .relay.cli import add_parser as add_relay
     add_relay(sub)
+    from .keys_cli import add_parser as add_keys
+    add_keys(sub)
     from .sim.cli import add_parser as add_sim
     add_sim(sub)
     from .launch.smoke import add_parser as add_smoke
@@ -118,6 +129,23 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parse_addr(args.dashboard, allow_port_zero=True)
         except AddressError as exc:
             parser.error(f"run: --dashboard: {exc}")
+    mesh_key = None
+    if args.mesh_key_file:
+        from .keyring import KeyringError, load
+
+        try:
+            mesh_key = load(args.mesh_key_file)
+        except KeyringError as exc:
+            print(f"meshd: error: --mesh-key-file: {exc}", file=sys.stderr)
+            return 2
+    elif not _on_loopback(args.bind):
+        if not args.insecure:
+            print(f"meshd: refusing to run on {args.bind} without a mesh key: anyone who can reach this "
+                  "port could join the mesh, take a stage and read activations; give --mesh-key-file PATH "
+                  "(make one with: meshd keys generate --out PATH), or --insecure", file=sys.stderr)
+            return 2
+        print(f"meshd: warning: running on {args.bind} without a mesh key (--insecure): anyone who can "
+              "reach this port can join the mesh", file=sys.stderr)
     model_dir = args.model
     if args.stub:
         from .pipeline.stub import stub_checkpoint
@@ -141,6 +169,7 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"run: {exc}")
     try:
         identity = load_or_create(args.key_file) if args.key_file else Identity.generate()
+        allow_nodes = load_node_ids(args.allow_nodes) if args.allow_nodes else None
     except IdentityError as exc:
         print(f"meshd: error: {exc}", file=sys.stderr)
         return 2
@@ -159,12 +188,28 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         model=model_dir,
         dashboard=None if args.dashboard == "off" else args.dashboard,
         state_file=state_file_for(args.key_file) if args.key_file else None,
+        allow_nodes=allow_nodes,
+        mesh_key=mesh_key,
+        mesh_key_file=args.mesh_key_file,
     )
     try:
         return trio.run(run_daemon, identity, options)
     except BindError as exc:
         print(f"meshd: error: {exc.strerror}", file=sys.stderr)
         return 2
+
+
+def _on_loopback(bind: str) -> bool:
+    """Whether ``bind`` (HOST:PORT) listens on loopback only: 127.0.0.0/8, ::1 or localhost."""
+    import ipaddress
+
+    host = parse_addr(bind, allow_port_zero=True)[0]
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve anywhere
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -108,3 +108,28 @@ def _create(path: Path) -> Identity:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
     return identity
+
+
+def load_node_ids(path: str | os.PathLike) -> frozenset[bytes]:
+    """The node ids listed in ``path`` (``--allow-nodes``): one full id (64 hex digits, as the
+    boot line prints it) per line; ``#`` starts a comment.  IdentityError says what is wrong."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise IdentityError(f"cannot read node id list {path}: {exc}") from None
+    ids = set()
+    for n, line in enumerate(text.splitlines(), 1):
+        word = line.split("#", 1)[0].strip()
+        if not word:
+            continue
+        try:
+            node_id = bytes.fromhex(word)
+        except ValueError:
+            node_id = b""
+        if len(node_id) != 32:
+            raise IdentityError(f"{path} line {n}: expected a node id of 64 hex digits, got {word[:70]!r}")
+        ids.add(node_id)
+    if not ids:
+        raise IdentityError(f"node id list {path} names no node")
+    return frozenset(ids)

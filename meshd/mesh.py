@@ -121,3 +121,9 @@ class Mesh(Protocol):
     def join(self, addrs: list[str]) -> None:
         """Join (again) through ``addrs`` (HOST:PORT each)."""
         ...
+
+    def change_keyring(self, op: str, key: str) -> dict[str, Any]:
+        """Change the mesh keyring here and on every member: ``install`` the key ``key``
+        (base64), ``use`` or ``remove`` the key ``key`` (the key or its id).  Returns what was
+        done; raises ``meshd.keyring.KeyringError`` saying why it cannot be."""
+        ...

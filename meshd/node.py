@@ -20,14 +20,17 @@ import trio
 from . import __version__
 from . import memory as node_memory
 from .identity import Identity
+from .keyring import Keyring
 from .mesh import Handler, MemberInfo
 from .net.amplification import AmplificationGuard
 from .net.channel import DataChannel
 from .net.faults import Faults
 from .net.path_table import RELAY, PathTable
 from .net.udp import MAX_DATAGRAM, AddressError, format_addr, open_udp_and_tcp, parse_addr
+from .rotation import KeyRotation
 from .snapshot import SnapshotWriter, snapshot, stage_sort_key
 from .swim import PROFILES, EventKind, State, Swim
+from .swim.facts import SignedFacts
 from .swim.state import Member
 from .wire import (
     RELAY_DATA,
@@ -67,6 +70,11 @@ MAX_LOGGED_HANDLER_ERRORS = 20
 # The state file is rewritten at most this often, and only when what it holds changed.
 MEMORY_SAVE_INTERVAL_S = 1.0
 
+# Packets that do not open with our mesh key: one log line per source this often at most,
+# and this many sources remembered for it (spoofed sources must not grow it without bound).
+UNSEALED_LOG_INTERVAL_S = 60.0
+MAX_UNSEALED_SOURCES = 1024
+
 
 @dataclass
 class NodeOptions:
@@ -88,6 +96,12 @@ class NodeOptions:
     # Beside the key file: the members we knew and our name clock, for the next restart
     # (see meshd.memory); None remembers nothing.
     state_file: str | None = None
+    # Node ids that may claim stage names (``--allow-nodes``); None lets every member.
+    allow_nodes: frozenset[bytes] | None = None
+    # The mesh key: every datagram and relay payload is sealed with it, and what does not
+    # open is dropped unread.  None (--insecure, or on loopback) sends packets as they are.
+    mesh_key: Keyring | None = None
+    mesh_key_file: str | None = None  # where a rotation saves the ring, so a restart has it
 
     @property
     def name(self) -> str:
@@ -137,19 +151,24 @@ class Node:
         self._memory = node_memory.NodeMemory()  # as loaded, then as last saved
         self._memory_error: str | None = None  # the last save error, logged once
         self._memory_lock = trio.Lock()  # the loop and leave() write the same file
+        # Changed in place by a rotation, so every holder (the relay client) sees the change.
+        self.mesh_key = options.mesh_key
+        self._unsealed: dict[str, tuple[float, int]] = {}  # source -> (last logged, dropped since)
+        self.rotation = KeyRotation(self)
         self.relay = None
         if options.relay:
             from .relay.client import RelayClient
 
-            self.relay = RelayClient(options.relay, identity)
+            self.relay = RelayClient(options.relay, identity, mesh_key=self.mesh_key)
         self._listeners: list[trio.SocketListener] | None = None
         self.data = DataChannel(
             identity.node_id,
             addr_of=self._addr_of,
             describe=self.describe,
-            relay_send=self.relay.send if self.relay is not None else None,
+            relay_send=self._relay_send if self.relay is not None else None,
             sign=identity.sign,
             faults=options.faults,
+            keyring=self.mesh_key,
         )
 
     # ---------------------------------------------------------------- serve
@@ -179,11 +198,14 @@ class Node:
                 relay_url=opts.relay,
                 version=__version__,
                 epoch=self.data.epoch,
+                dh=self.data.public_key,
                 checkpoint=opts.checkpoint,
+                keyring=tuple(self.mesh_key.ids) if self.mesh_key is not None else (),
             )
             now = trio.current_time()
             self.swim = swim = Swim(
-                self.identity.node_id, self.addr, meta, PROFILES[opts.profile], random.Random(), now
+                self.identity.node_id, self.addr, meta, PROFILES[opts.profile], random.Random(), now,
+                facts=SignedFacts(self.identity), allow_nodes=opts.allow_nodes,
             )
             self.out(
                 f"meshd node id={self.identity.node_id.hex()} prefix={self.identity.prefix} "
@@ -191,6 +213,8 @@ class Node:
                 f"addr={self.addr} relay={opts.relay or '-'}"
             )
             self.out(f"meshd candidates {' '.join(self.candidates)}")
+            if self.mesh_key is not None:
+                self.out(f"meshd mesh-key keys={','.join(self.mesh_key.ids)}")
             if opts.faults.active:
                 self.out(f"meshd faults {' '.join(opts.faults.describe())}")
             if opts.state_file:
@@ -226,6 +250,8 @@ class Node:
                 nursery.start_soon(self._receive_loop)
                 nursery.start_soon(self._timer_loop)
                 nursery.start_soon(self._path_summary_loop)
+                if self.mesh_key is not None:
+                    nursery.start_soon(self.rotation.resend_loop)
                 if self._snapshots is not None:
                     nursery.start_soon(self._snapshot_loop)
                 if opts.state_file:
@@ -399,8 +425,11 @@ class Node:
                 continue
             now = trio.current_time()
             source = format_addr(addr[0], addr[1])
+            opened = self._open(data, source, now)
+            if opened is None:
+                continue  # not a member's: it earns no budget and gets no answer
             self.guard.received(source, len(data), now)
-            sender = self._receive(data, source, now)
+            sender = self._receive(opened, source, now)
             if sender is not None:
                 self.paths.received(sender, "direct", now)
             await self._proven()
@@ -434,14 +463,18 @@ class Node:
             if self.options.faults.relay_blocked():
                 swim.counters["rx_fault_dropped"] += 1
                 continue
-            if item.payload[:1] == RELAY_DATA:
+            source = f"{RELAY_ADDR_PREFIX}{item.src.hex()[:8]}"
+            payload = self._open(item.payload, source, trio.current_time())
+            if payload is None:
+                continue
+            if payload[:1] == RELAY_DATA:
                 try:
-                    await self.data.on_relay_payload(item.src, item.payload)
+                    await self.data.on_relay_payload(item.src, payload)
                 except Exception:
                     self.handler_error("relayed data frame", item.src.hex()[:8])
                 continue
             try:
-                claimed = packet_sender(item.payload)
+                claimed = packet_sender(payload)
             except WireError:
                 swim.counters["rx_bad_packet"] += 1
                 continue
@@ -452,7 +485,7 @@ class Node:
             now = trio.current_time()
             m = swim.members.get(item.src)
             addr = m.addr if m is not None else f"{RELAY_ADDR_PREFIX}{item.src.hex()[:8]}"
-            sender = self._receive(item.payload, addr, now, via=RELAY)  # answered the same way
+            sender = self._receive(payload, addr, now, via=RELAY)  # answered the same way
             if sender is not None:
                 self.paths.received(item.src, RELAY, now)
             await self._proven()
@@ -522,6 +555,9 @@ class Node:
         for ev in self.core.events():
             if ev.node is None:
                 continue  # every event a driver reacts to names a member
+            if ev.kind is EventKind.KEYRING:
+                self.rotation.changed_by(ev.node, ev.detail["change"])
+                continue
             if ev.kind is EventKind.PATH:
                 self._path_changed(ev.node, ev.detail["direct"], ev.detail["rtt"], ev.at)
                 continue
@@ -534,8 +570,12 @@ class Node:
                          f"incarnation={m.incarnation}{detail}")
             if ev.kind is not EventKind.SUSPECT and ev.kind is not EventKind.ALIVE:
                 changed = True
+            if (ev.kind in (EventKind.JOIN, EventKind.UPDATE, EventKind.RESTART) and m is not None
+                    and ev.node != self.core.id and m.meta.epoch):
+                # Its own signed word on its process: a new epoch restarts our sessions with it,
+                # and its X25519 key is what data to and from that process is sealed with.
+                self.data.note_epoch(ev.node, m.meta.epoch, m.meta.dh)
             if ev.kind is EventKind.RESTART:
-                self.data.note_epoch(ev.node, ev.detail["epoch"])
                 # Its new process may sit at a new address that has yet to prove itself:
                 # probe it first, so what we hold back for that address goes at once.
                 self.core.probe_soon(ev.node, ev.at)
@@ -651,7 +691,7 @@ class Node:
         self.paths.sent(node)
         assert self.relay is not None
         try:
-            await self.relay.send(node, data)
+            await self.relay.send(node, self._seal(data))
         except (RelayError, ValueError) as exc:
             swim.counters["tx_relay_errors"] += 1
             log.debug("relay send to %s: %s", node.hex()[:8], exc)
@@ -665,6 +705,7 @@ class Node:
     async def _sendto(self, data: bytes, addr: str, node: bytes | None = None) -> None:
         swim = self.core
         self.paths.sent(node)
+        data = self._seal(data)
         try:
             await self._socket.sendto(data, parse_addr(addr))
         except AddressError as exc:
@@ -676,6 +717,40 @@ class Node:
         else:
             swim.counters["tx_bytes"] += len(data)
 
+    # ------------------------------------------------------------ the mesh key
+
+    def _seal(self, data: bytes) -> bytes:
+        """``data`` as it goes on the wire: sealed with our mesh key, if we have one."""
+        return self.mesh_key.seal(data) if self.mesh_key is not None else data
+
+    def _open(self, data: bytes, source: str, now: float) -> bytes | None:
+        """What a received datagram or relay payload holds, or None (counted, and logged once a
+        minute per source) if it does not open with our mesh key."""
+        if self.mesh_key is None:
+            return data
+        opened = self.mesh_key.open(data)
+        if opened is not None:
+            return opened
+        self.core.counters["rx_unsealed_dropped"] += 1
+        logged, dropped = self._unsealed.pop(source, (-UNSEALED_LOG_INTERVAL_S, 0))
+        dropped += 1
+        if now - logged >= UNSEALED_LOG_INTERVAL_S:
+            log.warning("dropped packets from %s: not sealed with our mesh key (%d since the last line)",
+                        source, dropped)
+            logged, dropped = now, 0
+        self._unsealed[source] = (logged, dropped)  # last: the oldest source goes first
+        if len(self._unsealed) > MAX_UNSEALED_SOURCES:
+            del self._unsealed[next(iter(self._unsealed))]
+        return None
+
+    async def _relay_send(self, node: bytes, data: bytes) -> None:
+        """The data channel's way to the relay: its frames sealed like every other payload."""
+        assert self.relay is not None
+        await self.relay.send(node, self._seal(data))
+
+    def change_keyring(self, op: str, key: str) -> dict[str, Any]:
+        """A step of a mesh-key rotation, here and on every member (see meshd.rotation)."""
+        return self.rotation.change(op, key)
 
 async def _close_on_exit(listeners: list[trio.SocketListener]) -> None:
     try:

@@ -34,6 +34,7 @@ def member_view(m: Member, now: float) -> dict:
         "epoch": m.meta.epoch,
         "checkpoint": m.meta.checkpoint,
         "draining": m.meta.draining,
+        "keyring": list(m.meta.keyring),  # ids of the mesh keys it holds, the one it seals with first
         "rtt_ms": None if m.rtt is None else round(m.rtt * 1000, 3),
         "last_seen_s": None if m.last_seen is None else round(now - m.last_seen, 3),
         "state_age_s": round(now - m.state_change, 3),

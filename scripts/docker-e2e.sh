@@ -19,6 +19,7 @@ elif ! docker info >/dev/null 2>&1; then
 fi
 export MESHD_STAGES=$n COMPOSE_PROJECT_NAME="meshd-e2e-$$" MESHD_DASHBOARD_PORT=${MESHD_DASHBOARD_PORT:-18080}
 export MESHD_DASHBOARD_TOKEN=${MESHD_DASHBOARD_TOKEN:-$(python3 -c "import secrets; print(secrets.token_urlsafe(24))")}
+export MESHD_MESH_KEY=${MESHD_MESH_KEY:-$(python3 -c "import base64, os; print(base64.b64encode(os.urandom(32)).decode())")}
 compose=(docker compose -f docker/compose.yaml)
 cleanup() {
     "${compose[@]}" down --remove-orphans --timeout 5 >/dev/null 2>&1 || true

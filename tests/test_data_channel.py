@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import struct
+from collections.abc import Callable
 from functools import partial
 
 import pytest
@@ -12,6 +13,7 @@ import trio
 
 from meshd.identity import Identity
 from meshd.net.channel import CHUNK_BYTES, DataChannel, DeliveryError
+from meshd.net.data_keys import ProcessKeys
 from meshd.net.faults import Faults
 from meshd.net.framing import frame, next_frame, read_packet
 from meshd.net.handshake import proof_data
@@ -19,7 +21,7 @@ from meshd.node import NodeOptions
 from meshd.relay.server import RelayBindError, serve_relay
 from meshd.swim import LOCAL
 from meshd.testing.inprocess import start_node, wait_converged
-from meshd.testing.stranger import open_data_stream
+from meshd.testing.stranger import chunk_frame, open_data_stream
 from meshd.wire import (
     MAX_FRAME_BYTES,
     STREAM_NONCE_BYTES,
@@ -241,19 +243,20 @@ async def test_dispatch_keeps_a_senders_order_when_its_path_moves_from_the_relay
 
 
 def _chunk_frame(sender: bytes, data: bytes) -> bytes:
-    """A whole message as one stream frame: message 1 of session 1."""
-    return frame(Packet(sender, (DataChunk(1, 1, len(data), 0, data),)))
+    """A whole message as one stream frame, sealed with the keys of ``sender``'s last
+    handshake: message 1 of session 1."""
+    return chunk_frame(sender, DataChunk(1, 1, len(data), 0, data))
 
 
-async def _handshake_as(addr: str, claimed: bytes, signer: Identity, then: bytes):
-    """Dial ``addr`` as ``claimed``, signing with ``signer``'s key; then write ``then``.
+async def _handshake_as(addr: str, claimed: bytes, signer: Identity, then: Callable[[], bytes]):
+    """Dial ``addr`` as ``claimed``, signing with ``signer``'s key; then write ``then()``.
 
     Returns the node's proof packet, or None if it closed the stream instead."""
     stream, answer = await open_data_stream(addr, signer, claimed)
     async with stream:
         if answer is None:
             return None
-        await stream.send_all(then)
+        await stream.send_all(then())
         await trio.sleep(0.5)
         return answer
 
@@ -270,10 +273,11 @@ async def test_a_data_stream_must_prove_its_node_id_before_anything_is_delivered
             got: list = []
             nursery.start_soon(_collect, a, 10, got)
             # Claims to be stage-0 but signs with its own key: refused, nothing delivered.
-            assert await _handshake_as(a.addr, victim, intruder, _chunk_frame(victim, b"forged")) is None
+            forged = partial(_chunk_frame, victim, b"forged")
+            assert await _handshake_as(a.addr, victim, intruder, forged) is None
             assert a.data.counters["handshake_failures"] == 1
             # The same client proving its own id is heard, under that id (the test's handshake is right).
-            honest = _chunk_frame(intruder.node_id, b"honest")
+            honest = partial(_chunk_frame, intruder.node_id, b"honest")
             answer = await _handshake_as(a.addr, intruder.node_id, intruder, honest)
             assert answer is not None and answer.sender == a.identity.node_id
             with trio.fail_after(5):
@@ -315,8 +319,9 @@ async def test_a_bad_frame_does_not_lose_the_good_ones_read_with_it():
             got: list = []
             nursery.start_soon(_collect, a, 1, got)
             garbled = struct.pack("!I", 5) + b"\xc1\xc1\xc1\xc1\xc1"
-            good = _chunk_frame(outsider.node_id, b"good")
-            answer = await _handshake_as(a.addr, outsider.node_id, outsider, good + garbled)  # one write
+            good = partial(_chunk_frame, outsider.node_id, b"good")
+            # Both in one write.
+            answer = await _handshake_as(a.addr, outsider.node_id, outsider, lambda: good() + garbled)
             assert answer is not None
             with trio.fail_after(5):
                 while not got:
@@ -362,10 +367,11 @@ async def _accept_as(stream, identity: Identity, epoch: int = 3) -> bytearray:
     what it read past it."""
     buf = bytearray()
     nonce = b"\x03" * STREAM_NONCE_BYTES
-    await stream.send_all(frame(Packet(identity.node_id, (StreamChallenge(nonce, epoch),))))
+    dh = ProcessKeys(identity.node_id, epoch).public
+    await stream.send_all(frame(Packet(identity.node_id, (StreamChallenge(nonce, epoch, dh),))))
     proof = await read_packet(stream, buf)
-    signature = identity.sign(proof_data(proof.messages[0].nonce, proof.sender, identity.node_id, epoch))
-    await stream.send_all(frame(Packet(identity.node_id, (StreamProof(nonce, signature, epoch),))))
+    signature = identity.sign(proof_data(proof.messages[0].nonce, proof.sender, identity.node_id, epoch, dh))
+    await stream.send_all(frame(Packet(identity.node_id, (StreamProof(nonce, signature, epoch, dh),))))
     return buf
 
 

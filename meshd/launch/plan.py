@@ -126,6 +126,7 @@ class RunPlan:
     snapshot_dir: str
     key_dir: str  # every node's key file lives under it, so a restarted node keeps its identity
     replicas: int = 1
+    mesh_key: str | None = None  # the run's mesh key file; None runs the mesh without one (--insecure)
 
     @property
     def names(self) -> list[str]:
@@ -138,10 +139,13 @@ def key_file(plan: RunPlan, name: str) -> str:
 
 
 def job_argvs(plan: RunPlan) -> dict[str, list[str]]:
-    """Each job's ``meshd`` arguments: the relay, then every node seeded through all the others."""
+    """Each job's ``meshd`` arguments: the relay, then every node seeded through all the others;
+    all of them with the run's mesh key (or, without one, every node told ``--insecure``)."""
+    keyed = ["--mesh-key-file", plan.mesh_key] if plan.mesh_key else []
     common = ["--stages", str(plan.stages), "--relay", f"ws://{plan.relay_bind}", "--model", plan.model,
-              "--profile", "local", "--snapshot-dir", plan.snapshot_dir, "--snapshot-interval", "1"]
-    argvs = {"relay": ["relay", "--bind", plan.relay_bind]}
+              "--profile", "local", "--snapshot-dir", plan.snapshot_dir, "--snapshot-interval", "1",
+              *(keyed or ["--insecure"])]
+    argvs = {"relay": ["relay", "--bind", plan.relay_bind, *keyed]}
     for name, addr in plan.addrs.items():
         # Every other node is a seed: a node whose direct path to one is filtered joins through another.
         seeds = [f"--seed={other}" for n, other in plan.addrs.items() if n != name]

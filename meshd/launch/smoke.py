@@ -23,6 +23,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from ..keyring import generate_file
 from . import checks
 from .drive import Driven, converge_and_generate, dashboard, open_netns, place_jobs, prepare_model
 from .env import prepare_env
@@ -122,8 +123,12 @@ def _plan(args: argparse.Namespace, session: _Session, outcome: Outcome, progres
     if provider is not None:
         outcome.testbed = provider.describe()
     dashboards = {n: provider.dashboard_bind(n) if provider else "127.0.0.1:0" for n in names}
+    mesh_key = None
+    if not args.insecure_mesh:  # the relay and every node share one, as a real mesh would
+        mesh_key = str(session.tmp / "mesh.key")
+        generate_file(mesh_key)
     return RunPlan(args.stages, model, placement.relay_bind, placement.addrs, dashboards, placement.faults,
-                   str(session.tmp / "snapshots"), str(session.tmp / "keys"), args.replicas)
+                   str(session.tmp / "snapshots"), str(session.tmp / "keys"), args.replicas, mesh_key)
 
 
 def _start(args: argparse.Namespace, plan: RunPlan, session: _Session, outcome: Outcome,
@@ -185,6 +190,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--stop-criteria", choices=["all-done", "master-done"], default="master-done")
     p.add_argument("--timeout", type=float, default=60.0, metavar="S", help="for convergence and generation")
     p.add_argument("--run-dir", metavar="DIR", help="where run state is kept")
+    p.add_argument("--insecure-mesh", action="store_true",
+                   help="run without a mesh key (by default the run makes one and gives it to the relay "
+                        "and every node)")
     p.add_argument("--json", action="store_true", help="end with one JSON object on stdout")
     p.set_defaults(func=lambda args, parser: run_smoke(args))
 

@@ -8,9 +8,18 @@ its timeout with an error that names the peer and every path tried.
 
 ``DataChannel`` is the one entry point; its parts each hold one concern:
 :mod:`.framing` (frames on a stream), :mod:`.handshake` (each end proves its
-node id and says its process epoch), :mod:`.receiver` (reading, acks, handing
-messages over), :mod:`.sender` (sessions, the send window, its supervisor)
-and :mod:`.dialer` (dialling, backoff, relay pacing).
+node id and says its process epoch and key), :mod:`.data_keys` (the keys each
+pair of processes shares, and sealing chunks with them), :mod:`.receiver`
+(reading, opening, acks, handing messages over), :mod:`.sender` (sessions, the
+send window, its supervisor) and :mod:`.dialer` (dialling, backoff, relay
+pacing).
+
+Every chunk is encrypted end to end, whichever path carries it: sealed by the
+sender with the key it shares with the receiver's current process, opened by
+the receiver before reassembly.  A peer's process key comes from a stream
+handshake or from its (signed) metadata; until we know the one of its current
+process nothing goes to it, and a chunk that does not open is dropped unacked
+(the sender sends it again), counted as ``rx_data_undecryptable``.
 
 Each process draws a random epoch.  A handshake that shows a known node id
 with a new epoch means the peer restarted: every session with it starts
@@ -28,6 +37,8 @@ from typing import Any
 
 import trio
 
+from ..keyring import Keyring
+from .data_keys import BadPeerKey, PairKeys, ProcessKeys
 from .dialer import Dialer, PathFailed, Refused
 from .faults import Faults
 from .handshake import HANDSHAKE_FAILURES, LocalEnd, Proven, accept
@@ -82,7 +93,12 @@ class DataChannel:
         faults: Faults | None = None,
         config: ChannelConfig | None = None,
         epoch: int | None = None,
+        keyring: Keyring | None = None,
+        encrypt: bool = True,
     ) -> None:
+        """``keyring``: the mesh key, which every stream handshake must then prove.
+        ``encrypt=False`` sends chunks in clear, for ``bench/`` to measure what encryption
+        costs (both ends must agree); nothing else may turn it off."""
         self.id = node_id
         self.sign = sign
         self.addr_of = addr_of
@@ -91,11 +107,14 @@ class DataChannel:
         self.faults = faults or Faults()
         self.config = config or ChannelConfig()
         self.epoch = random.getrandbits(63) if epoch is None else epoch
+        self.keys = ProcessKeys(node_id, self.epoch, encrypt=encrypt)  # drawn per process, as the epoch
+        self.keyring = keyring
         self.reassembler = Reassembler()
         self.counters: dict[str, int] = {
             "sent": 0, "delivered": 0, "resent": 0, "bad_frames": 0, "streams_in": 0,
             "streams_refused": 0, "handshake_failures": 0, "dials": 0, "dial_failures": 0,
-            "reader_errors": 0, "peer_restarts": 0, "peers_down": 0,
+            "reader_errors": 0, "peer_restarts": 0, "peers_down": 0, "rx_data_undecryptable": 0,
+            "bad_peer_keys": 0,
         }
         self._down: dict[bytes, float] = {}  # peers whose process looks gone, since when
         self._checking: set[bytes] = set()
@@ -105,6 +124,15 @@ class DataChannel:
         self._dialer = Dialer(self)
         self._sender = Sender(self, self._dialer)
         self._receiver = Receiver(self)
+
+    @property
+    def public_key(self) -> bytes:
+        """This process's X25519 public key, for our metadata (``Meta.dh``)."""
+        return self.keys.public
+
+    def local_end(self) -> LocalEnd:
+        """Who we are in a stream handshake."""
+        return LocalEnd(self.id, self.epoch, self.sign, self.keys, self.keyring)
 
     @property
     def received(self) -> trio.MemoryReceiveChannel[tuple[bytes, bytes]]:
@@ -135,12 +163,11 @@ class DataChannel:
 
     async def _handle_inbound(self, stream: trio.SocketStream) -> None:
         self.counters["streams_in"] += 1
-        me = LocalEnd(self.id, self.epoch, self.sign)
         async with stream:
             buf = bytearray()
             try:
                 with trio.fail_after(self.config.handshake_timeout):
-                    proven = await accept(stream, buf, me, self._blocked)
+                    proven = await accept(stream, buf, self.local_end(), self._blocked)
             except HANDSHAKE_FAILURES as exc:
                 self.counters["handshake_failures"] += 1
                 log.debug("inbound data stream refused: %s", exc or "handshake timed out")
@@ -219,13 +246,22 @@ class DataChannel:
         return self._epochs.get(node)
 
     def _proven(self, proven: Proven) -> None:
-        """Record the epoch a handshake proved; a new one for a known node id is a restart."""
+        """Record the process a handshake proved; a new epoch for a known node id is a restart."""
         self._down.pop(proven.node_id, None)
-        self.note_epoch(proven.node_id, proven.epoch)
+        self.note_epoch(proven.node_id, proven.epoch, proven.dh)
 
-    def note_epoch(self, node: bytes, epoch: int) -> None:
-        """``node`` runs as process ``epoch`` (a handshake proved it, or membership says so):
-        a new epoch for a known node id resets every session with it at once."""
+    def note_epoch(self, node: bytes, epoch: int, dh: bytes = b"") -> None:
+        """``node`` runs as process ``epoch`` with X25519 public key ``dh`` (empty: not said),
+        as a handshake proved or its own signed metadata says: a new epoch for a known node
+        id resets every session with it at once; data to and from that process is sealed
+        with keys derived from ``dh``, and waits until we know it."""
+        if dh:
+            try:
+                self.keys.pair(node, epoch, dh)
+            except BadPeerKey as exc:
+                self.counters["bad_peer_keys"] += 1
+                log.warning("%s's process key is unusable (%s): no data to or from it until it says "
+                            "another", self.describe(node), exc)
         known = self._epochs.pop(node, None)
         self._epochs[node] = epoch
         if len(self._epochs) > MAX_EPOCHS:
@@ -240,6 +276,10 @@ class DataChannel:
                  self.describe(node))
         self.reassembler.forget(node)
         self._sender.restart(node)
+
+    def pair_keys(self, node: bytes) -> PairKeys | None:
+        """The keys we share with ``node``'s current process; None until we know its key."""
+        return self.keys.current(node, self._epochs.get(node))
 
     # ------------------------------------------------------------- receiving
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from ..wire import RELAY_DATA
-from .handshake import HANDSHAKE_FAILURES, HandshakeError, LocalEnd, dial
+from .handshake import HANDSHAKE_FAILURES, HandshakeError, dial
 
 if TYPE_CHECKING:
     from .channel import DataChannel
@@ -90,7 +90,7 @@ class Dialer:
             timeout = ch.config.handshake_timeout
             try:
                 with trio.fail_after(timeout):
-                    proven = await dial(stream, buf, node, LocalEnd(ch.id, ch.epoch, ch.sign))
+                    proven = await dial(stream, buf, node, ch.local_end())
             except HANDSHAKE_FAILURES as exc:
                 ch.counters["handshake_failures"] += 1
                 await stream.aclose()

@@ -1,6 +1,8 @@
 """The receiving half of the data channel: read frames, acknowledge them, hand messages over.
 
-Chunks from a stream or the relay go to the reassembler, which releases
+Chunks from a stream or the relay are opened with the keys we share with the
+sender's current process (one that does not open is dropped, unacked and
+counted: the sender sends it again) and go to the reassembler, which releases
 whole messages in order; acks go back the way the chunks came, held up to
 ``ack_delay`` so that a burst's acks share a frame.  Messages go to the
 ``dispatch`` handler (one task at a time per sender, in order), or onto
@@ -135,6 +137,13 @@ class Receiver:
             if isinstance(msg, DataAck):
                 self._ch._sender.on_ack(sender, msg)
             elif isinstance(msg, DataChunk):
+                keys = self._ch.pair_keys(sender)
+                plain = None if keys is None else keys.open(msg)
+                if plain is None:  # made up, altered, or sealed for another process of ours or its
+                    self._ch.counters["rx_data_undecryptable"] += 1
+                    log.debug("a chunk from %s does not open: dropped", self._ch.describe(sender))
+                    continue
+                msg = DataChunk(msg.session, msg.msg_id, msg.total, msg.offset, plain, msg.ack_now)
                 try:
                     ack, whole = self._ch.reassembler.accept(sender, msg, trio.current_time())
                 except ChunkError as exc:

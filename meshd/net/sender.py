@@ -4,7 +4,10 @@ Every message to a peer carries its session and an id counting up from 1, so
 the receiver delivers it exactly once and in order whatever path each chunk
 took.  ``post`` writes a message at once where a path works; a task per peer
 (the supervisor) then sees each one acked, oldest first, sends again over
-whatever path works, and fails a message at its deadline.
+whatever path works, and fails a message at its deadline.  Every chunk is
+sealed for the peer's current process where its frame is made (see
+:mod:`.data_keys`); while we know no key of that process, nothing is written
+and the message waits, as an unacked one does.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from ..wire import MAX_FRAME_BYTES, DataAck, DataChunk, Packet, encode
+from .data_keys import PairKeys
 from .dialer import Dialer, Link, PathFailed
 from .framing import prefixed, write_frame, write_some
 
@@ -26,13 +30,18 @@ if TYPE_CHECKING:
     from .channel import DataChannel
 
 # One chunk size for every path, so chunks of a message resent over another
-# path line up with those already received.  It fits one relay frame.
+# path line up with those already received.  It fits one relay frame, sealed.
 CHUNK_BYTES = 63 * 1024
 WINDOW = 256  # messages written ahead of the oldest unacked one
+NO_KEY_WAIT_S = 0.2  # how often a message waits to learn the key of the peer's new process
 
 
 class DeliveryError(Exception):
     """A message could not be delivered in time; says to whom and over which paths."""
+
+
+class NoPeerKey(PathFailed):
+    """We know no X25519 key of the peer's current process yet, so nothing can be sealed for it."""
 
 
 @dataclass
@@ -141,7 +150,7 @@ class Sender:
         peer.next_id += 1
         # The one-frame message on an idle stream (every activation of a pipeline) goes into
         # the socket before any bookkeeping: the peer starts reading it while we do that.
-        rest = self._write_now(peer, item)
+        rest = self._write_now(node, peer, item)
         peer.acks[item.msg_id] = item.acked
         peer.queue.append(item)
         if not peer.supervised:  # before writing: the item's deadline holds whatever happens
@@ -173,9 +182,9 @@ class Sender:
             else:
                 path, stream = self._choose(node, peer), peer.link.stream
                 if path == "direct" and stream is not None:
-                    await self._write_frames(peer, stream, self._framed(item))
+                    await self._write_frames(peer, stream, self._framed(node, item))
                 elif path == "relay":
-                    await self._dialer.relay(node, self._frames(item))
+                    await self._dialer.relay(node, self._frames(node, item))
                 else:
                     path = None
         except PathFailed:
@@ -183,7 +192,7 @@ class Sender:
         if path is not None and item.session == session:  # not renumbered while we wrote
             item.written = path
 
-    def _write_now(self, peer: _Peer, item: Outgoing) -> bytes | None:
+    def _write_now(self, node: bytes, peer: _Peer, item: Outgoing) -> bytes | None:
         """Write a one-frame message into an idle direct stream, without waiting for anything.
 
         Sets ``item.written`` when the whole frame went; returns the bytes
@@ -195,7 +204,10 @@ class Sender:
         if (stream is None or peer.retrying or peer.link.stream_lock.locked() or len(peer.queue) >= WINDOW
                 or len(item.data) > CHUNK_BYTES):
             return None
-        frame = next(self._framed(item))
+        try:
+            frame = next(self._framed(node, item))
+        except NoPeerKey:
+            return None
         try:
             sent = write_some(stream, frame)
         except trio.BrokenResourceError:  # as _write_frames would
@@ -250,7 +262,9 @@ class Sender:
                     except PathFailed as exc:
                         tried.append(f"{path}: {exc}")
                         self._path_failed(peer, path, str(exc))
-                        if path == "relay" and not peer.link.direct_due():
+                        if isinstance(exc, NoPeerKey):
+                            await trio.sleep(NO_KEY_WAIT_S)  # until membership or a handshake says it
+                        elif path == "relay" and not peer.link.direct_due():
                             await trio.sleep(0.2)  # both down: don't spin
                         continue
                 acked = item.acked
@@ -280,10 +294,10 @@ class Sender:
             if path == "direct":
                 stream = await self._dialer.stream(node, peer.link)
                 session = ahead.session
-                await self._write_frames(peer, stream, self._framed(ahead))
+                await self._write_frames(peer, stream, self._framed(node, ahead))
             else:
                 session = ahead.session
-                await self._dialer.relay(node, self._frames(ahead))
+                await self._dialer.relay(node, self._frames(node, ahead))
             if ahead.session == session:  # not renumbered while we wrote
                 ahead.written = path
 
@@ -379,16 +393,26 @@ class Sender:
             if not whole and peer.link.stream is stream:
                 self.drop_stream(peer)  # it may hold half a frame: nothing after it would parse
 
-    def _frames(self, item: Outgoing) -> Iterator[bytes]:
-        """``item`` as encoded packets of one chunk each, all in the session it has now."""
+    def _frames(self, node: bytes, item: Outgoing) -> Iterator[bytes]:
+        """``item`` as encoded packets of one chunk each, all in the session it has now, every
+        chunk sealed for ``node``'s current process.
+
+        Raises NoPeerKey, before any frame, while we know no key of that process:
+        nothing goes in clear.
+        """
+        keys = self._ch.pair_keys(node)
+        if keys is None:
+            raise NoPeerKey("no data key for its current process yet (its X25519 key is not known)")
+        return self._sealed(keys, item)
+
+    def _sealed(self, keys: PairKeys, item: Outgoing) -> Iterator[bytes]:
         session, msg_id, total = item.session, item.msg_id, len(item.data)
         view = memoryview(item.data)
         for offset in range(0, max(total, 1), CHUNK_BYTES):
-            chunk = bytes(view[offset:offset + CHUNK_BYTES])
+            chunk = keys.seal(session, msg_id, total, offset, view[offset:offset + CHUNK_BYTES])
             msg = DataChunk(session, msg_id, total, offset, chunk, item.urgent)
             yield encode(Packet(self._ch.id, (msg,)), MAX_FRAME_BYTES)
 
-    def _framed(self, item: Outgoing) -> Iterator[bytes]:
-        """``_frames`` as stream frames."""
-        for data in self._frames(item):
-            yield prefixed(data)
+    def _framed(self, node: bytes, item: Outgoing) -> Iterator[bytes]:
+        """``_frames`` as stream frames (raises NoPeerKey as it does, before any frame)."""
+        return map(prefixed, self._frames(node, item))

@@ -1,4 +1,4 @@
-"""``meshd relay --bind HOST:PORT``: run a relay until SIGINT or SIGTERM."""
+"""``meshd relay --bind HOST:PORT [--mesh-key-file PATH]``: run a relay until SIGINT or SIGTERM."""
 
 from __future__ import annotations
 
@@ -34,12 +34,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        help="ping a client this long after its last message (default %(default)g)")
     relay.add_argument("--ping-timeout", type=positive_float, default=10.0, metavar="SECONDS",
                        help="drop a client whose pong takes longer (default %(default)g)")
+    relay.add_argument("--mesh-key-file", metavar="PATH",
+                       help="the mesh's key file: admit members only (clients that prove a key in it); "
+                            "read again when it changes, so add a new key here before rotating the mesh")
     relay.set_defaults(func=_cmd_relay)
 
 
 def _cmd_relay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import trio
 
+    from ..keyring import KeyringError
     from .server import Relay, RelayConfig
 
     try:
@@ -47,7 +51,12 @@ def _cmd_relay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
                              ping_interval=args.ping_interval, ping_timeout=args.ping_timeout)
     except ValueError as exc:
         parser.error(f"relay: {exc}")
-    return trio.run(_serve_until_signal, args.bind, Relay(config))
+    try:
+        relay = Relay(config, mesh_key_file=args.mesh_key_file)
+    except KeyringError as exc:
+        print(f"meshd: error: --mesh-key-file: {exc}", file=sys.stderr)
+        return 2
+    return trio.run(_serve_until_signal, args.bind, relay)
 
 
 async def _serve_until_signal(bind: tuple[str, int], relay) -> int:

@@ -11,6 +11,7 @@ import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import trio
@@ -27,6 +28,9 @@ from .protocol import (
     RelayProtocolError,
     Replaced,
 )
+
+if TYPE_CHECKING:
+    from ..keyring import Keyring
 
 log = logging.getLogger("meshd.relay.client")
 
@@ -81,11 +85,17 @@ class RelayClient:
     the first attempt has succeeded or failed), ``send`` frames to node ids, and
     read ``received``: it yields :class:`Recv` ``(src, payload)``,
     :class:`PeerNotHere` ``(node_id)`` and :class:`Replaced` notices.
+
+    With ``mesh_key`` its Auth carries a proof under every key of the ring (read at each
+    connect, so a rotation shows), for a relay that admits members only.  Payloads are
+    sent as given: sealing them is the node's business.
     """
 
-    def __init__(self, url: str, identity: Identity, *, config: ClientConfig | None = None) -> None:
+    def __init__(self, url: str, identity: Identity, *, config: ClientConfig | None = None,
+                 mesh_key: Keyring | None = None) -> None:
         self.url = url
         self.identity = identity
+        self.mesh_key = mesh_key
         self.config = config or ClientConfig()
         self._host, self._port, self._path, self._tls = parse_relay_url(url)
         self._incoming_send, self.received = trio.open_memory_channel[Incoming](self.config.receive_queue)
@@ -202,16 +212,22 @@ class RelayClient:
                     raise RelayError(f"relay {self.url} speaks relay protocol {challenge.version}, "
                                      f"we speak {protocol.RELAY_PROTOCOL_VERSION}")
                 node_id = self.identity.node_id
-                signature = self.identity.sign(protocol.auth_message(challenge.nonce, node_id))
-                await ws.send_message(protocol.Auth(node_id, signature).encode())
+                message = protocol.auth_message(challenge.nonce, node_id)
+                proofs = tuple(self.mesh_key.macs(message)) if self.mesh_key is not None else ()
+                await ws.send_message(protocol.Auth(node_id, self.identity.sign(message), proofs).encode())
                 accepted = protocol.decode(await ws.get_message())  # type: ignore[arg-type]
                 if not isinstance(accepted, protocol.Accepted):
                     what = type(accepted).__name__
                     raise RelayError(f"relay {self.url} sent {what} instead of accepting us")
                 self._max_payload = min(accepted.max_payload, protocol.MAX_PAYLOAD)
         except ConnectionClosed as exc:
-            raise RelayError(f"relay {self.url} closed the connection during authentication "
-                             f"({_reason_text(exc.reason)})") from exc
+            why = _reason_text(exc.reason)
+            text = f"relay {self.url} closed the connection during authentication ({why})"
+            if getattr(exc.reason, "code", None) == protocol.CLOSE_NOT_MEMBER and text != self.last_error:
+                # Said once per reason, not at every reconnect: the relay's key file and ours differ.
+                log.warning("%s; %s", text, "it admits members of a keyed mesh only, and we have no mesh "
+                            "key" if self.mesh_key is None else "its key file holds none of our mesh keys")
+            raise RelayError(text) from exc
         except RelayProtocolError as exc:
             raise RelayError(f"relay {self.url} sent a malformed frame during authentication: {exc}") from exc
         if scope.cancelled_caught:

@@ -8,8 +8,15 @@ messages, so there is no length prefix.  Decoding untrusted bytes raises only
 Handshake (the DERP / iroh-relay shape)::
 
     server -> client  Challenge(version, nonce)
-    client -> server  Auth(node_id, signature over auth_message(nonce, node_id))
+    client -> server  Auth(node_id, signature over auth_message(nonce, node_id),
+                           [mesh-key proofs of the same message])
     server -> client  Accepted(max_payload)
+
+A relay given the mesh key admits only clients with a proof under a key it
+holds (``meshd.keyring.Keyring.macs``): one per key in the client's ring, so
+a relay whose file is behind a rotation still finds one it can check.  The
+proofs trail the signature, and a client without a mesh key sends none: its
+Auth frame is the same bytes as before.
 
 then ``Send`` (client -> server) and ``Recv``, ``PeerNotHere``, ``Replaced``
 (server -> client).
@@ -27,6 +34,9 @@ RELAY_PROTOCOL_VERSION = 1
 NODE_ID_BYTES = 32
 NONCE_BYTES = 32
 SIGNATURE_BYTES = 64
+# A mesh-key proof: the key's id and a MAC (meshd.keyring: KEY_ID_BYTES + MAC_BYTES).
+MESH_PROOF_BYTES = 20
+MAX_MESH_PROOFS = 8  # as many keys as a keyring holds
 MAX_PAYLOAD = 64 * 1024
 # The largest frame on the wire: type byte + node id + payload.
 MAX_FRAME = 1 + NODE_ID_BYTES + MAX_PAYLOAD
@@ -44,10 +54,12 @@ CLOSE_AUTH_TIMEOUT = 4004
 CLOSE_PING_TIMEOUT = 4005
 CLOSE_SLOW_READER = 4006
 CLOSE_UNSUPPORTED_VERSION = 4007
+CLOSE_NOT_MEMBER = 4008
 CLOSE_SHUTTING_DOWN = 1001
 CLOSE_TOO_BIG = 1009  # trio-websocket closes with this above max_message_size
 
 REPLACED_REASON = "replaced by a newer connection"
+NOT_MEMBER_REASON = "not a member: no valid mesh-key proof"
 
 
 class RelayProtocolError(Exception):
@@ -79,15 +91,24 @@ class Auth:
     TAG: ClassVar[int] = 2
     node_id: bytes
     signature: bytes
+    mesh_proofs: tuple[bytes, ...] = ()  # MESH_PROOF_BYTES each; none without a mesh key
 
     def encode(self) -> bytes:
+        if len(self.mesh_proofs) > MAX_MESH_PROOFS:
+            raise RelayProtocolError(f"at most {MAX_MESH_PROOFS} mesh-key proofs")
         return (bytes((self.TAG,)) + _fixed(self.node_id, NODE_ID_BYTES, "node id")
-                + _fixed(self.signature, SIGNATURE_BYTES, "signature"))
+                + _fixed(self.signature, SIGNATURE_BYTES, "signature")
+                + b"".join(_fixed(p, MESH_PROOF_BYTES, "mesh-key proof") for p in self.mesh_proofs))
 
     @classmethod
     def decode_body(cls, body: bytes) -> Auth:
-        _expect_len(body, NODE_ID_BYTES + SIGNATURE_BYTES, "auth")
-        return cls(node_id=body[:NODE_ID_BYTES], signature=body[NODE_ID_BYTES:])
+        head = NODE_ID_BYTES + SIGNATURE_BYTES
+        rest = len(body) - head
+        if rest < 0 or rest % MESH_PROOF_BYTES or rest // MESH_PROOF_BYTES > MAX_MESH_PROOFS:
+            raise RelayProtocolError(f"auth frame body is {len(body)} bytes, expected {head} plus up to "
+                                     f"{MAX_MESH_PROOFS} mesh-key proofs of {MESH_PROOF_BYTES}")
+        proofs = tuple(body[i:i + MESH_PROOF_BYTES] for i in range(head, len(body), MESH_PROOF_BYTES))
+        return cls(node_id=body[:NODE_ID_BYTES], signature=body[NODE_ID_BYTES:head], mesh_proofs=proofs)
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,14 @@ then its ``Send`` frames go to the destination's queue as ``Recv`` frames.
 The relay vouches for the sender of every ``Recv``, so it forwards only
 payloads that the proven connection itself sent: a gossip packet, or a data
 channel frame (``RELAY_DATA`` followed by a packet), whose sender field is the
-connection's node id.  Anything else is dropped and counted.
+connection's node id.  Anything else is dropped and counted.  A payload sealed
+with the mesh key is forwarded unread: the receiving member opens it and checks
+its sender against the ``Recv`` source itself.
+
+Given the mesh's key file, the relay admits members only: a client's Auth must
+carry a proof under a key in the file (see ``protocol``).  The file is read
+again, on the next connection, whenever it changes, so an operator rotating
+the mesh's key adds the new key to the relay's file first.
 
 What the relay queues stays bounded whoever connects: each destination's queue holds at most
 ``queue_bytes``, all queues together at most ``total_queue_bytes``; frames
@@ -21,14 +28,17 @@ from __future__ import annotations
 import contextvars
 import errno
 import logging
+import os
 import secrets
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import NoReturn
 
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest, WebSocketServer
 
+from .. import keyring as mesh_keyring
 from ..identity import prefix, verify
 from ..wire import RELAY_DATA, WireError, packet_sender
 from . import protocol, stun
@@ -36,6 +46,7 @@ from .protocol import (
     CLOSE_AUTH_TIMEOUT,
     CLOSE_BAD_SIGNATURE,
     CLOSE_MALFORMED,
+    CLOSE_NOT_MEMBER,
     CLOSE_PING_TIMEOUT,
     CLOSE_REPLACED,
     CLOSE_SHUTTING_DOWN,
@@ -44,6 +55,7 @@ from .protocol import (
     CLOSE_UNAUTHENTICATED,
     MAX_PAYLOAD,
     NODE_ID_BYTES,
+    NOT_MEMBER_REASON,
     REPLACED_REASON,
     RelayProtocolError,
 )
@@ -130,10 +142,22 @@ class _Client:
 
 
 class Relay:
-    """The relay's state: who is connected, and what happened, in counters."""
+    """The relay's state: who is connected, and what happened, in counters.
 
-    def __init__(self, config: RelayConfig | None = None) -> None:
+    With ``mesh_key_file`` it admits members of that mesh only; the file is read here
+    (KeyringError names what is wrong with it) and again whenever it changes.
+    """
+
+    def __init__(self, config: RelayConfig | None = None,
+                 mesh_key_file: str | os.PathLike | None = None) -> None:
         self.config = config or RelayConfig()
+        self.mesh_key_file = Path(mesh_key_file) if mesh_key_file is not None else None
+        self.mesh_key: mesh_keyring.Keyring | None = None
+        self._mesh_key_stamp: tuple[int, int, int] | None = None
+        self.mesh_key_reloads = 0
+        self._mesh_key_error: str | None = None  # the last failed re-read, logged once
+        if self.mesh_key_file is not None:
+            self.mesh_key, self._mesh_key_stamp = _read_keyring(self.mesh_key_file)
         self._clients: dict[bytes, _Client] = {}
         self.frames_forwarded = 0
         self.bytes_forwarded = 0
@@ -184,6 +208,8 @@ class Relay:
             "refused": dict(self.refused),
             "stun_answered": self.stun_answered,
             "stun_ignored": self.stun_ignored,
+            "mesh_keys": self.mesh_key.ids if self.mesh_key is not None else None,
+            "mesh_key_reloads": self.mesh_key_reloads,
         }
 
     def is_connected(self, node_id: bytes) -> bool:
@@ -210,8 +236,32 @@ class Relay:
                     scope.deadline = trio.current_time() + min(self.config.close_timeout, SHUTDOWN_GRACE)
                     await ws.aclose(CLOSE_SHUTTING_DOWN, "relay shutting down")
 
+    def _current_mesh_key(self) -> mesh_keyring.Keyring | None:
+        """Our keyring, read again if its file changed since; a file that cannot be read now
+        keeps the ring we have (logged once per error)."""
+        if self.mesh_key_file is None:
+            return None
+        try:
+            st = self.mesh_key_file.stat()
+            if (st.st_mtime_ns, st.st_ino, st.st_size) == self._mesh_key_stamp:
+                return self.mesh_key
+            ring, self._mesh_key_stamp = _read_keyring(self.mesh_key_file)
+        except (OSError, mesh_keyring.KeyringError) as exc:
+            error = str(exc)
+            if error != self._mesh_key_error:
+                held = ",".join(self.mesh_key.ids) if self.mesh_key is not None else "none"
+                log.warning("relay: %s; keeping the mesh keys we hold (%s)", error, held)
+            self._mesh_key_error = error
+            return self.mesh_key
+        self.mesh_key, self._mesh_key_error = ring, None
+        self.mesh_key_reloads += 1
+        log.warning("relay: mesh key file %s changed; admitting members with keys %s",
+                    self.mesh_key_file, ",".join(ring.ids))
+        return ring
+
     async def _authenticate(self, ws: WebSocketConnection, remote: str) -> bytes | None:
         """The client's proven node id, or None once it has been refused."""
+        ring = self._current_mesh_key()
         nonce = secrets.token_bytes(protocol.NONCE_BYTES)
         try:
             with trio.move_on_after(self.config.auth_timeout) as scope:
@@ -241,6 +291,13 @@ class Relay:
             await self._refuse(ws, remote, "bad-signature", CLOSE_BAD_SIGNATURE,
                                f"signature does not prove ownership of node {prefix(frame.node_id)}{held}")
             return None
+        if ring is not None:
+            message = protocol.auth_message(nonce, frame.node_id)
+            if not any(ring.check_mac(message, proof) for proof in frame.mesh_proofs):
+                await self._refuse(ws, remote, "not-member", CLOSE_NOT_MEMBER,
+                                   f"{NOT_MEMBER_REASON} (node {prefix(frame.node_id)}, "
+                                   f"{len(frame.mesh_proofs)} proofs)")
+                return None
         return frame.node_id
 
     async def _session(self, ws: WebSocketConnection, node_id: bytes, remote: str) -> None:
@@ -352,6 +409,8 @@ class Relay:
         frames are dropped one by one; the connection stays (its other frames may be fine).
         """
         payload = frame.payload
+        if payload[:1] == mesh_keyring.MAGIC:
+            return True  # sealed with the mesh key: the member that opens it checks the sender
         if payload[:1] == RELAY_DATA:  # a data-channel frame: the prefix, then a packet
             payload = payload[1:]
         try:
@@ -451,6 +510,15 @@ class Relay:
                 await sock.sendto(response, addr)
             except OSError as exc:
                 log.debug("relay: STUN reply to %s failed: %s", addr, exc)
+
+
+def _read_keyring(path: Path) -> tuple[mesh_keyring.Keyring, tuple[int, int, int]]:
+    """The keyring in ``path`` and the file's (mtime, inode, size), to see when it changes."""
+    try:
+        st = path.stat()  # before reading: a change in between is seen on the next look
+    except OSError as exc:
+        raise mesh_keyring.KeyringError(f"cannot read mesh key file {path}: {exc.strerror}") from exc
+    return mesh_keyring.load(path), (st.st_mtime_ns, st.st_ino, st.st_size)
 
 
 def _close_reason(text: str) -> str:

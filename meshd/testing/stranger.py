@@ -4,6 +4,9 @@ A stranger knows no mesh secret: it writes raw msgpack (so it can put any
 number in any field, past what meshd's own records check), makes a fresh key
 whenever it likes, and reaches a node's gossip port (UDP), its data port
 (TCP, where any key passes the stream handshake for its own id) and the relay.
+Once through a stream handshake it holds that stream's data keys, as any
+member would: :func:`chunk_frame` and :func:`relay_data` seal its chunks with
+the keys of its last handshake, so they reach the node's reassembly.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import msgpack
 import trio
 
 from ..identity import Identity
+from ..net.data_keys import PairKeys, ProcessKeys
 from ..net.framing import FramingError, frame, read_packet
 from ..net.handshake import proof_data
 from ..wire import (
@@ -26,6 +30,9 @@ from ..wire import (
     StreamChallenge,
     StreamProof,
 )
+
+# The data keys of each stranger's last stream handshake, by the id it claimed.
+_stream_keys: dict[bytes, PairKeys] = {}
 
 
 def raw_packet(sender: bytes, *messages: tuple[int, list]) -> bytes:
@@ -57,8 +64,10 @@ async def open_data_stream(addr: str, identity: Identity, claimed: bytes | None 
                            ) -> tuple[trio.SocketStream, Packet | None]:
     """Dial a node's data port and run the stream handshake as ``claimed`` (default: our own
     id) in process ``epoch``, signing with ``identity``.  Returns the stream and the node's
-    proof (None when it refused us and closed the stream)."""
+    proof (None when it refused us and closed the stream).  Past the handshake, the chunks
+    :func:`chunk_frame` makes for ``claimed`` are sealed for that node's process."""
     claimed = claimed or identity.node_id
+    keys = ProcessKeys(claimed, epoch)
     host, _, port = addr.rpartition(":")
     stream = await trio.open_tcp_stream(host, int(port))
     try:
@@ -67,25 +76,36 @@ async def open_data_stream(addr: str, identity: Identity, claimed: bytes | None 
         (asked,) = challenge.messages
         assert isinstance(asked, StreamChallenge), f"the node opened with {type(asked).__name__}"
         nonce = b"\x05" * STREAM_NONCE_BYTES
-        signature = identity.sign(proof_data(asked.nonce, challenge.sender, claimed, epoch))
-        await stream.send_all(frame(Packet(claimed, (StreamProof(nonce, signature, epoch),))))
+        signature = identity.sign(proof_data(asked.nonce, challenge.sender, claimed, epoch, keys.public))
+        await stream.send_all(frame(Packet(claimed, (StreamProof(nonce, signature, epoch, keys.public),))))
         try:
             answer = await read_packet(stream, buf)
         except FramingError:
             return stream, None
+        _stream_keys[claimed] = keys.pair(challenge.sender, asked.epoch, asked.dh)
     except BaseException:
         await stream.aclose()
         raise
     return stream, answer
 
 
+def sealed(sender: bytes, chunk: DataChunk) -> DataChunk:
+    """``chunk`` sealed with the keys of ``sender``'s last stream handshake; as it is when
+    ``sender`` made none (the node then drops it unopened)."""
+    keys = _stream_keys.get(sender)
+    if keys is None:
+        return chunk
+    data = keys.seal(chunk.session, chunk.msg_id, chunk.total, chunk.offset, chunk.chunk)
+    return DataChunk(chunk.session, chunk.msg_id, chunk.total, chunk.offset, data, chunk.ack_now)
+
+
 def chunk_frame(sender: bytes, chunk: DataChunk) -> bytes:
-    """One data-channel chunk as a stream frame."""
-    return frame(Packet(sender, (chunk,)))
+    """One data-channel chunk as a stream frame, sealed (see :func:`sealed`)."""
+    return frame(Packet(sender, (sealed(sender, chunk),)))
 
 
 def relay_data(sender: bytes, chunk: DataChunk) -> bytes:
-    """One data-channel chunk as a relay payload."""
+    """One data-channel chunk as a relay payload, sealed (see :func:`sealed`)."""
     return RELAY_DATA + chunk_frame(sender, chunk)[4:]
 
 
