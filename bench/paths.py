@@ -7,6 +7,11 @@ its ack): the one-way latency is the receiver's clock minus the sender's
 stamp (same process, same clock).  Then messages/s with W senders in flight.
 The relay path is forced with a one-way drop, as a real filter would.
 
+Each path runs twice, in one run: without a mesh key, and with one (every
+gossip datagram and relay payload sealed, the relay admitting members only);
+the data channel encrypts its chunks either way.  The last lines are the
+ratios, mesh key / none.
+
     .venv/bin/python bench/paths.py [--messages 2000] [--size 1024] [--window 8]
 """
 
@@ -15,12 +20,15 @@ from __future__ import annotations
 import argparse
 import statistics
 import struct
+import tempfile
 import time
+from pathlib import Path
 
 import trio
 
+from meshd.keyring import generate_file
 from meshd.node import NodeOptions
-from meshd.relay.server import serve_relay
+from meshd.relay.server import Relay, serve_relay
 from meshd.testing.inprocess import start_node, wait_converged
 
 _STAMP = struct.Struct("!d")
@@ -31,11 +39,12 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-async def measure(path: str, messages: int, size: int, window: int) -> dict:
+async def measure(path: str, messages: int, size: int, window: int, key_file: Path | None) -> dict:
     lines: list[str] = []
     async with trio.open_nursery() as nursery:
-        host, port = await nursery.start(serve_relay, "127.0.0.1", 0)
-        opts = dict(profile="local", relay=f"ws://{host}:{port}", stages=2)
+        relay = Relay(mesh_key_file=key_file)
+        host, port = await nursery.start(serve_relay, "127.0.0.1", 0, relay=relay)
+        opts = dict(profile="local", relay=f"ws://{host}:{port}", stages=2, mesh_key=relay.mesh_key)
         b = await start_node(nursery, NodeOptions(stage=1, **opts), lines)
         a = await start_node(nursery, NodeOptions(stage=0, seeds=[b.addr], **opts), lines)
         await wait_converged([a, b])
@@ -79,25 +88,35 @@ async def measure(path: str, messages: int, size: int, window: int) -> dict:
         rate = messages / (time.perf_counter() - t0)
         nursery.cancel_scope.cancel()
     return {
-        "path": path,
+        "path": path + (" keyed" if key_file else ""),
         "median_ms": statistics.median(one_way) * 1000,
         "p99_ms": pct(one_way, 0.99) * 1000,
         "msgs_per_s": rate,
     }
 
 
+def _ratios(label: str, a: dict, b: dict) -> str:
+    return (f"{label}: median latency x{a['median_ms'] / b['median_ms']:.2f}, "
+            f"p99 x{a['p99_ms'] / b['p99_ms']:.2f}, throughput x{a['msgs_per_s'] / b['msgs_per_s']:.2f}")
+
+
 async def main_async(args) -> None:
     results = {}
-    for path in ("direct", "relay"):
-        results[path] = await measure(path, args.messages, args.size, args.window)
+    with tempfile.TemporaryDirectory(prefix="meshd-bench-") as tmp:
+        key_file = Path(tmp) / "mesh.key"
+        generate_file(key_file)
+        for path in ("direct", "relay"):
+            for key in (None, key_file):  # side by side: each path without, then with a mesh key
+                r = await measure(path, args.messages, args.size, args.window, key)
+                results[r["path"]] = r
     print(f"{args.messages} messages of {args.size} B, A -> B on loopback (one process; "
           f"msgs/s with {args.window} in flight)")
-    print(f"{'path':<8} {'median one-way':>15} {'p99 one-way':>12} {'msgs/s':>9}")
+    print(f"{'path':<13} {'median one-way':>15} {'p99 one-way':>12} {'msgs/s':>9}")
     for r in results.values():
-        print(f"{r['path']:<8} {r['median_ms']:>12.3f} ms {r['p99_ms']:>9.3f} ms {r['msgs_per_s']:>9.0f}")
-    d, r = results["direct"], results["relay"]
-    print(f"relay/direct: median latency x{r['median_ms'] / d['median_ms']:.2f}, "
-          f"p99 x{r['p99_ms'] / d['p99_ms']:.2f}, throughput x{r['msgs_per_s'] / d['msgs_per_s']:.2f}")
+        print(f"{r['path']:<13} {r['median_ms']:>12.3f} ms {r['p99_ms']:>9.3f} ms {r['msgs_per_s']:>9.0f}")
+    print(_ratios("relay/direct", results["relay"], results["direct"]))
+    print(_ratios("direct, mesh key/none", results["direct keyed"], results["direct"]))
+    print(_ratios("relay, mesh key/none", results["relay keyed"], results["relay"]))
 
 
 def main() -> None:

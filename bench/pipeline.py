@@ -22,7 +22,14 @@ time, and where a token's time goes.
 the node processes alike: one core per stage, as on separate hosts, and one
 core for the monolithic run.
 
+``--mesh-key`` instead measures what the mesh key costs: two process
+pipelines side by side, one whose nodes share a mesh key (every gossip
+datagram and relay payload sealed) and one without, requests alternating
+between them; both encrypt the data channel, which is always on.  Prints the
+per-token latency of each and the median of the per-pair ratios.
+
     .venv/bin/python bench/pipeline.py [--stages 3] [--tokens 64] [--streams 4] [--runs 9]
+    .venv/bin/python bench/pipeline.py --mesh-key [--runs 15]
 """
 
 from __future__ import annotations
@@ -43,6 +50,8 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--blas-threads", type=int, default=1)
     parser.add_argument("--skip-processes", action="store_true", help="only the in-process pipeline")
     parser.add_argument("--skip-inprocess", action="store_true", help="only the process-per-node pipeline")
+    parser.add_argument("--mesh-key", action="store_true",
+                        help="compare process pipelines with and without a mesh key, side by side")
     return parser.parse_args()
 
 
@@ -163,6 +172,52 @@ def pipelined_processes(model_dir: str, model: StageModel, stages: int, tokens: 
             "hop_ms": statistics.median(hops), "steps": {k: statistics.median(v) for k, v in steps.items()}}
 
 
+def keyed_vs_plain(model_dir: str, stages: int, tokens: int, runs: int) -> None:
+    """Two process pipelines, with and without a mesh key; requests alternate between them."""
+    import httpx
+
+    from meshd.keyring import generate_file
+    from meshd.testing.processes import start_mesh
+
+    key_file = os.path.join(model_dir, "mesh.key")
+    generate_file(key_file)
+    meshes = {"no key": start_mesh(stages, extra=["--model", model_dir])}
+    try:
+        meshes["mesh key"] = start_mesh(stages, extra=["--model", model_dir, "--mesh-key-file", key_file])
+        clients = {}
+        for label, procs in meshes.items():
+            line = procs[0].wait_for(lambda s: s.startswith("meshd dashboard url="), 20, "dashboard URL")
+            clients[label] = client = httpx.Client(base_url=line.split("=", 1)[1], timeout=60)
+            deadline = time.monotonic() + 30
+            while client.post("/api/generate", json={"prompt": PROMPT, "max_tokens": 4}).status_code != 200:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the {label} pipeline did not become ready in 30 s")
+                time.sleep(0.2)
+        per_token: dict[str, list[float]] = {label: [] for label in meshes}
+        tokens_seen: dict[str, list[int]] = {}
+        for _ in range(runs):
+            for label, client in clients.items():
+                t0 = time.perf_counter()
+                r = client.post("/api/generate", json={"prompt": PROMPT, "max_tokens": tokens}).json()
+                per_token[label].append((time.perf_counter() - t0) / len(r["tokens"]))
+                tokens_seen.setdefault(label, r["tokens"])
+        for client in clients.values():
+            client.close()
+    finally:
+        for procs in meshes.values():
+            for p in procs:
+                p.stop(timeout=5)
+    ratios = sorted(k / p for k, p in zip(per_token["mesh key"], per_token["no key"], strict=True))
+    print(f"small preset, {stages} stages, one `meshd run` process per node, prompt + {tokens} tokens, "
+          f"{runs} requests to each pipeline, alternating")
+    for label, values in per_token.items():
+        ms = statistics.median(values) * 1000
+        print(f"  {label:<9} {1000 / ms:7.1f} tokens/s  ({ms:.2f} ms/token, median)")
+    print(f"  same tokens: {'yes' if tokens_seen['no key'] == tokens_seen['mesh key'] else 'NO'}")
+    print(f"  latency ratio mesh key / no key: median {statistics.median(ratios):.3f} "
+          f"(pairs: {', '.join(f'{r:.2f}' for r in ratios)}; target < 1.10)")
+
+
 def report(label: str, stages: int, streams: int, pipe: dict) -> None:
     mono_s, pipe_s = statistics.median(pipe["mono"]), statistics.median(pipe["single"])
     ratios = sorted(p / m for p, m in zip(pipe["single"], pipe["mono"], strict=True))
@@ -189,6 +244,9 @@ def main() -> None:
         init_checkpoint(tmp, "small", seed=0)
         model = StageModel.load(tmp)
         generate(tmp, PROMPT, 4, model=model)  # warm up
+        if args.mesh_key:
+            keyed_vs_plain(tmp, args.stages, args.tokens, args.runs)
+            return
         pipe = None
         if not args.skip_inprocess:
             pipe = trio.run(pipelined, tmp, model, args.stages, args.tokens, args.streams, args.runs)

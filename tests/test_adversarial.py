@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -19,11 +20,13 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from meshd import wire
+from meshd import keyring, wire
 from meshd.identity import Identity
 from meshd.launch.process import MeshProcess
 from meshd.net.amplification import AmplificationGuard
+from meshd.net.data_keys import SEAL_OVERHEAD
 from meshd.relay.client import RelayClient
+from meshd.swim.facts import accusation_data, alive_data, claim_data, paths_data
 from meshd.testing.processes import start_mesh, wait_converged
 from meshd.testing.stranger import (
     chunk_frame,
@@ -130,14 +133,15 @@ def _poisoned(mesh: Mesh, target: str) -> list[bytes]:
     """Each forged fact that made a node refute (or bury) at 2^64 and die."""
     victim, other = mesh.id(target), mesh.id("orchestrator" if target != "orchestrator" else "stage-0")
     third = mesh.id("stage-1" if target != "stage-1" else "stage-0")
-    meta = ["stage", 1, 2, [], None, "", U64_MAX, U64_MAX, "", False]
+    meta = ["stage", 1, 2, [], None, "", U64_MAX, U64_MAX, "", False, b"", []]
+    sig = b"s" * 64
     return [
-        raw_packet(_stranger(), (wire.Suspect.TAG, [U64_MAX, victim, other])),
-        raw_packet(_stranger(), (wire.NameClaim.TAG, ["pp-stage-1", mesh.id("stage-1"), U64_MAX, True, b""])),
-        raw_packet(_stranger(), (wire.Dead.TAG, [U64_MAX, third, other])),
-        raw_packet(_stranger(), (wire.Alive.TAG, [U64_MAX, victim, "127.0.0.1:1", meta])),
-        raw_packet(other, (wire.Alive.TAG, [1, third, "127.0.0.1:1", meta])),
-        raw_packet(_stranger(), (wire.PathSummary.TAG, [victim, U64_MAX, []])),
+        raw_packet(_stranger(), (wire.Suspect.TAG, [U64_MAX, victim, other, sig])),
+        raw_packet(_stranger(), (wire.NameClaim.TAG, ["pp-stage-1", mesh.id("stage-1"), U64_MAX, True, sig])),
+        raw_packet(_stranger(), (wire.Dead.TAG, [U64_MAX, third, other, sig])),
+        raw_packet(_stranger(), (wire.Alive.TAG, [U64_MAX, victim, "127.0.0.1:1", meta, sig])),
+        raw_packet(other, (wire.Alive.TAG, [1, third, "127.0.0.1:1", meta, sig])),
+        raw_packet(_stranger(), (wire.PathSummary.TAG, [victim, U64_MAX, [], sig])),
     ]
 
 
@@ -172,21 +176,20 @@ async def test_the_same_datagrams_through_the_relay_change_nothing(mesh):
 # --- the topology in somebody else's name ---
 
 
-def test_a_path_summary_forged_for_the_orchestrator_is_replaced_by_its_own(mesh):
+def test_a_path_summary_forged_for_the_orchestrator_is_never_shown(mesh):
     orch, stage1 = mesh.id("orchestrator"), mesh.id("stage-1")
     forged_entry = [stage1, "none", 0, 99, "forged by a stranger", 0]
-    # At 2^64-1 it is refused outright; at 2^62 it is taken, and the orchestrator answers it.
-    for sender, version in ((_stranger(), U64_MAX), (stage1, 2**62)):
-        forged = raw_packet(sender, (wire.PathSummary.TAG, [orch, version, [forged_entry]]))
+    stranger = Identity.generate()
+    before = snapshot_counter(mesh.snapshot("stage-0"), "rx_bad_signature")
+    # At 2^64-1 it is refused outright; at 2^62, unsigned or signed by somebody else, too.
+    for sender, version, sig in ((_stranger(), U64_MAX, b""), (stage1, 2**62, b""),
+                                 (stranger.node_id, 2**62, stranger.sign(b"anything"))):
+        forged = raw_packet(sender, (wire.PathSummary.TAG, [orch, version, [forged_entry], sig]))
         send_udp(mesh.addr("stage-0"), forged)
-
-    def forged_shown() -> bool:
-        topo = mesh.get("stage-0", "/api/topology")
-        edges = [e for e in topo["edges"] if (e["from"], e["to"]) == ("orchestrator", "stage-1")]
-        return any(not e["ok"] for e in edges) or "forged" in str(topo)
-
-    _wait(lambda: not forged_shown(), 15, "the orchestrator's own summary at stage-0")
-    assert snapshot_counter(mesh.snapshot("orchestrator"), "path_summary_refuted") >= 1
+    time.sleep(1.0)
+    topo = mesh.get("stage-0", "/api/topology")
+    assert "forged" not in str(topo)
+    assert snapshot_counter(mesh.snapshot("stage-0"), "rx_bad_signature") - before == 2
     mesh.assert_unharmed()
 
 
@@ -245,7 +248,7 @@ async def test_whole_messages_behind_a_withheld_first_one_are_held_to_the_peer_b
     start = rss_bytes(target.proc.pid)
     refused_before = mesh.snapshot("orchestrator")["data"]["bad_frames"]
     stranger = Identity.generate()
-    payload = os.urandom(wire.MAX_CHUNK_BYTES)
+    payload = os.urandom(wire.MAX_CHUNK_BYTES - SEAL_OVERHEAD)  # sealed, it fills a whole chunk
     sent = 0
     with trio.fail_after(60):
         stream, _ = await open_data_stream(target.boot.addr, stranger)
@@ -329,9 +332,14 @@ def test_a_fake_member_at_a_third_partys_address_draws_little_traffic_there(mesh
     seconds = 10.0
     with _listening_victim() as victim:
         victim_addr = f"127.0.0.1:{victim.getsockname()[1]}"
-        fake = _stranger()
-        meta = wire.Meta(stage=7, stages=9, addrs=(victim_addr,)).to_body()
-        entry = [fake, victim_addr, 0, wire.STATE_ALIVE, meta]
+        key = Identity.generate()  # a member of its own making: it signs its own facts
+        fake = key.node_id
+        meta = wire.Meta(stage=7, stages=9, addrs=(victim_addr,))
+
+        def signed(incarnation: int) -> bytes:
+            return key.sign(alive_data(fake, incarnation, victim_addr, meta))
+
+        entry = [fake, victim_addr, 0, wire.STATE_ALIVE, meta.to_body(), signed(0)]
         for p in mesh.procs:
             send_udp(p.boot.addr, raw_packet(fake, (wire.PushPull.TAG, [True, False, [entry], []])))
         got: list[bytes] = []
@@ -339,8 +347,8 @@ def test_a_fake_member_at_a_third_partys_address_draws_little_traffic_there(mesh
         for incarnation in range(1, int(seconds) + 1):
             got += _datagrams(victim, 1.0)
             for p in mesh.procs:  # refute whatever suspicion the silence raised
-                alive = raw_packet(fake, (wire.Alive.TAG, [incarnation, fake, victim_addr, meta]))
-                send_udp(p.boot.addr, alive)
+                body = [incarnation, fake, victim_addr, meta.to_body(), signed(incarnation)]
+                send_udp(p.boot.addr, raw_packet(fake, (wire.Alive.TAG, body)))
         elapsed = time.monotonic() - start
     # The stranger's packets came from its own address: the victim's earned nothing.  Bare
     # probes (a ping alone) always go, at the protocol's own rate; the rest is budgeted.
@@ -366,16 +374,17 @@ TEXT = st.sampled_from(["", "pp-entry", "x" * 512, "x" * 513, "\u0000", "\ufffd"
 
 def _fuzz_messages(ids: list[bytes]):
     node = st.sampled_from(ids) | st.binary(min_size=32, max_size=32)
+    sig = st.binary(max_size=65)
     meta = st.tuples(TEXT, ANY_INT | st.none(), ANY_INT | st.none(), st.lists(TEXT, max_size=9),
-                     TEXT | st.none(), TEXT, ANY_INT, ANY_INT, TEXT, st.booleans()).map(list)
-    member = st.tuples(node, TEXT, EXTREME, st.sampled_from([0, 1, 2, 3, 4, -1]), meta).map(list)
+                     TEXT | st.none(), TEXT, ANY_INT, ANY_INT, TEXT, st.booleans(), st.binary(max_size=33),
+                     st.lists(TEXT, max_size=9)).map(list)
+    member = st.tuples(node, TEXT, EXTREME, st.sampled_from([0, 1, 2, 3, 4, -1]), meta, sig).map(list)
     return st.one_of(
-        st.tuples(st.just(wire.Alive.TAG), st.tuples(EXTREME, node, TEXT, meta).map(list)),
-        st.tuples(st.just(wire.Suspect.TAG), st.tuples(EXTREME, node, node).map(list)),
-        st.tuples(st.just(wire.Dead.TAG), st.tuples(EXTREME, node, node).map(list)),
-        st.tuples(st.just(wire.NameClaim.TAG), st.tuples(TEXT, node, EXTREME, st.booleans(),
-                                                         st.binary(max_size=65)).map(list)),
-        st.tuples(st.just(wire.PathSummary.TAG), st.tuples(node, EXTREME, st.just([])).map(list)),
+        st.tuples(st.just(wire.Alive.TAG), st.tuples(EXTREME, node, TEXT, meta, sig).map(list)),
+        st.tuples(st.just(wire.Suspect.TAG), st.tuples(EXTREME, node, node, sig).map(list)),
+        st.tuples(st.just(wire.Dead.TAG), st.tuples(EXTREME, node, node, sig).map(list)),
+        st.tuples(st.just(wire.NameClaim.TAG), st.tuples(TEXT, node, EXTREME, st.booleans(), sig).map(list)),
+        st.tuples(st.just(wire.PathSummary.TAG), st.tuples(node, EXTREME, st.just([]), sig).map(list)),
         st.tuples(st.just(wire.PushPull.TAG),
                   st.tuples(st.booleans(), st.booleans(), st.lists(member, min_size=1, max_size=3),
                             st.just([])).map(list)),
@@ -405,3 +414,180 @@ def test_a_fuzz_of_messages_with_extreme_values_changes_nothing(mesh):
     fire()
     assert len(sent) > 100
     _settle_and_check(mesh, 2.0)
+
+
+# --- a member that holds the mesh key, but not the victim's node key ---
+#
+# The trust boundary (README, "Security"): whoever holds the mesh key may join and serve a
+# stage; nobody may speak for another member.  Each attack runs against a mesh without a
+# mesh key (where anyone is such a member) and against one with a key, which Mallory holds.
+
+
+class Members(Mesh):
+    """A mesh with or without a mesh key, and Mallory: a member's key pair of her own."""
+
+    def __init__(self, relay: MeshProcess, procs: list[MeshProcess], ring: keyring.Keyring | None) -> None:
+        super().__init__(relay, procs)
+        self.ring = ring
+        self.mallory = Identity.generate()
+
+    def send(self, name: str, sender: bytes, *messages: wire.Message) -> None:
+        """``messages`` in a packet from ``sender`` to ``name``, sealed with the mesh key if any."""
+        data = wire.encode(wire.Packet(sender, messages))
+        send_udp(self.addr(name), self.ring.seal(data) if self.ring is not None else data)
+
+    def to_all(self, sender: bytes, *messages: wire.Message) -> None:
+        for p in self.procs:
+            if p.boot.id != sender.hex():
+                self.send(p.name, sender, *messages)
+
+    def counter(self, name: str) -> int:
+        return sum(snapshot_counter(self.snapshot(p.name), name) for p in self.procs)
+
+    def member(self, at: str, of: str) -> dict:
+        (m,) = [m for m in self.snapshot(at)["members"] if m["id"] == self.id(of).hex()]
+        return m
+
+
+@pytest.fixture(scope="module", params=["no mesh key", "mesh key"])
+def members(request, tmp_path_factory):
+    ring, key_args = None, []
+    if request.param == "mesh key":
+        path = tmp_path_factory.mktemp("mesh") / "mesh.key"
+        ring = keyring.generate_file(path)
+        key_args = ["--mesh-key-file", str(path)]
+    relay = MeshProcess("relay", ["relay", "--bind", "127.0.0.1:0", *key_args])
+    procs: list[MeshProcess] = []
+    try:
+        url = relay.wait_for(lambda s: s.startswith("meshd relay url="), 10, "relay url").split()[2][4:]
+        procs = start_mesh(2, extra=["--relay", url, "--dashboard", "127.0.0.1:0", *key_args])
+        wait_converged(procs)
+        m = Members(relay, procs, ring)
+        _wait(lambda: _settled(m), 20, "names resolving everywhere")
+        yield m
+    finally:
+        for p in procs:
+            p.stop(timeout=3)
+        relay.stop(timeout=3)
+
+
+def _signed_by(key: Identity, data: bytes) -> bytes:
+    return key.sign(data)
+
+
+def test_a_member_cannot_make_another_leave(members):
+    m, victim = members, members.id("stage-1")
+    before = m.counter("rx_bad_signature")
+    for inc in (0, 1, 2, 3, 2**40):
+        forged = _signed_by(m.mallory, accusation_data("dead", victim, inc, victim))
+        m.to_all(m.mallory.node_id, wire.Dead(inc, victim, victim, forged))
+        left = wire.MemberState(victim, m.addr("stage-1"), inc, wire.STATE_LEFT, wire.Meta(), forged)
+        m.to_all(m.mallory.node_id, wire.PushPull(False, False, (left,), ()))
+    _settle_and_check(m)
+    assert m.counter("rx_bad_signature") > before
+    assert not any("member left" in line for p in m.procs for line in p.lines)
+
+
+def test_a_member_cannot_declare_a_death_in_the_orchestrators_name(members):
+    m, victim, orch = members, members.id("stage-1"), members.id("orchestrator")
+    for inc in (0, 1, 2, 2**40):
+        forged = _signed_by(m.mallory, accusation_data("dead", victim, inc, orch))
+        m.to_all(orch, wire.Dead(inc, victim, orch, forged))
+        forged = _signed_by(m.mallory, accusation_data("suspect", victim, inc, orch))
+        m.to_all(orch, wire.Suspect(inc, victim, orch, forged))
+    _settle_and_check(m)
+    blamed = [line for p in m.procs for line in p.lines
+              if line.startswith("meshd member") and f"by={orch.hex()[:8]}" in line]
+    assert blamed == []
+
+
+def test_a_member_cannot_move_another_or_rewrite_its_metadata(members):
+    m, victim = members, members.id("stage-1")
+    meta = wire.Meta(role="stage", stage=0, stages=2)  # "stage-1 is stage 0 now"
+    for inc in (1, 2, 3, 2**40):
+        forged = _signed_by(m.mallory, alive_data(victim, inc, "127.0.0.1:9", meta))
+        m.to_all(m.mallory.node_id, wire.Alive(inc, victim, "127.0.0.1:9", meta, forged))
+    _settle_and_check(m)
+    for p in m.procs:
+        if p.name != "stage-1":
+            seen = m.member(p.name, "stage-1")
+            assert seen["addr"] == m.addr("stage-1"), (p.name, seen)
+
+
+def test_a_member_cannot_take_or_bury_another_members_names(members):
+    m, victim = members, members.id("stage-1")
+    for clock in (1, 100, 2**40):
+        for tomb in (True, False):
+            claim = wire.NameClaim("pp-stage-1", victim, clock, tomb)
+            m.to_all(m.mallory.node_id, wire.NameClaim("pp-stage-1", victim, clock, tomb,
+                                                       _signed_by(m.mallory, claim_data(claim))))
+    _settle_and_check(m)
+    for p in m.procs:
+        owners = m.snapshot(p.name)["names"]["pp-stage-1"]
+        assert owners.get("resolves"), (p.name, owners)
+
+
+def test_a_member_cannot_replace_another_members_path_summary(members):
+    m, orch, stage1 = members, members.id("orchestrator"), members.id("stage-1")
+    forged = wire.PathSummary(orch, 2**62, (wire.PathEntry(stage1, "none", 0, 99, "forged by mallory", 0),))
+    m.send("stage-0", m.mallory.node_id, replace(forged, sig=_signed_by(m.mallory, paths_data(forged))))
+    time.sleep(1.0)
+    assert "forged" not in str(m.get("stage-0", "/api/topology"))
+    m.assert_unharmed()
+
+
+def test_accusations_by_somebody_who_never_joined_make_nobody_suspect(members):
+    m, victim = members, members.id("stage-1")
+    before = m.counter("suspicions")
+    for _ in range(5):  # five "independent" accusers, each with a valid signature of its own
+        accuser = Identity.generate()
+        sig = accuser.sign(accusation_data("suspect", victim, 0, accuser.node_id))
+        m.to_all(accuser.node_id, wire.Suspect(0, victim, accuser.node_id, sig))
+    _settle_and_check(m)
+    assert m.counter("suspicions") == before
+
+
+def test_allow_nodes_keeps_a_stage_for_the_listed_nodes(tmp_path):
+    """A member outside --allow-nodes joins, claims stage 1, and serves nothing."""
+    keys = {name: Identity.generate() for name in ("stage-0", "stage-1", "outsider")}
+    for name, key in keys.items():
+        (tmp_path / f"{name}.key").write_bytes(key.to_pem())
+    allow = tmp_path / "allow.txt"
+    listed = "".join(f"{keys[n].node_id.hex()}\n" for n in ("stage-0", "stage-1"))
+    allow.write_text("# the run's stages\n" + listed)
+
+    def flags(k: int, _addrs: list[str]) -> list[str]:
+        return ["--key-file", str(tmp_path / f"stage-{k}.key")]
+
+    procs = start_mesh(2, extra=["--allow-nodes", str(allow), "--dashboard", "127.0.0.1:0", "--stub"],
+                       stage_extra=flags)
+    try:
+        wait_converged(procs)
+        outsider = MeshProcess("outsider", [
+            "run", "--role", "stage", "--stage", "1", "--stages", "2", "--stub", "--profile", "local",
+            "--bind", "127.0.0.1:0", "--seed", procs[0].boot.addr,
+            "--key-file", str(tmp_path / "outsider.key")])
+        procs.append(outsider)
+        outsider.wait_boot()
+        urls = {p.name: p.wait_for(lambda s: s.startswith("meshd dashboard url="), 15, "dashboard url"
+                                   ).split()[2].split("=", 1)[1] for p in procs[:3]}
+        real = keys["stage-1"].node_id.hex()[:8]
+        deadline = time.monotonic() + 20
+        while True:  # the outsider has joined everywhere, and its claim reached the orchestrator
+            snaps = {n: httpx.get(u + "/api/snapshot", timeout=5).json() for n, u in urls.items()}
+            joined = all(any(m["id"] == outsider.boot.id and m["state"] == "alive" for m in s["members"])
+                         for s in snaps.values())
+            if joined and snapshot_counter(snaps["orchestrator"], "rx_names_refused") > 0:
+                break
+            assert time.monotonic() < deadline, "the outsider never joined, or its claim never arrived"
+            time.sleep(0.3)
+        for name, snap in snaps.items():
+            entry = snap["names"]["pp-stage-1"]
+            assert [e["owner"] for e in entry["entries"]] == [real] and entry["live"] == [real], (name, entry)
+        for _ in range(5):
+            r = httpx.post(urls["orchestrator"] + "/api/generate", json={"prompt": "hi", "max_tokens": 4},
+                           timeout=30)
+            assert r.status_code == 200, r.text
+    finally:
+        for p in procs:
+            p.stop(timeout=3)

@@ -76,7 +76,7 @@ def test_an_answered_ask_brings_our_whole_state_and_the_dead_member_refutes_at_o
     s = core_with_members(3)
     r_id = bytes([0x10]) * 32
     r_addr = s.members[r_id].addr
-    s.receive(Packet(STRANGER, (Dead(0, r_id, STRANGER),)), "10.255.255.255:7946", 0.0)
+    s.receive(Packet(STRANGER, (Dead(0, r_id, s.id),)), "10.255.255.255:7946", 0.0)  # our own verdict
     # Its restarted process: the same id and address, and it knows nobody.
     r = Swim(r_id, r_addr, Meta(stage=1, epoch=2), LAN, random.Random(5), 1.0)
     r.outbox()
@@ -109,7 +109,7 @@ def test_dead_members_are_asked_back_every_interval_a_bounded_number_at_a_time_i
     swim = core_with_members(12)
     dead = [m for m in swim.members.values() if m.id != swim.id]
     for m in dead:
-        swim.receive(Packet(STRANGER, (Dead(0, m.id, STRANGER),)), "10.255.255.255:7946", 0.0)
+        swim.receive(Packet(STRANGER, (Dead(0, m.id, swim.id),)), "10.255.255.255:7946", 0.0)
     assert all(m.state is State.DEAD for m in dead)
     interval = LAN.reconnect_interval
     rounds = run_core(swim, 3 * interval)
@@ -125,7 +125,7 @@ def test_a_left_member_is_not_asked_back():
     swim = core_with_members(2)
     gone, dead = [m for m in swim.members.values() if m.id != swim.id]
     swim.receive(Packet(gone.id, (Dead(0, gone.id, gone.id),)), gone.addr, 0.0)  # its goodbye
-    swim.receive(Packet(STRANGER, (Dead(0, dead.id, STRANGER),)), "10.255.255.255:7946", 0.0)
+    swim.receive(Packet(STRANGER, (Dead(0, dead.id, swim.id),)), "10.255.255.255:7946", 0.0)
     assert (gone.state, dead.state) == (State.LEFT, State.DEAD)
     rounds = run_core(swim, 5 * LAN.reconnect_interval)
     assert rounds and all(addrs == [dead.addr] for _, addrs in rounds)
@@ -135,7 +135,7 @@ def test_reconnect_stops_after_the_reconnect_timeout():
     config = LAN.with_(reconnect_interval=2.0, reconnect_timeout=20.0)
     swim = core_with_members(1, config)
     (m,) = [m for m in swim.members.values() if m.id != swim.id]
-    swim.receive(Packet(STRANGER, (Dead(0, m.id, STRANGER),)), "10.255.255.255:7946", 0.0)
+    swim.receive(Packet(STRANGER, (Dead(0, m.id, swim.id),)), "10.255.255.255:7946", 0.0)
     rounds = run_core(swim, 60.0)
     assert [t for t, _ in rounds] == [2.0 * k for k in range(1, 11)]  # up to 20 s after it died
 
@@ -143,7 +143,7 @@ def test_reconnect_stops_after_the_reconnect_timeout():
 def test_a_dead_members_address_a_live_member_took_over_is_not_asked():
     swim = core_with_members(1)
     (old,) = [m for m in swim.members.values() if m.id != swim.id]
-    swim.receive(Packet(STRANGER, (Dead(0, old.id, STRANGER),)), "10.255.255.255:7946", 0.0)
+    swim.receive(Packet(STRANGER, (Dead(0, old.id, swim.id),)), "10.255.255.255:7946", 0.0)
     # A new process (a new identity) at the same address joined already.
     swim.receive(Packet(STRANGER, (Alive(0, b"\x77" * 32, old.addr, Meta(stage=1)),)), old.addr, 0.5)
     # (Until the newcomer, which answers no probe here, could be declared dead itself.)

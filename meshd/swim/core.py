@@ -461,9 +461,9 @@ class Swim:
                 # Dead is only a suspicion until we see it ourselves: it may refute.
                 # A member we never knew stays unknown (memberlist's mergeState:
                 # suspectNode ignores unknown nodes); if it lives, its own Alive
-                # will reach us.  Hearsay: nobody signed it, so it starts a suspicion
-                # of ours but confirms none and is not passed on as anyone's word.
-                self._on_suspect(Suspect(ms.incarnation, ms.node, sender), now, hearsay=True)
+                # will reach us.  Nobody signed the entry, so the suspicion goes on
+                # in our own name, as memberlist's goes on in the sender's.
+                self._hearsay(ms, now)
         for claim in msg.names:
             if known or claim.owner == sender:
                 self._on_name(claim, now)
@@ -578,9 +578,23 @@ class Swim:
         elif meta_changed:
             self._emit(EventKind.UPDATE, msg.node, now)
 
-    def _on_suspect(self, msg: Suspect, now: float, hearsay: bool = False) -> None:
-        """``msg.sender`` suspects ``msg.node``.  ``hearsay``: from a push-pull's member list,
-        signed by nobody: it may start a suspicion of ours, never confirm one or travel on."""
+    def _hearsay(self, ms: MemberState, now: float) -> None:
+        """A push-pull says ``ms.node`` is suspect or dead: we suspect it ourselves, signed,
+        unless that would change nothing (signing costs more than the check)."""
+        m = self.members.get(ms.node)
+        if m is None or ms.incarnation < m.incarnation or not m.state.live:
+            return
+        if ms.node == self.id:
+            if not self.leaving:
+                self._refute(ms.incarnation, now)  # whoever says it, we answer in our own word
+            return
+        s = self._suspicions.get(ms.node)
+        if m.state is State.SUSPECT and (s is None or not s.would_confirm(self.id)):
+            return
+        self._on_suspect(self._accusation(Suspect, ms.node, ms.incarnation), now)
+
+    def _on_suspect(self, msg: Suspect, now: float) -> None:
+        """``msg.sender`` suspects ``msg.node``, in its own signed word."""
         m = self.members.get(msg.node)
         if m is None:
             return
@@ -590,20 +604,19 @@ class Swim:
                 self.broadcasts.queue(self.id, self._alive_self())
             return
         if msg.node == self.id:
-            if not self.leaving and (hearsay or self._signed_accusation(msg)):
+            if not self.leaving and self._signed_accusation(msg):
                 self._refute(msg.incarnation, now)
             return
         if m.state is State.SUSPECT:
             s = self._suspicions.get(msg.node)
-            if not hearsay and s is not None and s.would_confirm(msg.sender) and self._signed_accusation(msg):
+            if s is not None and s.would_confirm(msg.sender) and self._signed_accusation(msg):
                 s.confirm(msg.sender)
                 self.broadcasts.queue(msg.node, msg)  # spread the confirmation
             return
-        if m.state is not State.ALIVE or not (hearsay or self._signed_accusation(msg)):
+        if m.state is not State.ALIVE or not self._signed_accusation(msg):
             return
         m.incarnation, m.state, m.state_change = msg.incarnation, State.SUSPECT, now
-        if not hearsay:
-            self.broadcasts.queue(msg.node, msg)
+        self.broadcasts.queue(msg.node, msg)
         self.counters["suspicions"] += 1
         cfg = self.config
         n = self.live_count()
@@ -974,9 +987,11 @@ class Swim:
 
     def _signed_accusation(self, msg: Suspect | Dead) -> bool:
         """Whether ``msg`` is its sender's own signed word, and the sender a live member (or
-        the accused itself, leaving): somebody who never joined accuses nobody."""
+        the accused itself, leaving): somebody who never joined accuses nobody.  An
+        accusation of us needs only its signature: we answer any real one."""
         accuser = self.members.get(msg.sender)
-        if msg.sender != msg.node and (accuser is None or not accuser.state.live):
+        if msg.sender not in (msg.node, self.id) and msg.node != self.id and (
+                accuser is None or not accuser.state.live):
             self.counters["rx_accusations_refused"] += 1
             return False
         kind = "suspect" if isinstance(msg, Suspect) else "dead"
