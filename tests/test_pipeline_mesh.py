@@ -204,3 +204,26 @@ async def test_a_missing_stage_is_named(checkpoint):
             assert info.value.missing == ["pp-stage-1", "pp-exit"]
             assert "pp-stage-1 does not resolve" in str(info.value)
             nursery.cancel_scope.cancel()
+
+
+async def test_a_streamed_generation_hands_every_token_to_the_caller(checkpoint, monkeypatch):
+    """The last tokens of a request may land while the orchestrator's wait has just timed
+    out (it looks at its route every LOST_CHECK_S): they still reach ``on_token``, in order,
+    before the result.  A near-zero interval makes that the usual case."""
+    from meshd.pipeline import orchestrator as orchestrator_module
+
+    monkeypatch.setattr(orchestrator_module, "LOST_CHECK_S", 1e-6)
+    lines: list[str] = []
+    with trio.fail_after(90):
+        async with trio.open_nursery() as nursery:
+            nodes = await start_pipeline(nursery, checkpoint, 3, lines)
+            orch = nodes[0].app
+            for _ in range(5):
+                streamed: list[int] = []
+
+                async def on_token(token: int, into: list[int] = streamed) -> None:
+                    into.append(token)
+
+                got = await orch.generate(PROMPT, 12, on_token=on_token)
+                assert streamed == got["tokens"] and len(streamed) == 12
+            nursery.cancel_scope.cancel()

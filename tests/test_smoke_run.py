@@ -53,7 +53,7 @@ def meshd_children(run_dir) -> list[str]:
 @pytest.mark.parametrize("stages", [2, 3, 5])
 def test_smoke_run_passes_and_matches_the_reference(stages, run_dir):
     rc, out = smoke("--stages", str(stages))
-    assert rc == 0, out
+    assert rc == 0, json.dumps(out)  # the whole report: tokens, failovers, paths, jobs
     assert out["ok"] and out["status"] == "done" and out["matches_reference"]
     assert out["tokens"] == out["reference_tokens"] and len(out["tokens"]) == 12
     names = ["orchestrator", *(f"stage-{k}" for k in range(stages))]
@@ -73,7 +73,7 @@ def test_smoke_run_passes_and_matches_the_reference(stages, run_dir):
 ])
 def test_one_way_drop_passes_and_reports_the_asymmetric_pair(fault, pair):
     rc, out = smoke("--stages", "3", "--fault", fault)
-    assert rc == 0, out
+    assert rc == 0, json.dumps(out)  # the whole report: tokens, failovers, paths, jobs
     assert out["matches_reference"] and out["leftovers"] == 0
     a, b = fault[5:].split("->")
     paths = {(p["from"], p["to"]): p for p in out["paths"]}
@@ -86,7 +86,7 @@ def test_one_way_drop_passes_and_reports_the_asymmetric_pair(fault, pair):
 def test_ps_shows_the_run_from_another_process(run_dir):
     rc, out = smoke("--stages", "2", "--stub", "--startup-order", "workers-first",
                     "--stop-criteria", "all-done")
-    assert rc == 0, out
+    assert rc == 0, json.dumps(out)  # the whole report: tokens, failovers, paths, jobs
     r = subprocess.run([sys.executable, "-m", "meshd", "ps", "--json"], capture_output=True, text=True,
                        timeout=30, env={**os.environ, "XDG_STATE_HOME": str(run_dir.parent.parent)})
     runs = json.loads(r.stdout)["runs"]
@@ -113,7 +113,7 @@ def test_a_killed_stage_without_replicas_fails_the_run_naming_it(run_dir):
 
 def test_replicas_run_every_stage_on_k_nodes_and_match_the_reference(run_dir):
     rc, out = smoke("--stages", "2", "--replicas", "2")
-    assert rc == 0, out
+    assert rc == 0, json.dumps(out)  # the whole report: tokens, failovers, paths, jobs
     assert out["ok"] and out["matches_reference"] and out["replicas"] == 2
     names = ["orchestrator", "stage-0", "stage-1", "stage-0.2", "stage-1.2"]
     assert sorted(out["stage_map"].values()) == sorted(names)
@@ -126,7 +126,7 @@ def test_replicas_run_every_stage_on_k_nodes_and_match_the_reference(run_dir):
 def test_a_killed_serving_replica_fails_over_and_the_run_passes(run_dir):
     rc, out = smoke("--stages", "3", "--replicas", "2", "--fault", "kill:stage-1@token-5",
                     "--max-tokens", "48")
-    assert rc == 0, out
+    assert rc == 0, json.dumps(out)  # the whole report: tokens, failovers, paths, jobs
     assert out["matches_reference"] and out["leftovers"] == 0 and meshd_children(run_dir) == []
     [killed] = out["disruptions"]
     assert killed["action"] == "kill" and killed["job"] in ("stage-1", "stage-1.2")
@@ -140,7 +140,7 @@ def test_a_killed_serving_replica_fails_over_and_the_run_passes(run_dir):
 def test_a_restarted_serving_replica_comes_back_with_its_key_and_the_run_passes(run_dir):
     rc, out = smoke("--stages", "2", "--replicas", "2", "--fault", "restart:stage-1@token-4",
                     "--max-tokens", "48")
-    assert rc == 0, out
+    assert rc == 0, json.dumps(out)  # the whole report: tokens, failovers, paths, jobs
     assert out["matches_reference"] and out["leftovers"] == 0 and meshd_children(run_dir) == []
     [restarted] = out["disruptions"]
     assert restarted["action"] == "restart" and out["stage_map"][restarted["peer"]] == restarted["job"]

@@ -193,10 +193,10 @@ class Orchestrator(App):
                 waited = 0.0
                 req.stall_probed = False
                 req.changed = trio.Event()
-                if on_token is not None:
-                    while seen < len(req.tokens):
-                        await on_token(req.tokens[seen])
-                        seen += 1
+                seen = await _stream_tokens(req, seen, on_token)
+            # The last tokens can land while the loop was not looking (a route check, a
+            # stall's timeout): every token reaches the caller before the result does.
+            await _stream_tokens(req, seen, on_token)
             if req.error is not None:
                 raise PipelineError(req.error)
         finally:
@@ -392,3 +392,13 @@ def summarize(traces: list[tuple[Hop, ...]]) -> list[dict]:
     paths = {(h.kind, h.name): h.path for t in traces for h in t}
     return [{"kind": kind, "name": name, "median_ms": float(np.median(v)), "path": paths[(kind, name)]}
             for (kind, name), v in by_name.items()]
+
+
+async def _stream_tokens(req: _Request, seen: int, on_token) -> int:
+    """Hand ``req``'s tokens from ``seen`` on to ``on_token`` (if any); returns how many went."""
+    if on_token is None:
+        return seen
+    while seen < len(req.tokens):
+        await on_token(req.tokens[seen])
+        seen += 1
+    return seen
