@@ -18,6 +18,7 @@ ratios, mesh key / none.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import struct
 import tempfile
@@ -43,7 +44,7 @@ async def measure(path: str, messages: int, size: int, window: int, key_file: Pa
     lines: list[str] = []
     async with trio.open_nursery() as nursery:
         relay = Relay(mesh_key_file=key_file)
-        host, port = await nursery.start(serve_relay, "127.0.0.1", 0, relay=relay)
+        host, port = await nursery.start(functools.partial(serve_relay, "127.0.0.1", 0, relay=relay))
         opts = dict(profile="local", relay=f"ws://{host}:{port}", stages=2, mesh_key=relay.mesh_key)
         b = await start_node(nursery, NodeOptions(stage=1, **opts), lines)
         a = await start_node(nursery, NodeOptions(stage=0, seeds=[b.addr], **opts), lines)
