@@ -19,7 +19,7 @@ from meshd.swim.awareness import Awareness
 from meshd.swim.broadcast import BroadcastQueue
 from meshd.swim.registry import Registry
 from meshd.swim.suspicion import Suspicion, suspicion_duration
-from meshd.wire import Ack, Alive, Dead, Meta, Nack, NameClaim, Packet, Ping, PingReq, Suspect
+from meshd.wire import Ack, Alive, Dead, Meta, Nack, NameClaim, Packet, Ping, PingReq, PushPull, Suspect
 
 NODE_A = b"\xaa" * 32
 NODE_B = b"\xbb" * 32
@@ -830,3 +830,23 @@ def test_a_forged_incarnation_at_the_limit_is_refuted_at_the_limit_not_past_it()
     bench.tell(a, b, wire.Suspect(wire.COUNTER_MAX, a.id, b.id), now=2.0)
     assert a.incarnation == wire.COUNTER_MAX
     wire.encode(Packet(a.id, (a._alive_self(),)))  # still encodes, and decodes at every peer
+
+
+def test_a_joiner_tells_a_few_more_members_about_itself_once_its_join_is_answered():
+    """On a small mesh, gossip carries a newcomer's Alive only a couple of times from each
+    node that heard it; the joiner tells up to JOIN_ANNOUNCE other members itself."""
+    from meshd.swim.core import JOIN_ANNOUNCE
+
+    bench = Bench(5)
+    seed, *others = bench.swims
+    joiner = Swim(b"\x55" * 32, "10.0.0.50:7946", Meta(stage=9), LAN, random.Random(9), 0.0)
+    joiner.join([seed.me.addr], 0.0)
+    (join,) = joiner.outbox()
+    seed.receive(join.packet, joiner.me.addr, 0.1)
+    (answer,) = [o for o in seed.outbox() if o.addr == joiner.me.addr]
+    joiner.receive(answer.packet, seed.me.addr, 0.2)
+    told = [o for o in joiner.outbox() if isinstance(o.packet.messages[0], PushPull)]
+    assert len(told) == JOIN_ANNOUNCE and seed.me.addr not in {o.addr for o in told}
+    for out in told:
+        bench.hand(out, 0.3)
+        assert bench.by_addr[out.addr].members[joiner.id].state is State.ALIVE

@@ -64,6 +64,9 @@ INF = float("inf")
 # made-up members must not grow our memory without bound.  Far above any real mesh.
 MAX_MEMBERS = 10_000
 
+# Members a joiner tells about itself directly once its join is answered.
+JOIN_ANNOUNCE = 3
+
 # Dead members we ask back per reconnect interval at most (in turn, when there are more).
 MAX_RECONNECTS = 8
 
@@ -468,6 +471,8 @@ class Swim:
             if known or claim.owner == sender:
                 self._on_name(claim, now)
         if self.live_count() > 1:
+            if self._next_join != INF:
+                self._announce(sender)
             self._next_join = INF
 
     def _handle_path_summary(self, msg: PathSummary, sender: bytes, addr: str, now: float) -> None:
@@ -898,6 +903,19 @@ class Swim:
         self._reconnect_asked.discard(addr)
         self._out.append(Outgoing(addr, sender, self._packet([self._push_pull(False, True)]), True))
         self.counters["tx_reconnect_followups"] += 1
+
+    def _announce(self, seed: bytes) -> None:
+        """Our join was answered: tell a few more members about us at once.
+
+        Gossip carries our Alive only ``retransmit_limit`` times from each node that
+        heard it (2 on the local profile with a handful of members), and some of those
+        go to members that just died or to ourselves: without this, the rest of a small
+        mesh could first hear of us at the next push-pull, a quarter minute later."""
+        intro = self._introduction()
+        pp = PushPull(False, False, intro.members, intro.names)
+        for node in self._random_members(JOIN_ANNOUNCE, exclude=seed, alive_only=True):
+            self._out.append(Outgoing(self.members[node].addr, node, self._packet([pp]), True))
+            self.counters["tx_join_announce"] += 1
 
     def _introduction(self) -> PushPull:
         """A join push-pull that carries ourselves and our own names only."""
