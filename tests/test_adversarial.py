@@ -9,9 +9,11 @@ bound, or make it attack somebody else.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 import httpx
@@ -84,21 +86,30 @@ class Mesh:
                 assert names.get(name, {}).get("resolves"), (p.name, name, names.get(name))
 
 
-@pytest.fixture(scope="module")
-def mesh():
-    relay = MeshProcess("relay", ["relay", "--bind", "127.0.0.1:0"])
+@contextlib.contextmanager
+def _settled_mesh(make: Callable[[MeshProcess, list[MeshProcess]], Mesh], key_args: list[str]
+                  ) -> Iterator[Mesh]:
+    """A relay, an orchestrator and two stages (``key_args`` for each), names resolving
+    everywhere; ``make`` wraps them.  Everything stops on the way out."""
+    relay = MeshProcess("relay", ["relay", "--bind", "127.0.0.1:0", *key_args])
     procs: list[MeshProcess] = []
     try:
         url = relay.wait_for(lambda s: s.startswith("meshd relay url="), 10, "relay url").split()[2][4:]
-        procs = start_mesh(2, extra=["--relay", url, "--dashboard", "127.0.0.1:0"])
+        procs = start_mesh(2, extra=["--relay", url, "--dashboard", "127.0.0.1:0", *key_args])
         wait_converged(procs)
-        m = Mesh(relay, procs)
+        m = make(relay, procs)
         _wait(lambda: _settled(m), 20, "names resolving everywhere")
         yield m
     finally:
         for p in procs:
             p.stop(timeout=3)
         relay.stop(timeout=3)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    with _settled_mesh(Mesh, []) as m:
+        yield m
 
 
 def _settled(m: Mesh) -> bool:
@@ -456,30 +467,15 @@ def members(request, tmp_path_factory):
         path = tmp_path_factory.mktemp("mesh") / "mesh.key"
         ring = keyring.generate_file(path)
         key_args = ["--mesh-key-file", str(path)]
-    relay = MeshProcess("relay", ["relay", "--bind", "127.0.0.1:0", *key_args])
-    procs: list[MeshProcess] = []
-    try:
-        url = relay.wait_for(lambda s: s.startswith("meshd relay url="), 10, "relay url").split()[2][4:]
-        procs = start_mesh(2, extra=["--relay", url, "--dashboard", "127.0.0.1:0", *key_args])
-        wait_converged(procs)
-        m = Members(relay, procs, ring)
-        _wait(lambda: _settled(m), 20, "names resolving everywhere")
+    with _settled_mesh(lambda relay, procs: Members(relay, procs, ring), key_args) as m:
         yield m
-    finally:
-        for p in procs:
-            p.stop(timeout=3)
-        relay.stop(timeout=3)
-
-
-def _signed_by(key: Identity, data: bytes) -> bytes:
-    return key.sign(data)
 
 
 def test_a_member_cannot_make_another_leave(members):
     m, victim = members, members.id("stage-1")
     before = m.counter("rx_bad_signature")
     for inc in (0, 1, 2, 3, 2**40):
-        forged = _signed_by(m.mallory, accusation_data("dead", victim, inc, victim))
+        forged = m.mallory.sign(accusation_data("dead", victim, inc, victim))
         m.to_all(m.mallory.node_id, wire.Dead(inc, victim, victim, forged))
         left = wire.MemberState(victim, m.addr("stage-1"), inc, wire.STATE_LEFT, wire.Meta(), forged)
         m.to_all(m.mallory.node_id, wire.PushPull(False, False, (left,), ()))
@@ -491,9 +487,9 @@ def test_a_member_cannot_make_another_leave(members):
 def test_a_member_cannot_declare_a_death_in_the_orchestrators_name(members):
     m, victim, orch = members, members.id("stage-1"), members.id("orchestrator")
     for inc in (0, 1, 2, 2**40):
-        forged = _signed_by(m.mallory, accusation_data("dead", victim, inc, orch))
+        forged = m.mallory.sign(accusation_data("dead", victim, inc, orch))
         m.to_all(orch, wire.Dead(inc, victim, orch, forged))
-        forged = _signed_by(m.mallory, accusation_data("suspect", victim, inc, orch))
+        forged = m.mallory.sign(accusation_data("suspect", victim, inc, orch))
         m.to_all(orch, wire.Suspect(inc, victim, orch, forged))
     _settle_and_check(m)
     blamed = [line for p in m.procs for line in p.lines
@@ -505,7 +501,7 @@ def test_a_member_cannot_move_another_or_rewrite_its_metadata(members):
     m, victim = members, members.id("stage-1")
     meta = wire.Meta(role="stage", stage=0, stages=2)  # "stage-1 is stage 0 now"
     for inc in (1, 2, 3, 2**40):
-        forged = _signed_by(m.mallory, alive_data(victim, inc, "127.0.0.1:9", meta))
+        forged = m.mallory.sign(alive_data(victim, inc, "127.0.0.1:9", meta))
         m.to_all(m.mallory.node_id, wire.Alive(inc, victim, "127.0.0.1:9", meta, forged))
     _settle_and_check(m)
     for p in m.procs:
@@ -520,7 +516,7 @@ def test_a_member_cannot_take_or_bury_another_members_names(members):
         for tomb in (True, False):
             claim = wire.NameClaim("pp-stage-1", victim, clock, tomb)
             m.to_all(m.mallory.node_id, wire.NameClaim("pp-stage-1", victim, clock, tomb,
-                                                       _signed_by(m.mallory, claim_data(claim))))
+                                                       m.mallory.sign(claim_data(claim))))
     _settle_and_check(m)
     for p in m.procs:
         owners = m.snapshot(p.name)["names"]["pp-stage-1"]
@@ -530,7 +526,7 @@ def test_a_member_cannot_take_or_bury_another_members_names(members):
 def test_a_member_cannot_replace_another_members_path_summary(members):
     m, orch, stage1 = members, members.id("orchestrator"), members.id("stage-1")
     forged = wire.PathSummary(orch, 2**62, (wire.PathEntry(stage1, "none", 0, 99, "forged by mallory", 0),))
-    m.send("stage-0", m.mallory.node_id, replace(forged, sig=_signed_by(m.mallory, paths_data(forged))))
+    m.send("stage-0", m.mallory.node_id, replace(forged, sig=m.mallory.sign(paths_data(forged))))
     time.sleep(1.0)
     assert "forged" not in str(m.get("stage-0", "/api/topology"))
     m.assert_unharmed()

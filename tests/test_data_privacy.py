@@ -110,6 +110,14 @@ def _introduce(*channels: DataChannel) -> None:
                 a.note_epoch(b.id, b.epoch, b.public_key)
 
 
+async def _relayed_pair(nursery: trio.Nursery, relay: Relay) -> tuple[DataChannel, DataChannel]:
+    """The in-memory relay running, and two channels that reach each other only through it."""
+    nursery.start_soon(relay.run)
+    a, _, _ = await nursery.start(_channel(Identity.generate(), 10, {}, relay))
+    b, _, _ = await nursery.start(_channel(Identity.generate(), 20, {}, relay))
+    return a, b
+
+
 async def _proxy(target: str, record: bytearray, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """A TCP proxy to ``target`` that keeps every byte it carries, either way, in ``record``;
     reports its own address."""
@@ -210,9 +218,7 @@ async def test_a_tampered_chunk_is_dropped_and_the_message_arrives_once_by_resen
     message = os.urandom(2 * CHUNK_BYTES)
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(relay.run)
-            a, _, _ = await nursery.start(_channel(Identity.generate(), 10, {}, relay))
-            b, _, _ = await nursery.start(_channel(Identity.generate(), 20, {}, relay))
+            a, b = await _relayed_pair(nursery, relay)
             _introduce(a, b)
             relay.tamper = flip_first_chunk
             assert await a.send(b.id, message) == "relay"
@@ -231,9 +237,7 @@ async def test_chunks_made_up_or_moved_through_the_relay_are_dropped_and_deliver
     relay = Relay()
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(relay.run)
-            a, _, _ = await nursery.start(_channel(Identity.generate(), 10, {}, relay))
-            b, _, _ = await nursery.start(_channel(Identity.generate(), 20, {}, relay))
+            a, b = await _relayed_pair(nursery, relay)
             _introduce(a, b)
             assert await a.send(b.id, b"real one") == "relay"
             assert await b.received.receive() == (a.id, b"real one")
@@ -267,9 +271,7 @@ async def test_a_sender_without_the_peers_key_sends_nothing_and_delivers_once_it
     relay = Relay()
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(relay.run)
-            a, _, _ = await nursery.start(_channel(Identity.generate(), 10, {}, relay))
-            b, _, _ = await nursery.start(_channel(Identity.generate(), 20, {}, relay))
+            a, b = await _relayed_pair(nursery, relay)
             b.note_epoch(a.id, a.epoch, a.public_key)
             a.note_epoch(b.id, b.epoch)  # its epoch, but not its key
             item = await a.post(b.id, b"waits for the key", timeout=20)
@@ -289,9 +291,7 @@ async def test_a_message_for_a_peer_whose_key_we_never_learn_fails_naming_why():
     relay = Relay()
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(relay.run)
-            a, _, _ = await nursery.start(_channel(Identity.generate(), 10, {}, relay))
-            b, _, _ = await nursery.start(_channel(Identity.generate(), 20, {}, relay))
+            a, b = await _relayed_pair(nursery, relay)
             with pytest.raises(DeliveryError, match="no data key for its current process"):
                 await a.send(b.id, b"never sent", timeout=1.5)
             assert relay.chunks(a.id) == []

@@ -27,7 +27,7 @@ from meshd.node import NodeOptions
 from meshd.relay import protocol
 from meshd.relay.client import ClientConfig, RelayClient
 from meshd.relay.server import Relay, serve_relay
-from meshd.testing.inprocess import start_node, wait_converged
+from meshd.testing.inprocess import Running, start_node, wait_converged
 
 # --- the keyring ---
 
@@ -149,9 +149,7 @@ async def test_a_keyed_mesh_converges_and_a_node_without_the_key_never_joins():
     lines: list[str] = []
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
-            a = await start_node(nursery, _opts(Keyring(ring_keys(ring)), role="orchestrator"), lines)
-            b = await start_node(nursery, _opts(Keyring(ring_keys(ring)), stage=0, seeds=[a.addr]), lines)
-            await wait_converged([a, b])
+            a, b = await _keyed_pair(nursery, ring, lines)
             assert b.core.members[a.node_id].meta.keyring == (ring.primary_id,), "peers see our key ids"
             other = await start_node(nursery, _opts(Keyring([generate_key()]), stage=1, seeds=[a.addr]),
                                      lines)
@@ -169,6 +167,14 @@ async def test_a_keyed_mesh_converges_and_a_node_without_the_key_never_joins():
             nursery.cancel_scope.cancel()
 
 
+async def _keyed_pair(nursery: trio.Nursery, ring: Keyring, lines: list[str]) -> tuple[Running, Running]:
+    """An orchestrator and a stage, each with its own copy of ``ring``, converged."""
+    a = await start_node(nursery, _opts(Keyring(ring_keys(ring)), role="orchestrator"), lines)
+    b = await start_node(nursery, _opts(Keyring(ring_keys(ring)), stage=0, seeds=[a.addr]), lines)
+    await wait_converged([a, b])
+    return a, b
+
+
 def ring_keys(ring: Keyring) -> list[bytes]:
     """A copy's keys: each node holds its own ring, as separate processes would."""
     return [keyring.decode_key(line) for line in ring.to_text().splitlines()[1:]]
@@ -183,9 +189,7 @@ async def test_an_unsealed_dead_about_a_member_changes_nothing_and_is_logged_onc
     lines: list[str] = []
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
-            a = await start_node(nursery, _opts(Keyring(ring_keys(ring)), role="orchestrator"), lines)
-            b = await start_node(nursery, _opts(Keyring(ring_keys(ring)), stage=0, seeds=[a.addr]), lines)
-            await wait_converged([a, b])
+            a, b = await _keyed_pair(nursery, ring, lines)
             before = a.core.counters["rx_unsealed_dropped"]
             host, _, port = a.addr.rpartition(":")
             with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
