@@ -691,7 +691,7 @@ class Node:
         self.paths.sent(node)
         assert self.relay is not None
         try:
-            await self.relay.send(node, self._seal(data))
+            await self._relay_send(node, data)
         except (RelayError, ValueError) as exc:
             swim.counters["tx_relay_errors"] += 1
             log.debug("relay send to %s: %s", node.hex()[:8], exc)
