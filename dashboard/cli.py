@@ -110,7 +110,7 @@ def _cmd_peers(args: argparse.Namespace, parser: argparse.ArgumentParser | None 
         table.add_row(escape(p["name"] + _replica(p, short=True)), p["prefix"], state,
                       *([escape((p["checkpoint"] or "-")[:12])] if checkpoints else []),
                       _styled(p["path_out"]), _styled(p["path_in"]),
-                      "-" if p["rtt_ms"] is None else f"{p['rtt_ms']:.2f}",
+                      "-" if p["rtt_ms"] is None else f"{p['rtt_ms']:.2f} {p.get('rtt_path') or ''}".strip(),
                       f"{p['out_ok']}/{p['out_fail']}", f"{seen.get('direct', 0)}/{seen.get('relay', 0)}",
                       "-" if p["last_seen_s"] is None else f"{p['last_seen_s']:.1f}s ago", p["addr"] or "-")
     console.print(table)

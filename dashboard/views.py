@@ -49,6 +49,7 @@ def peer_view(m: dict, *, me: bool = False) -> dict:
         "path_out": None if me else m.get("path_out", "direct"),
         "path_in": None if me else m.get("path_in", "none"),
         "rtt_ms": None if me else m.get("rtt_ms"),
+        "rtt_path": None if me else m.get("rtt_path"),  # the path that round trip was measured on
         "out_ok": None if me else m.get("path_checks", 0),
         "out_fail": None if me else m.get("direct_failures", 0),
         "in_seen": None if me else m.get("in_seen", {"direct": 0, "relay": 0}),
@@ -86,13 +87,13 @@ def _direction(frm: dict, to: dict, edge: dict) -> str:
     fails = edge.get("direct_failures") or 0
     times = f" ×{fails}" if fails else ""
     if path == "direct":
-        return f"{head}: direct" + (f", {rtt:.1f} ms" if rtt is not None else "")
+        return f"{head}: direct" + (f", {rtt:.1f} ms direct" if rtt is not None else "")
     since = edge.get("since_s")
     for_ = f", for {since:.0f} s" if since is not None else ""
     if path == "relay":
         via = frm.get("relay_url") or "the relay"
         return f"{head}: direct fails ({reason}{times}), via relay {via}" + (
-            f", {rtt:.1f} ms" if rtt is not None else "") + for_
+            f", {rtt:.1f} ms via relay" if rtt is not None else "") + for_
     if path == "none":
         return f"{head}: no path ({reason}{times}){for_}"
     return f"{head}: not reported yet"

@@ -333,8 +333,12 @@ class Node:
         return [_info(swim.members[owner]) for owner in swim.live_owners(name)]
 
     def rtt(self, node: bytes) -> float | None:
-        ms = self.paths.view(node, trio.current_time()).get("rtt_ms")
-        return ms / 1000 if isinstance(ms, (int, float)) else None
+        m = self.swim.members.get(node) if self.swim is not None else None
+        return self._path_rtt(m) if m is not None else None
+
+    def _path_rtt(self, m: Member) -> float | None:
+        """The last round trip to ``m`` over the path our datagrams to it take now."""
+        return m.relay_rtt if self.paths.out_path(m.id) == RELAY else m.rtt
 
     def members(self) -> list[MemberInfo]:
         swim = self.swim
@@ -507,7 +511,8 @@ class Node:
         swim, version, last, last_at = self.core, time.time_ns() // 1000, None, -PATH_SUMMARY_REFRESH_S
         while True:
             now = trio.current_time()
-            peers = [(m.id, m.rtt) for m in swim.members.values() if m.id != swim.id and m.state.live]
+            peers = [(m.id, self._path_rtt(m)) for m in swim.members.values()
+                     if m.id != swim.id and m.state.live]
             shape = [(node, self.paths.out_path(node)) for node, _ in peers]
             if shape != last or now - last_at >= PATH_SUMMARY_REFRESH_S:
                 # Wall-clock versions: a restarted node's summaries still supersede its old ones.
@@ -590,11 +595,12 @@ class Node:
 
     def _path_changed(self, node: bytes, direct: bool, rtt: float, now: float) -> None:
         reason = "direct ping unanswered within the probe timeout; the relayed ping was answered"
-        if self.paths.probe_verdict(node, direct, rtt, now, reason):
+        if self.paths.probe_verdict(node, direct, now, reason):
             m = self.core.members.get(node)
             name = m.name if m is not None else "?"
             path = self.paths.out_path(node)
             detail = "" if direct else f" ({reason})"
+            # The RTT of the path that answered, from its own ping's send.
             self.out(f"meshd path {self.core.me.name}->{name} prefix={node.hex()[:8]} "
                      f"out={path} rtt_ms={rtt * 1000:.1f}{detail}")
 

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from .identity import prefix
-from .net.path_table import PathTable
+from .net.path_table import RELAY, PathTable
 from .readiness import readiness
 from .swim import Member, Swim
 
@@ -35,7 +35,11 @@ def member_view(m: Member, now: float) -> dict:
         "checkpoint": m.meta.checkpoint,
         "draining": m.meta.draining,
         "keyring": list(m.meta.keyring),  # ids of the mesh keys it holds, the one it seals with first
+        # The round trip over the path our probes take to it now, and which path that is.
         "rtt_ms": None if m.rtt is None else round(m.rtt * 1000, 3),
+        "rtt_path": "direct",
+        "rtt_direct_ms": None if m.rtt is None else round(m.rtt * 1000, 3),
+        "rtt_relay_ms": None if m.relay_rtt is None else round(m.relay_rtt * 1000, 3),
         "last_seen_s": None if m.last_seen is None else round(now - m.last_seen, 3),
         "state_age_s": round(now - m.state_change, 3),
     }
@@ -52,9 +56,9 @@ def snapshot(swim: Swim, now: float, paths: PathTable | None = None, relay: dict
         if paths is not None:
             path_view = paths.view(m.id, now)
             del path_view["peer"]
-            if path_view["rtt_ms"] is None:
-                del path_view["rtt_ms"]  # keep the core's last direct RTT
             view.update(path_view)
+            if path_view["path_out"] == RELAY:
+                view["rtt_ms"], view["rtt_path"] = view["rtt_relay_ms"], RELAY
         members.append(view)
     members.sort(key=lambda v: stage_sort_key(v["name"]))
     names = {}

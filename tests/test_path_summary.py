@@ -90,7 +90,7 @@ def test_a_big_meshs_summary_still_fits_one_gossip_packet_with_the_broken_paths_
     table = PathTable()
     peers = [(bytes([i]) * 32, 0.001) for i in range(1, 60)]
     broken = peers[-1][0]
-    table.probe_verdict(broken, False, 0.2, 10.0, "direct ping unanswered within the probe timeout; x")
+    table.probe_verdict(broken, False, 10.0, "direct ping unanswered within the probe timeout; x")
     summary = table.summary(NODE_A, 1, peers, 12.0)
     assert wire.encoded_size(summary) <= MAX_SUMMARY_BYTES
     assert summary.entries[0].peer == broken and summary.entries[0].path == "relay"

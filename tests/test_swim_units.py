@@ -784,6 +784,10 @@ def test_a_relayed_ping_also_confirms_the_direct_ping_that_got_through():
     a.receive(answer.packet, b.me.addr, t4 + 0.002, via="relay")
     paths = [e for e in a.events() if e.kind is EventKind.PATH]
     assert [(e.node, e.detail["direct"]) for e in paths] == [(b.id, False)]
+    # Its round trip counts from the relayed ping's own send, not from the direct ping's
+    # a probe timeout earlier: 2 ms here, as a relay on loopback shows.
+    assert paths[0].detail["rtt"] == pytest.approx(0.002)
+    assert a.members[b.id].relay_rtt == pytest.approx(0.002)
 
 
 # --- a stranger cannot turn a member into a reflector or fill its tables ---

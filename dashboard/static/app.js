@@ -31,7 +31,7 @@ function drawTopology(topo) {
       "stroke-width": bad ? 3 : 2, "stroke-dasharray": e.path === "relay" ? "7 5" : (e.path === "unknown" ? "2 4" : "none"),
       "marker-end": "url(#arrow)", class: "edge path-" + e.path + (bad ? " asymmetric" : ""),
       "data-from": e.from_name, "data-to": e.to_name, "data-path": e.path});
-    line.appendChild(el("title", {}, `${e.from_name}→${e.to_name}: ${e.path}` + (e.rtt_ms != null ? `, ${e.rtt_ms} ms` : "") + (e.since_s != null ? `, for ${Math.round(e.since_s)} s` : "")));
+    line.appendChild(el("title", {}, `${e.from_name}→${e.to_name}: ${e.path}` + (e.rtt_ms != null ? `, ${e.rtt_ms} ms ${e.path}` : "") + (e.since_s != null ? `, for ${Math.round(e.since_s)} s` : "")));
     edgesG.appendChild(line);
     if (bad) {
       const label = el("text", {x: (x1 + x2) / 2 + ox * 2, y: (y1 + y2) / 2 + oy * 2, "text-anchor": "middle",
@@ -69,7 +69,7 @@ function drawPeers(data) {
     // Replicas of one stage: "stage-1 (replica 2/2)"; a draining node says so beside its state.
     const replica = p.replicas > 1 ? ` (replica ${p.replica}/${p.replicas})` : "";
     cell(tr, p.name + replica); cell(tr, p.prefix); cell(tr, p.state + (p.draining ? " · draining" : ""), p.state);
-    cell(tr, p.path_out, p.path_out); cell(tr, p.path_in, p.path_in); cell(tr, p.rtt_ms);
+    cell(tr, p.path_out, p.path_out); cell(tr, p.path_in, p.path_in); cell(tr, p.rtt_ms != null ? `${p.rtt_ms} (${p.rtt_path})` : null);
     cell(tr, `${p.out_ok}/${p.out_fail}`); cell(tr, p.in_seen ? `${p.in_seen.direct || 0}/${p.in_seen.relay || 0}` : "–");
     cell(tr, p.last_seen_s);
     tr.title = p.last_failure || "";

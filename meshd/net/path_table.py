@@ -35,7 +35,6 @@ class Outbound:
     attempts: int = 0  # datagrams we sent
     direct_failures: int = 0  # probes whose direct ping went unanswered
     relay_ok: int = 0  # probes answered only over the relay
-    rtt: float | None = None
     last_failure: str | None = None
 
 
@@ -82,10 +81,9 @@ class PathTable:
         inn.last_path = via
         inn.last_seen = now
 
-    def probe_verdict(self, node: bytes, direct: bool, rtt: float | None, now: float, reason: str) -> bool:
+    def probe_verdict(self, node: bytes, direct: bool, now: float, reason: str) -> bool:
         """Record what a probe showed; True if the outbound path changed."""
         out = self._peer(node).out
-        out.rtt = rtt
         new = DIRECT if direct else RELAY
         if not direct:
             out.direct_failures += 1
@@ -120,13 +118,13 @@ class PathTable:
             "direct_failures": out.direct_failures,
             "relay_ok": out.relay_ok,
             "in_seen": dict(inn.seen),
-            "rtt_ms": None if out.rtt is None else round(out.rtt * 1000, 3),
             "last_failure": out.last_failure,
         }
 
     def summary(self, me: bytes, version: int, peers: list[tuple[bytes, float | None]],
                 now: float) -> PathSummary:
-        """Our outbound view of ``peers`` ((node, core's last RTT)), compact enough to gossip.
+        """Our outbound view of ``peers`` ((node, the last RTT over the path each entry names)),
+        compact enough to gossip.
 
         A failure reason rides along only when the path is not direct: it is what
         explains an asymmetric pair, and it keeps a healthy mesh's summary small.  In a
@@ -134,10 +132,9 @@ class PathTable:
         that do not fit are left out (the topology shows them as not reported).
         """
         entries = []
-        for node, core_rtt in peers[:MAX_PATH_ENTRIES]:
+        for node, rtt in peers[:MAX_PATH_ENTRIES]:
             peer = self.peers.get(node)
             out = peer.out if peer is not None else Outbound()
-            rtt = out.rtt if out.rtt is not None else core_rtt
             reason = "" if out.path == DIRECT else (out.last_failure or "")[:MAX_REASON_CHARS].rstrip(" ;,.")
             entries.append(PathEntry(node, out.path, 0 if rtt is None else max(0, round(rtt * 1e6)),
                                      out.direct_failures, reason,

@@ -94,6 +94,7 @@ class _Probe:
     indirect_sent: bool = False
     expected_nacks: int = 0
     relay_seq: int | None = None  # the same ping, sent over the relay after the timeout
+    relay_sent_at: float = 0.0  # when that relayed ping went: its round trip counts from here
     acked: bool = False  # the member answered, by some path
     helpers: frozenset[bytes] = frozenset()
     nackers: set[bytes] = field(default_factory=set)  # helpers that said "no answer"
@@ -399,9 +400,14 @@ class Swim:
                 self.counters["acks"] += 1
                 if not probe.indirect_sent:
                     self.awareness.apply_delta(-1)
-            rtt = now - probe.sent_at
+            relayed = msg.seq == probe.relay_seq
+            # Each path's round trip from its own ping's send: the relayed ping went a probe
+            # timeout after the direct one, which must not count as relay latency.
+            rtt = now - (probe.relay_sent_at if relayed else probe.sent_at)
             if direct:
                 self.members[probe.target].rtt = rtt
+            elif relayed and from_target:
+                self.members[probe.target].relay_rtt = rtt
                 if len(self._answered) < 1024:
                     # It received our direct ping at its address, whichever path the ack took.
                     self._answered[self.members[probe.target].addr] = None
@@ -787,7 +793,7 @@ class Swim:
         if target.meta.relay_url and self.me.meta.relay_url:
             # The same question over the relay: an answer there means the member
             # is alive and only the direct path is down.
-            probe.relay_seq = self._next_seq()
+            probe.relay_seq, probe.relay_sent_at = self._next_seq(), now
             self._send(target.addr, probe.target, [Ping(probe.relay_seq, probe.target)], via="relay")
             self.counters["relay_pings"] += 1
         # Helpers are alive members only (memberlist): a suspect is likely down,

@@ -30,6 +30,7 @@ class Member:
     state_change: float
     last_seen: float | None = None  # any packet from it
     rtt: float | None = None  # last direct probe round trip
+    relay_rtt: float | None = None  # last relayed probe round trip, from the relayed ping's own send
     # Its own signature: over its Alive (incarnation, addr, meta) while it lives, over its
     # leave once it left; push-pull passes it on, so its word reaches others as its own.
     proof: bytes = b""
