@@ -75,8 +75,18 @@ def peers(snap: dict) -> dict:
         p["replica"] = next((i + 1 for i, v in enumerate(group) if v is p), None)
         p["replicas"] = len(group) if group else None
     ready = pipeline_readiness(snap)
-    return {"self": me, "peers": others,
+    return {"self": me, "peers": others, "join": join_view(snap),
             "readiness": {k: ready[k] for k in ("ready", "why", "warnings", "stages")}}
+
+
+def join_view(snap: dict) -> dict:
+    """Whether this node is in the mesh: ``joined``, and if not, the seeds it waits on and why
+    (``not joined: no answer from 10.0.0.5:7946 after 12 s``)."""
+    join = snap.get("join") or {"joined": True}
+    if join.get("joined"):
+        return {"joined": True, "status": "joined"}
+    problem = join.get("problem") or f"waiting for an answer from {', '.join(join.get('seeds') or [])}"
+    return {**join, "status": f"not joined: {problem}"}
 
 
 def _direction(frm: dict, to: dict, edge: dict) -> str:
@@ -91,7 +101,7 @@ def _direction(frm: dict, to: dict, edge: dict) -> str:
     since = edge.get("since_s")
     for_ = f", for {since:.0f} s" if since is not None else ""
     if path == "relay":
-        via = frm.get("relay_url") or "the relay"
+        via = edge.get("relay") or frm.get("relay_url") or "the relay"
         return f"{head}: direct fails ({reason}{times}), via relay {via}" + (
             f", {rtt:.1f} ms via relay" if rtt is not None else "") + for_
     if path == "none":
@@ -120,7 +130,8 @@ def topology(snap: dict) -> dict:
         ok = None if e["path"] == "unknown" else e["path"] != "none"
         return {"from": a["id"], "to": b["id"], "from_name": _name(a), "to_name": _name(b),
                 "path": e["path"], "ok": ok, "rtt_ms": e["rtt_ms"],
-                "direct_failures": e["direct_failures"], "reason": e["reason"], "since_s": e["since_s"]}
+                "direct_failures": e["direct_failures"], "reason": e["reason"], "since_s": e["since_s"],
+                "relay": e["relay"]}
 
     order = sorted(live, key=lambda v: _sort_key(_name(v)))
     edges = [edge(a, b) for a in order for b in order if a["id"] != b["id"]]
@@ -157,6 +168,12 @@ def problems(snap: dict, topo: dict | None = None) -> list[dict[str, Any]]:
     """What `meshd doctor` reports: each problem by stage and direction, and what to check."""
     topo = topo or topology(snap)
     out: list[dict[str, Any]] = []
+    join = join_view(snap)
+    if not join["joined"]:
+        seeds = ", ".join(join.get("seeds") or [])
+        out.append({"kind": "not-joined", "where": _name(snap["self"]), "detail": join["status"],
+                    "check": f"is a meshd node listening at {seeds}, and do our UDP packets reach it? "
+                             "With a relay both hold (--relay), we join through it"})
     for a in topo["asymmetric"]:
         out.append({"kind": "asymmetric", "where": f"{a['a']}→{a['b']}", "detail": a["detail"],
                     "check": f"a firewall or NAT rule dropping {a['a']}'s packets to {a['b']} "
@@ -184,11 +201,14 @@ def problems(snap: dict, topo: dict | None = None) -> list[dict[str, Any]]:
                         "detail": f"{_name(m)} ({m['prefix']}) is {m['state']}",
                         "check": f"is {_name(m)}'s process running at {m.get('addr')}? its log, "
                                  "and the network between us"})
-    relay = snap.get("relay")
-    if isinstance(relay, dict) and relay.get("connected") is False:
-        out.append({"kind": "relay", "where": _name(snap["self"]),
-                    "detail": f"not connected to the relay {relay.get('url', '')}".strip(),
-                    "check": "is the relay running and reachable over TCP (WebSocket)?"})
+    relays = snap.get("relays") or [snap.get("relay")]
+    for relay in relays:
+        if isinstance(relay, dict) and relay.get("connected") is False:
+            others = [r["url"] for r in relays if isinstance(r, dict) and r.get("connected")]
+            also = f"; pairs use {', '.join(others)} meanwhile" if others else ""
+            out.append({"kind": "relay", "where": _name(snap["self"]),
+                        "detail": f"not connected to the relay {relay.get('url', '')}{also}",
+                        "check": "is the relay running and reachable over TCP (WebSocket)?"})
     out.extend(_unresolved(snap))
     return out
 

@@ -63,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--stub", action="store_true", help="serve the tiny built-in model")
     run.add_argument("--dashboard", default="127.0.0.1:0", metavar="HOST:PORT|off",
                      help="HTTP API and dashboard (default %(default)s; the URL is printed)")
-    run.add_argument("--relay", metavar="URL", help="home relay, ws://HOST:PORT (see `meshd relay`)")
+    run.add_argument("--relay", action="append", metavar="URL",
+                     help="a relay, ws://HOST:PORT (see `meshd relay`); repeatable: the first is the home "
+                          "relay, and a pair uses any relay both ends hold")
     run.add_argument("--fault", action="append", default=[], metavar="SPEC",
                      help="inject a fault in this node's transport: drop:HOST:PORT (our direct packets "
                           "to that peer are lost), isolate, loss:P, delay:MS; repeatable")
@@ -117,13 +119,13 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("run: --stage is only for --role stage")
     if args.stages is not None and args.stages < 1:
         parser.error("run: --stages must be at least 1")
-    if args.relay is not None:
-        from .relay.client import parse_relay_url
+    from .relay.client import parse_relay_url
 
+    for url in args.relay or []:
         try:
-            parse_relay_url(args.relay)
+            parse_relay_url(url)
         except ValueError as exc:
-            parser.error(f"run: --relay {args.relay}: {exc}")
+            parser.error(f"run: --relay {url}: {exc}")
     if args.dashboard != "off":
         try:
             parse_addr(args.dashboard, allow_port_zero=True)
@@ -184,7 +186,7 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         snapshot_dir=args.snapshot_dir,
         snapshot_interval=args.snapshot_interval,
         faults=faults,
-        relay=args.relay,
+        relays=list(args.relay or []),
         model=model_dir,
         dashboard=None if args.dashboard == "off" else args.dashboard,
         state_file=state_file_for(args.key_file) if args.key_file else None,

@@ -27,6 +27,8 @@ from .net.channel import DataChannel
 from .net.faults import Faults
 from .net.path_table import RELAY, PathTable
 from .net.udp import MAX_DATAGRAM, AddressError, format_addr, open_udp_and_tcp, parse_addr
+from .relay.client import RelayClient
+from .relay.pool import Move, RelayPool
 from .rotation import KeyRotation
 from .snapshot import SnapshotWriter, snapshot, stage_sort_key
 from .swim import PROFILES, EventKind, State, Swim
@@ -67,6 +69,14 @@ MAX_HELD_ANSWERS = 64
 # A handler's unexpected error is logged with its traceback this many times, then counted only.
 MAX_LOGGED_HANDLER_ERRORS = 20
 
+# A join no seed answered within this long (or this many probe timeouts, if longer) is said
+# in a log line, again at twice the wait each time, and the relays are asked for members.
+JOIN_QUIET_S = 3.0
+JOIN_QUIET_PROBES = 3
+JOIN_POLL_S = 0.25
+# Members a joiner asks in at once through a relay's peer list.
+JOIN_VIA_RELAY = 4
+
 # The state file is rewritten at most this often, and only when what it holds changed.
 MEMORY_SAVE_INTERVAL_S = 1.0
 
@@ -88,7 +98,8 @@ class NodeOptions:
     snapshot_dir: str | None = None
     snapshot_interval: float = 5.0
     faults: Faults = field(default_factory=Faults)
-    relay: str | None = None  # home relay URL, ws://HOST:PORT
+    relay: str | None = None  # home relay URL, ws://HOST:PORT: the first of ``relays``
+    relays: list[str] = field(default_factory=list)  # every relay this node holds (--relay, repeated)
     # Read by the daemon, which starts the services of this node's role:
     model: str | None = None  # checkpoint dir: this node serves its share of the pipeline
     dashboard: str | None = None  # HOST:PORT for the HTTP app; None = no dashboard
@@ -102,6 +113,11 @@ class NodeOptions:
     # open is dropped unread.  None (--insecure, or on loopback) sends packets as they are.
     mesh_key: Keyring | None = None
     mesh_key_file: str | None = None  # where a rotation saves the ring, so a restart has it
+
+    def __post_init__(self) -> None:
+        urls = [self.relay] if self.relay else []
+        self.relays = list(dict.fromkeys([*urls, *self.relays]))
+        self.relay = self.relays[0] if self.relays else None
 
     @property
     def name(self) -> str:
@@ -154,18 +170,23 @@ class Node:
         # Changed in place by a rotation, so every holder (the relay client) sees the change.
         self.mesh_key = options.mesh_key
         self._unsealed: dict[str, tuple[float, int]] = {}  # source -> (last logged, dropped since)
+        self._join_watched = False  # a task watches the join under way
+        self.join_problem: str | None = None  # why we are not in the mesh yet, once it shows
+        self._join_started = 0.0
+        self._asked_via_relay: set[bytes] = set()  # members asked to let us in over a relay
         self.rotation = KeyRotation(self)
-        self.relay = None
-        if options.relay:
-            from .relay.client import RelayClient
-
-            self.relay = RelayClient(options.relay, identity, mesh_key=self.mesh_key)
+        self.relays: RelayPool | None = None
+        if options.relays:
+            self.relays = RelayPool(options.relays, identity, mesh_key=self.mesh_key,
+                                    on_move=self._relay_moved)
         self._listeners: list[trio.SocketListener] | None = None
         self.data = DataChannel(
             identity.node_id,
             addr_of=self._addr_of,
             describe=self.describe,
-            relay_send=self._relay_send if self.relay is not None else None,
+            relay_send=self._relay_send if self.relays is not None else None,
+            relay_reaches=self._relay_reaches,
+            datagram_path=self.paths.out_path,
             sign=identity.sign,
             faults=options.faults,
             keyring=self.mesh_key,
@@ -186,7 +207,7 @@ class Node:
             host, port = sock.getsockname()[:2]
             self.addr = opts.advertise or format_addr(host, port)
             self.candidates = [self.addr]
-            if self.relay is not None:
+            if self.relays is not None:
                 reflexive = await self._stun()
                 if reflexive is not None and reflexive not in self.candidates:
                     self.candidates.append(reflexive)
@@ -196,6 +217,7 @@ class Node:
                 stages=opts.stages,
                 addrs=tuple(self.candidates),
                 relay_url=opts.relay,
+                relays=tuple(opts.relays),
                 version=__version__,
                 epoch=self.data.epoch,
                 dh=self.data.public_key,
@@ -212,6 +234,8 @@ class Node:
                 f"role={opts.role} stage={'-' if opts.stage is None else opts.stage} "
                 f"addr={self.addr} relay={opts.relay or '-'}"
             )
+            if len(opts.relays) > 1:
+                self.out(f"meshd relays {' '.join(opts.relays)}")
             self.out(f"meshd candidates {' '.join(self.candidates)}")
             if self.mesh_key is not None:
                 self.out(f"meshd mesh-key keys={','.join(self.mesh_key.ids)}")
@@ -239,9 +263,11 @@ class Node:
             await self._flush()
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
-                if self.relay is not None:
-                    await nursery.start(self.relay.run)
-                    nursery.start_soon(self._relay_receive_loop)
+                self._watch_join()
+                if self.relays is not None:
+                    await nursery.start(self.relays.run)
+                    for client in self.relays.clients:
+                        nursery.start_soon(self._relay_receive_loop, client)
                 listeners = self._listeners or []
                 # Closed when we stop, as a process's are when it exits: a peer's next dial is
                 # refused at once, which is how it learns we are gone (DataChannel.is_down).
@@ -266,17 +292,18 @@ class Node:
             self.core.join(addrs, now)
 
     async def _stun(self) -> str | None:
-        """Our address as the relay sees this gossip socket (its STUN answer), or None."""
+        """Our address as a relay sees this gossip socket (the first STUN answer), or None."""
         from .relay.client import RelayError, parse_relay_url, stun_query
 
-        assert self.options.relay is not None
-        host, port, _path, _tls = parse_relay_url(self.options.relay)
-        try:
-            ip, mapped = await stun_query(host, port, timeout=1.0, sock=self._sock)
-        except (RelayError, OSError) as exc:
-            log.warning("no reflexive address from the relay's STUN at %s:%d: %s", host, port, exc)
-            return None
-        return format_addr(ip, mapped)
+        for url in self.options.relays:
+            host, port, _path, _tls = parse_relay_url(url)
+            try:
+                ip, mapped = await stun_query(host, port, timeout=1.0, sock=self._sock)
+            except (RelayError, OSError) as exc:
+                log.warning("no reflexive address from the relay's STUN at %s:%d: %s", host, port, exc)
+                continue
+            return format_addr(ip, mapped)
+        return None
 
     async def leave(self) -> None:
         """Tell the cluster we are going, so peers mark us left, not dead."""
@@ -389,7 +416,73 @@ class Node:
     def join(self, addrs: list[str]) -> None:
         """Join (again) through ``addrs`` (HOST:PORT each): the dashboard's add-peer."""
         self.core.join(list(addrs), trio.current_time())
+        self._watch_join()
         self._wake.set()
+
+    def join_status(self) -> dict[str, Any]:
+        """Whether we are in the mesh: ``joined``, the seeds asked, and what went wrong if not."""
+        swim = self.core
+        if not swim.joining:
+            return {"joined": True, "seeds": [], "attempts": 0, "waiting_s": None, "problem": None}
+        waited = trio.current_time() - self._join_started
+        problem = None
+        if self.join_problem is not None:  # said in the log already: say it as of now
+            problem = f"no answer from {', '.join(swim.seeds)} after {waited:.0f} s"
+        return {"joined": False, "seeds": list(swim.seeds), "attempts": swim.join_attempts,
+                "waiting_s": round(waited, 1), "problem": problem}
+
+    def _watch_join(self) -> None:
+        swim = self.swim
+        if swim is not None and swim.joining and not self._join_watched and self._nursery is not None:
+            self._join_watched = True
+            self._join_started = trio.current_time()
+            self._nursery.start_soon(self._join_watch)
+
+    async def _join_watch(self) -> None:
+        """Never join in silence: name the seeds that do not answer, with a growing wait between
+        lines, and ask the relays for members to join through (a seed we cannot reach directly
+        may still share a relay with us)."""
+        swim, started = self.core, self._join_started
+        quiet = max(JOIN_QUIET_S, JOIN_QUIET_PROBES * swim.config.probe_timeout)
+        say_at = started + quiet
+        self._asked_via_relay.clear()
+        try:
+            while swim.joining:
+                await trio.sleep(JOIN_POLL_S)
+                now = trio.current_time()
+                if not swim.joining or now < say_at:
+                    continue
+                waited = now - started
+                seeds = ", ".join(swim.seeds)
+                self.join_problem = f"no answer from {seeds} after {waited:.0f} s"
+                tail = ", asking the relays for members to join through" if self.relays is not None else ""
+                self.out(f"meshd join: no answer from {seeds} after {waited:.0f} s, retrying{tail}")
+                say_at = started + 2 * (say_at - started)
+                if self.relays is not None:
+                    await self.relays.list_peers()
+            if self.join_problem is not None:
+                answered = [n for n in self._asked_via_relay if n in swim.members]
+                how = (f" through the relay (answered by {len(answered)} of the members asked there)"
+                       if answered else "")
+                self.out(f"meshd join: joined{how} after {trio.current_time() - started:.1f} s")
+        finally:
+            self.join_problem = None
+            self._join_watched = False
+
+    def _join_through_relay(self, url: str, nodes: tuple[bytes, ...]) -> None:
+        """A relay's peer list, while no seed answers us: ask a few of them to let us in."""
+        swim, pool = self.core, self.relays
+        if not swim.joining or pool is None:
+            return
+        picks = [n for n in nodes if n != swim.id]
+        random.shuffle(picks)
+        picks = picks[:JOIN_VIA_RELAY]
+        for node in picks:
+            pool.heard(url, node)  # reachable there: our join goes over that relay
+        asked = swim.join_via_relay(picks, trio.current_time())
+        self._asked_via_relay.update(picks)
+        if asked:
+            self.out(f"meshd join: asking {asked} of the {len(nodes)} members at relay {url} to let us in")
 
     def describe(self, node: bytes) -> str:
         """``stage-2 (2b91108e)``: how logs and errors name a peer."""
@@ -406,10 +499,15 @@ class Node:
 
     def snapshot(self) -> dict:
         assert self.swim is not None
-        relay = self.relay.snapshot() if self.relay is not None else None
-        snap = snapshot(self.swim, trio.current_time(), self.paths, relay)
+        relays = self.relays.snapshot() if self.relays is not None else None
+        snap = snapshot(self.swim, trio.current_time(), self.paths, relays[0] if relays else None)
+        snap["relays"] = relays or []
+        snap["join"] = self.join_status()
         for view in snap["members"]:
-            view.update(self.data.view(bytes.fromhex(view["id"])))
+            node = bytes.fromhex(view["id"])
+            view.update(self.data.view(node))
+            # The relay our frames to it took last (datagrams or data), if any did.
+            view["relay_via"] = self.relays.via(node) if self.relays is not None else None
         snap["data"] = dict(self.data.counters)
         return snap
 
@@ -456,14 +554,22 @@ class Node:
             self._handler_errors_logged += 1
             log.exception("error handling a %s from %s (dropped; the node carries on)", what, source)
 
-    async def _relay_receive_loop(self) -> None:
-        from .relay.protocol import Recv
+    async def _relay_receive_loop(self, client: RelayClient) -> None:
+        """What one relay hands us: peers' frames, its "not here" notices, its peer lists."""
+        from .relay.protocol import PeerNotHere, Peers, Recv
 
-        swim, relay = self.core, self.relay
-        assert relay is not None
-        async for item in relay.received:
+        swim, pool = self.core, self.relays
+        assert pool is not None
+        async for item in client.received:
+            if isinstance(item, PeerNotHere):
+                pool.not_here(client.url, item.node_id)  # the next frame to it tries another relay
+                continue
+            if isinstance(item, Peers):
+                self._join_through_relay(client.url, item.node_ids)
+                await self._flush()
+                continue
             if not isinstance(item, Recv):
-                continue  # peer-not-here: the probe that needed it will time out and say so
+                continue
             if self.options.faults.relay_blocked():
                 swim.counters["rx_fault_dropped"] += 1
                 continue
@@ -471,6 +577,7 @@ class Node:
             payload = self._open(item.payload, source, trio.current_time())
             if payload is None:
                 continue
+            pool.heard(client.url, item.src)
             if payload[:1] == RELAY_DATA:
                 try:
                     await self.data.on_relay_payload(item.src, payload)
@@ -511,9 +618,10 @@ class Node:
         swim, version, last, last_at = self.core, time.time_ns() // 1000, None, -PATH_SUMMARY_REFRESH_S
         while True:
             now = trio.current_time()
-            peers = [(m.id, self._path_rtt(m)) for m in swim.members.values()
+            via = self.relays.via if self.relays is not None else (lambda node: None)
+            peers = [(m.id, self._path_rtt(m), via(m.id)) for m in swim.members.values()
                      if m.id != swim.id and m.state.live]
-            shape = [(node, self.paths.out_path(node)) for node, _ in peers]
+            shape = [(node, self.paths.out_path(node), relay) for node, _, relay in peers]
             if shape != last or now - last_at >= PATH_SUMMARY_REFRESH_S:
                 # Wall-clock versions: a restarted node's summaries still supersede its old ones.
                 version = max(version + 1, time.time_ns() // 1000)
@@ -628,7 +736,7 @@ class Node:
             via = out.via or self.paths.out_path(out.node)
             if out.addr.startswith(RELAY_ADDR_PREFIX):
                 via = RELAY  # we only know this peer through the relay so far
-            if via == RELAY and self.relay is not None and out.node is not None:
+            if via == RELAY and self.relays is not None and out.node is not None:
                 await self._send_relay(out.node, data)
                 continue
             within = self._within_budget(out.addr, out.packet, data)
@@ -695,7 +803,6 @@ class Node:
             swim.counters["tx_fault_dropped"] += 1
             return
         self.paths.sent(node)
-        assert self.relay is not None
         try:
             await self._relay_send(node, data)
         except (RelayError, ValueError) as exc:
@@ -750,9 +857,25 @@ class Node:
         return None
 
     async def _relay_send(self, node: bytes, data: bytes) -> None:
-        """The data channel's way to the relay: its frames sealed like every other payload."""
-        assert self.relay is not None
-        await self.relay.send(node, self._seal(data))
+        """``data`` to ``node`` over a relay we both hold, sealed like every other payload: the
+        one place relay payloads are sent (gossip and the data channel alike)."""
+        assert self.relays is not None
+        m = self.swim.members.get(node) if self.swim is not None else None
+        await self.relays.send(node, self._seal(data), m.meta.relay_urls if m is not None else ())
+
+    def _relay_reaches(self, node: bytes) -> bool:
+        """Whether a relay we are connected to reaches ``node`` now."""
+        if self.relays is None:
+            return False
+        m = self.swim.members.get(node) if self.swim is not None else None
+        peer_relays = m.meta.relay_urls if m is not None else ()
+        return self.relays.route(node, peer_relays, trio.current_time()) is not None
+
+    def _relay_moved(self, move: Move) -> None:
+        """Say which relay carries a pair now, and why it moved (``meshd relay-move`` lines)."""
+        name = self.describe(move.node)
+        self.out(f"meshd relay-move {self.name}->{name.split(' ')[0]} prefix={move.node.hex()[:8]} "
+                 f"from={move.old} to={move.new} ({move.why})")
 
     def change_keyring(self, op: str, key: str) -> dict[str, Any]:
         """A step of a mesh-key rotation, here and on every member (see meshd.rotation)."""

@@ -195,7 +195,8 @@ def _check_edge_names(rows: list[dict], names: dict, why: list[str]) -> None:
 
 def path(snap: dict, frm: str, to: str) -> dict:
     """The path from node ``frm`` to node ``to`` (full ids): ``{"path", "rtt_ms", "direct_failures",
-    "reason", "since_s"}``; ``path`` is ``direct``, ``relay``, ``none`` or ``unknown``.
+    "reason", "since_s", "relay"}``; ``path`` is ``direct``, ``relay``, ``none`` or ``unknown``, and
+    ``relay`` the relay that carries it (None when unknown or not the relay).
 
     Our own outbound paths come from our own path table (fresher than our
     summary); every other node's from the summary it gossiped.
@@ -205,12 +206,13 @@ def path(snap: dict, frm: str, to: str) -> dict:
         way = m.get("path_out", "direct")
         return {"path": way, "rtt_ms": m.get("rtt_ms"), "direct_failures": m.get("direct_failures", 0),
                 "reason": m.get("last_failure") if way != "direct" else None,
-                "since_s": m.get("path_out_since_s")}
+                "since_s": m.get("path_out_since_s"), "relay": m.get("relay_via") if way == "relay" else None}
     entries = (snap.get("path_summaries") or {}).get(frm, {}).get("entries", [])
     x = next((e for e in entries if e.get("to") == to), None)
     if x is None:
-        return {"path": "unknown", "rtt_ms": None, "direct_failures": 0, "reason": None, "since_s": None}
-    return {k: x.get(k) for k in ("path", "rtt_ms", "direct_failures", "reason", "since_s")}
+        return {"path": "unknown", "rtt_ms": None, "direct_failures": 0, "reason": None, "since_s": None,
+                "relay": None}
+    return {k: x.get(k) for k in ("path", "rtt_ms", "direct_failures", "reason", "since_s", "relay")}
 
 
 def _hops(orchestrator: dict, rows: list[dict]) -> list[tuple[dict, dict]]:

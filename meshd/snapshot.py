@@ -98,6 +98,7 @@ def path_summaries(swim: Swim, now: float) -> dict:
             "entries": [{"to": e.peer.hex(), "path": e.path,
                          "rtt_ms": round(e.rtt_us / 1000, 3) if e.rtt_us else None,
                          "direct_failures": e.direct_failures, "reason": e.reason or None,
+                         "relay": e.relay or None,
                          # since the summary was made, plus how long ago we took it in
                          "since_s": round(e.since_ms / 1000 + now - at, 3) if e.since_ms else None}
                         for e in summary.entries],

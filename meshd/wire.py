@@ -25,7 +25,7 @@ import msgpack
 # 6: Meta.epoch and Meta.checkpoint, names keyed by (name, owner) with a signature field;
 # 7: signed facts (Alive, Suspect, Dead, MemberState, PathSummary), Meta.dh and Meta.keyring,
 # the handshake's key exchange and mesh-key proof, KeyringChange
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 # A UDP datagram carries at most 65507 bytes of payload; we stay below it.
 MAX_PACKET_BYTES = 60_000
@@ -36,6 +36,7 @@ GOSSIP_BUDGET_BYTES = 1_200
 MAX_MESSAGES_PER_PACKET = 512
 MAX_STR = 512
 MAX_ADDRS = 8
+MAX_RELAYS = 8  # relays one member lists in its metadata
 MAX_PUSHPULL_MEMBERS = 4_096
 MAX_PUSHPULL_NAMES = 1_024
 NODE_ID_BYTES = 32
@@ -227,10 +228,18 @@ class Meta(_Record):
     draining: bool = False  # leaving soon: takes no new requests, finishes or hands over its own
     dh: bytes = b""  # this process's X25519 public key: data-channel keys with it derive from it
     keyring: tuple[str, ...] = ()  # ids of the mesh keys it holds, the one it sends with first
+    relays: tuple[str, ...] = ()  # every relay it holds, its home relay (relay_url) first
 
     _fields_ = (_str, _optional(_stage), _optional(_stage), _tuple_of(_str, MAX_ADDRS),
                 _optional(_str), _str, _counter, _counter, _str, _bool, _dh_key,
-                _tuple_of(_key_id, MAX_KEYRING))
+                _tuple_of(_key_id, MAX_KEYRING), _tuple_of(_str, MAX_RELAYS))
+
+    @property
+    def relay_urls(self) -> tuple[str, ...]:
+        """The relays it can be reached over, its home relay first."""
+        if self.relays:
+            return self.relays
+        return (self.relay_url,) if self.relay_url else ()
 
     @property
     def name(self) -> str:
@@ -472,11 +481,18 @@ class StreamProof(Message):
 
 MAX_PATH_ENTRIES = 64
 MAX_REASON_CHARS = 48
+MAX_RELAY_URL_CHARS = 96  # in a path entry: longer ones are left out
 
 
 def _path_name(value: Any) -> str:
     if value not in ("direct", "relay", "none"):
         raise WireError("expected a path: direct, relay or none")
+    return value
+
+
+def _relay_url(value: Any) -> str:
+    if type(value) is not str or len(value) > MAX_RELAY_URL_CHARS:
+        raise WireError(f"expected a relay URL of at most {MAX_RELAY_URL_CHARS} characters")
     return value
 
 
@@ -490,7 +506,8 @@ def _reason(value: Any) -> str:
 class PathEntry(_Record):
     """How ``node`` reaches ``peer``: the path, the last RTT (microseconds, 0 = unknown),
     direct probes that went unanswered, why the last one failed ("" if none), and for how
-    long this path has carried the direction (milliseconds when the summary was made)."""
+    long this path has carried the direction (milliseconds when the summary was made), and
+    the relay that carries it ("" unless the path is the relay)."""
 
     peer: bytes
     path: str
@@ -498,7 +515,8 @@ class PathEntry(_Record):
     direct_failures: int
     reason: str
     since_ms: int
-    _fields_ = (_node_id, _path_name, _uint, _uint, _reason, _uint)
+    relay: str = ""
+    _fields_ = (_node_id, _path_name, _uint, _uint, _reason, _uint, _relay_url)
 
 
 @dataclass(frozen=True, slots=True)

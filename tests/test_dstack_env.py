@@ -51,7 +51,7 @@ def test_flags_fill_in_only_what_is_absent():
                     "--relay", "ws://r:1", "--role", "orchestrator")
     dstack_env.apply(args, {**ENV, "DSTACK_NODE_RANK": "2"})
     assert (args.role, args.stage, args.stages) == ("orchestrator", None, 5)
-    assert (args.seed, args.bind, args.relay) == (["1.2.3.4:9"], "127.0.0.1:7000", "ws://r:1")
+    assert (args.seed, args.bind, args.relay) == (["1.2.3.4:9"], "127.0.0.1:7000", ["ws://r:1"])
 
 
 @pytest.mark.parametrize("env, message", [

@@ -88,7 +88,8 @@ def test_a_big_meshs_summary_still_fits_one_gossip_packet_with_the_broken_paths_
     from meshd.net.path_table import MAX_SUMMARY_BYTES, PathTable
 
     table = PathTable()
-    peers = [(bytes([i]) * 32, 0.001) for i in range(1, 60)]
+    relay = "ws://relay.example:3478"
+    peers = [(bytes([i]) * 32, 0.001, relay) for i in range(1, 60)]
     broken = peers[-1][0]
     table.probe_verdict(broken, False, 10.0, "direct ping unanswered within the probe timeout; x")
     summary = table.summary(NODE_A, 1, peers, 12.0)
@@ -96,4 +97,6 @@ def test_a_big_meshs_summary_still_fits_one_gossip_packet_with_the_broken_paths_
     assert summary.entries[0].peer == broken and summary.entries[0].path == "relay"
     assert summary.entries[0].reason == "direct ping unanswered within the probe timeout"
     assert summary.entries[0].since_ms == 2000
+    # The relay that carries a relayed direction rides along; a direct entry names none.
+    assert summary.entries[0].relay == relay and {e.relay for e in summary.entries[1:]} == {""}
     assert 10 < len(summary.entries) < len(peers)

@@ -515,7 +515,8 @@ def test_boundary_values_accepted():
         [wire.PingReq.TAG, [1, NODE_A, "a", False]],
         [wire.Alive.TAG, [1, NODE_A, "a", ["stage", 0, None, ["a"] * wire.MAX_ADDRS, None, "", 0,
                                           wire.COUNTER_MAX, "f" * wire.MAX_STR, True, b"d" * 32,
-                                          ["k" * wire.MAX_KEY_ID_CHARS] * wire.MAX_KEYRING], b"s" * 64]],
+                                          ["k" * wire.MAX_KEY_ID_CHARS] * wire.MAX_KEYRING,
+                                          ["ws://r:1"] * wire.MAX_RELAYS], b"s" * 64]],
         [wire.PushPull.TAG, [False, False, [[NODE_A, "a", 0, 3, wire.Meta().to_body(), b""]],
                              [["n", NODE_A, 1, False, b""]] * (wire.MAX_PUSHPULL_NAMES - 1)
                              + [["n", NODE_A, 1, False, b"s" * 64]]]],

@@ -62,6 +62,9 @@ function drawTopology(topo) {
 function drawPeers(data) {
   const s = data.self;
   document.getElementById("me").textContent = `${s.name} · ${s.prefix} · ${s.addr} · relay ${s.relay_url || "–"}`;
+  const join = document.getElementById("join");
+  join.hidden = !data.join || data.join.joined;
+  join.textContent = data.join && !data.join.joined ? data.join.status : "";
   const body = document.querySelector("#peers tbody");
   body.replaceChildren();
   for (const p of data.peers) {

@@ -76,8 +76,8 @@ def apply(args, env: Mapping[str, str]) -> None:
         args.stages = node.stages
     if not args.seed:
         args.seed = list(node.seeds)
-    if args.relay is None:
-        args.relay = node.relay
+    if not args.relay and node.relay is not None:
+        args.relay = [node.relay]
     if args.bind == DEFAULT_BIND:
         args.bind = node.bind
         if args.advertise is None:

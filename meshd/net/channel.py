@@ -69,6 +69,9 @@ class ChannelConfig:
     # the sender's process: at 25 ms a 3-stage pipeline's links woke a process
     # about once per token, as often as the tokens themselves.
     ack_delay: float = 0.1
+    # With no stream yet to a peer we believe reachable directly, a message waits this long
+    # for the dial, then goes over the relay while the dial goes on (Happy Eyeballs, RFC 8305).
+    direct_grace: float = 0.03
 
 
 # After a stream with a peer ends: how many dials tell whether it is down, how far apart.
@@ -89,6 +92,8 @@ class DataChannel:
         addr_of: Callable[[bytes], str | None],
         describe: Callable[[bytes], str],
         relay_send: Callable[[bytes, bytes], Awaitable[None]] | None,
+        relay_reaches: Callable[[bytes], bool] | None = None,
+        datagram_path: Callable[[bytes], str] | None = None,
         sign: Callable[[bytes], bytes],
         faults: Faults | None = None,
         config: ChannelConfig | None = None,
@@ -104,6 +109,12 @@ class DataChannel:
         self.addr_of = addr_of
         self.describe = describe
         self.relay_send = relay_send
+        # Whether a relay reaches the peer now (a relay we both hold is connected); without it,
+        # every peer counts as reachable whenever we have a relay.
+        self.relay_reaches = relay_reaches or (lambda node: relay_send is not None)
+        # The path our datagrams to the peer take (its probes' verdict): "relay" means a direct
+        # dial is likely to time out, so data goes over the relay at once while it is tried.
+        self.datagram_path = datagram_path or (lambda node: "direct")
         self.faults = faults or Faults()
         self.config = config or ChannelConfig()
         self.epoch = random.getrandbits(63) if epoch is None else epoch

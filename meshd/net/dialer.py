@@ -42,7 +42,9 @@ class Link:
     dial_lock: trio.Lock = field(default_factory=trio.Lock)
     path: str = "direct"
     direct_retry_at: float = 0.0
-    dialing: bool = False  # a background re-probe of the direct path is under way
+    dialing: bool = False  # a background dial of the direct path is under way
+    dialed: trio.Event = field(default_factory=trio.Event)  # set when that dial ends, either way
+    relay_failed_at: float = float("-inf")  # when a message over the relay last went unacked
     backoff: float = 0.0
     last_failure: str | None = None
 

@@ -16,6 +16,7 @@ from ..wire import (
     GOSSIP_BUDGET_BYTES,
     MAX_PATH_ENTRIES,
     MAX_REASON_CHARS,
+    MAX_RELAY_URL_CHARS,
     PACKET_OVERHEAD,
     PathEntry,
     PathSummary,
@@ -121,10 +122,10 @@ class PathTable:
             "last_failure": out.last_failure,
         }
 
-    def summary(self, me: bytes, version: int, peers: list[tuple[bytes, float | None]],
+    def summary(self, me: bytes, version: int, peers: list[tuple[bytes, float | None, str | None]],
                 now: float) -> PathSummary:
-        """Our outbound view of ``peers`` ((node, the last RTT over the path each entry names)),
-        compact enough to gossip.
+        """Our outbound view of ``peers`` ((node, the last RTT over the path each entry names, the
+        relay that carries it if any)), compact enough to gossip.
 
         A failure reason rides along only when the path is not direct: it is what
         explains an asymmetric pair, and it keeps a healthy mesh's summary small.  In a
@@ -132,13 +133,14 @@ class PathTable:
         that do not fit are left out (the topology shows them as not reported).
         """
         entries = []
-        for node, rtt in peers[:MAX_PATH_ENTRIES]:
+        for node, rtt, relay in peers[:MAX_PATH_ENTRIES]:
             peer = self.peers.get(node)
             out = peer.out if peer is not None else Outbound()
             reason = "" if out.path == DIRECT else (out.last_failure or "")[:MAX_REASON_CHARS].rstrip(" ;,.")
+            carrier = relay if out.path == RELAY and relay and len(relay) <= MAX_RELAY_URL_CHARS else ""
             entries.append(PathEntry(node, out.path, 0 if rtt is None else max(0, round(rtt * 1e6)),
                                      out.direct_failures, reason,
-                                     max(0, round((now - out.since) * 1000)) if out.since else 0))
+                                     max(0, round((now - out.since) * 1000)) if out.since else 0, carrier))
         entries.sort(key=lambda e: e.path == DIRECT)  # stable: keeps the callers' order within
         summary = PathSummary(me, version, tuple(entries))
         while entries and encoded_size(summary) > MAX_SUMMARY_BYTES:

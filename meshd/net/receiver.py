@@ -72,6 +72,7 @@ class Receiver:
             acks: list[DataAck] = []
             ready: list[tuple[bytes, bytes]] = []
             urgent, bad = self._take_frames(buf, expect, acks, ready)
+            self._queue(ready)  # before any wait: in the order the reassembler released them
             # What came whole before a bad frame is ours: the reassembler has moved past it,
             # so it is acked and handed over even when the stream is then dropped.
             # Acks first: they say "received", whatever the handlers then take.
@@ -124,6 +125,7 @@ class Receiver:
         acks: list[DataAck] = []
         ready: list[tuple[bytes, bytes]] = []
         urgent = self._take(packet, acks, ready)
+        self._queue(ready)  # before any wait: in the order the reassembler released them
         if acks:
             await self._owe_acks(src, acks, None, urgent)
         await self._hand_over(ready)
@@ -195,13 +197,23 @@ class Receiver:
 
     # ------------------------------------------------------------- handing over
 
+    def _queue(self, ready: list[tuple[bytes, bytes]]) -> None:
+        """Put messages the reassembler released on their senders' backlogs, at once.
+
+        A stream's reader and the relay's loop may both release a sender's
+        messages (its path moved); whichever waits first (to ack at once,
+        say) must not be overtaken, so nothing waits between release and here.
+        """
+        for sender, data in ready:
+            self._backlogs.setdefault(sender, deque()).append(data)
+        self._ch.counters["delivered"] += len(ready)
+
     async def _hand_over(self, ready: list[tuple[bytes, bytes]], *, reader: bool = False,
                          wait: bool = True) -> None:
-        """Give messages, released in order by the reassembler, to their consumer.
+        """Give the backlogs of ``ready``'s senders (see ``_queue``) to their consumer.
 
-        Without a handler: onto ``received``.  With one (``dispatch``): each
-        message joins its sender's backlog, all of them before anything can
-        run, and one task at a time handles a sender's backlog, in order.
+        One task at a time runs a sender's backlog, in order: into the
+        ``dispatch`` handler, or without one onto ``received``.
 
         That task is a new one, so a slow handler (a long prefill) never stops
         a stream being read and acked; or, for a handler dispatched with
@@ -211,34 +223,29 @@ class Receiver:
         A reader waits while its sender's backlog runs elsewhere or holds
         MAX_BACKLOG messages (``wait``); the relay's loop only at MAX_BACKLOG.
         """
-        if not ready:
-            return
-        self._ch.counters["delivered"] += len(ready)
-        handler = self._handler
-        if handler is None:
-            for sender, data in ready:
-                await self._recv_send.send((sender, data))
-            return
-        for sender, data in ready:
-            self._backlogs.setdefault(sender, deque()).append(data)
-        inline = reader and self._inline
+        inline = reader and self._inline and self._handler is not None
         for sender in dict.fromkeys(sender for sender, _ in ready):
-            backlog = self._backlogs[sender]
+            backlog = self._backlogs.get(sender)
+            if backlog is None:
+                continue  # another task ran it dry already
             running = self._running.get(sender)
             if running is None:
                 done = self._running[sender] = trio.Event()
                 if inline:
-                    await self._run_backlog(sender, handler, backlog, done)
+                    await self._run_backlog(sender, backlog, done)
                 else:
-                    self._ch._spawn(self._run_backlog, sender, handler, backlog, done)
+                    self._ch._spawn(self._run_backlog, sender, backlog, done)
             elif wait and (inline or len(backlog) > MAX_BACKLOG):
                 await running.wait()
 
-    async def _run_backlog(self, sender: bytes, handler: Handler, backlog: deque[bytes], done: trio.Event
-                           ) -> None:
+    async def _run_backlog(self, sender: bytes, backlog: deque[bytes], done: trio.Event) -> None:
         try:
             while backlog:
                 data = backlog.popleft()
+                handler = self._handler  # dispatch() may start while we run
+                if handler is None:
+                    await self._recv_send.send((sender, data))
+                    continue
                 try:
                     await handler(sender, data)
                 except Exception:  # one message's failure must not stop the rest
@@ -252,13 +259,17 @@ class Receiver:
     async def dispatch(self, handler: Handler, *, inline: bool = False) -> None:
         self._handler, self._inline = handler, inline
         try:
-            while True:  # whatever reached ``received`` before, first
+            # Whatever reached ``received`` before goes first: it is older than anything
+            # still in a backlog, which feeds ``received`` in order.
+            early: list[tuple[bytes, bytes]] = []
+            while True:
                 try:
-                    src, data = self.received.receive_nowait()
+                    early.append(self.received.receive_nowait())
                 except trio.WouldBlock:
                     break
-                self._ch.counters["delivered"] -= 1
-                await self._hand_over([(src, data)], wait=False)
+            for src, data in reversed(early):
+                self._backlogs.setdefault(src, deque()).appendleft(data)
+            await self._hand_over(early, wait=False)
             await trio.sleep_forever()
         finally:
             self._handler = None
@@ -266,7 +277,9 @@ class Receiver:
     async def loopback(self, data: bytes) -> None:
         if self._handler is None:
             raise RuntimeError("loopback() delivers to the dispatch() handler, and none is set")
-        await self._hand_over([(self._ch.id, data)], wait=False)
+        ready = [(self._ch.id, data)]
+        self._queue(ready)
+        await self._hand_over(ready, wait=False)
 
     async def expire_loop(self) -> None:
         """Drop what peers left unfinished: a message nobody completes must not be held for ever."""

@@ -180,7 +180,8 @@ class Sender:
                 await self._write_frames(peer, stream, [rest])
                 path: str | None = "direct"
             else:
-                path, stream = self._choose(node, peer), peer.link.stream
+                path = await self._choose(node, peer)
+                stream = peer.link.stream
                 if path == "direct" and stream is not None:
                     await self._write_frames(peer, stream, self._framed(node, item))
                 elif path == "relay":
@@ -254,7 +255,7 @@ class Sender:
                 if item.written is not None:
                     path = item.written  # on the wire: wait for its ack
                 else:
-                    path = self._choose(node, peer)
+                    path = await self._choose(node, peer)
                     if tried:
                         self._ch.counters["resent"] += 1
                     try:
@@ -329,40 +330,64 @@ class Sender:
             old.set()
         peer.next_id = len(peer.queue) + 1
 
-    def _choose(self, node: bytes, peer: _Peer) -> str:
+    async def _choose(self, node: bytes, peer: _Peer) -> str:
+        """The path for the next write to ``node``.
+
+        The direct stream once it is up.  Without one, a direct dial runs in the background
+        and the relay carries the message: at once if the direct path is known to fail (our
+        last dial failed, or our datagrams to the peer go over the relay), else after a short
+        grace for the dial (a direct path that works is taken from the first message on).
+        Without a relay that reaches the peer, or right after the relay failed it, the dial is
+        waited for.
+        """
         link = peer.link
-        if link.stream is not None or self._ch.relay_send is None:
-            return "direct"
-        if link.path == "direct" and link.direct_due():
+        if link.stream is not None or self._ch.relay_send is None or not self._ch.relay_reaches(node):
             return "direct"
         if link.direct_due() and not link.dialing:
-            # Re-probe direct in the background; the relay carries this message.
-            link.dialing = True
+            link.dialing, link.dialed = True, trio.Event()
             self._ch._spawn(self._probe_direct, node, peer)
+        relay_failed = trio.current_time() - link.relay_failed_at < self._ch.config.ack_timeout
+        if relay_failed and link.direct_due():
+            return "direct"
+        if link.dialing and link.path == "direct" and self._ch.datagram_path(node) != "relay":
+            with trio.move_on_after(self._ch.config.direct_grace):
+                await link.dialed.wait()
+            if link.stream is not None:
+                return "direct"
         return "relay"
 
     async def _probe_direct(self, node: bytes, peer: _Peer) -> None:
+        """Dial ``node`` in the background; the next message takes the stream once it is up."""
         try:
             await self._dialer.stream(node, peer.link)
         except PathFailed as exc:
-            self._path_failed(peer, "direct", str(exc))
+            self._direct_failed(peer, str(exc))
         else:
             peer.link.path = "direct"
         finally:
             peer.link.dialing = False
+            peer.link.dialed.set()
 
     def _path_failed(self, peer: _Peer, path: str, reason: str) -> None:
-        link = peer.link
-        link.last_failure = f"{path}: {reason}"
+        """A message over ``path`` failed: it, and what else went that way unacked, go again."""
         peer.retrying = True
         for item in peer.queue:
             if item.written == path:
                 item.written = None
         if path == "direct":
-            self.drop_stream(peer)
-            self._dialer.back_off(link)
-            if self._ch.relay_send is not None:
-                link.path = "relay"
+            self._direct_failed(peer, reason)
+        else:
+            peer.link.relay_failed_at = trio.current_time()
+            peer.link.last_failure = f"{path}: {reason}"
+
+    def _direct_failed(self, peer: _Peer, reason: str) -> None:
+        """The direct path failed (a dial, or a stream): back off it; the relay carries on."""
+        link = peer.link
+        link.last_failure = f"direct: {reason}"
+        self.drop_stream(peer)
+        self._dialer.back_off(link)
+        if self._ch.relay_send is not None:
+            link.path = "relay"
 
     def drop_stream(self, peer: _Peer) -> None:
         """Close the stream we dialled to ``peer``; what it carried unacked is sent again."""

@@ -24,6 +24,7 @@ from .protocol import (
     MAX_FRAME,
     NODE_ID_BYTES,
     PeerNotHere,
+    Peers,
     Recv,
     RelayProtocolError,
     Replaced,
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("meshd.relay.client")
 
 # What the receive channel yields: a packet from a peer, or a notice from the relay.
-Incoming = Recv | PeerNotHere | Replaced
+Incoming = Recv | PeerNotHere | Replaced | Peers
 
 
 class RelayError(Exception):
@@ -251,7 +252,7 @@ class RelayClient:
             self._last_rx = trio.current_time()
             try:
                 frame = protocol.decode(data)  # type: ignore[arg-type]
-                if not isinstance(frame, Recv | PeerNotHere | Replaced):
+                if not isinstance(frame, Recv | PeerNotHere | Replaced | Peers):
                     raise RelayProtocolError(f"unexpected {type(frame).__name__} frame")
             except RelayProtocolError as exc:
                 self._end_reason = f"relay {self.url} sent a malformed frame: {exc}"
@@ -291,6 +292,11 @@ class RelayClient:
 
     # --- sending ---
 
+    async def list_peers(self) -> None:
+        """Ask the relay which nodes are connected; its answer comes on ``received`` as
+        :class:`Peers`.  Raises RelayNotConnected or RelayError as ``send`` does."""
+        await self._send_frame(protocol.ListPeers().encode(), "a request for its peer list")
+
     async def send(self, dst: bytes, payload: bytes) -> None:
         """Hand ``payload`` to the relay for ``dst``.  Delivery is not confirmed:
         an absent peer comes back as a PeerNotHere notice on ``received``.
@@ -302,18 +308,23 @@ class RelayClient:
         if len(payload) > self._max_payload:
             raise ValueError(f"payload of {len(payload)} bytes exceeds the relay's "
                              f"{self._max_payload}-byte limit")
+        await self._send_frame(protocol.Send(dst, bytes(payload)).encode(), f"a frame to {prefix(dst)}")
+        self.counters["sent"] += 1
+
+    async def _send_frame(self, frame: bytes, what: str) -> None:
+        """Write one frame (``what``, as errors name it) within the send timeout."""
         ws = self._ws
         if ws is None:
             self.counters["send_errors"] += 1
             raise RelayNotConnected(f"not connected to relay {self.url} ({self.state}; "
-                                    f"last error: {self.last_error or 'none'}); cannot send to {prefix(dst)}")
+                                    f"last error: {self.last_error or 'none'}); cannot send {what}")
         t = self.config.send_timeout
         try:
             with trio.move_on_after(t) as scope:
-                await ws.send_message(protocol.Send(dst, bytes(payload)).encode())
+                await ws.send_message(frame)
         except ConnectionClosed as exc:
             self.counters["send_errors"] += 1
-            raise RelayNotConnected(f"relay {self.url} connection closed while sending to {prefix(dst)} "
+            raise RelayNotConnected(f"relay {self.url} connection closed while sending {what} "
                                     f"({_reason_text(exc.reason)})") from exc
         if scope.cancelled_caught:
             # A send cut off mid-message leaves the stream unusable: reconnect.
@@ -321,7 +332,6 @@ class RelayClient:
             self._end_reason = f"a send to relay {self.url} did not finish within {t:g}s"
             self._drop_session()
             raise RelayError(self._end_reason)
-        self.counters["sent"] += 1
 
 
 def _reason_text(reason: object) -> str:

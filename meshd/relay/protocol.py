@@ -19,7 +19,10 @@ proofs trail the signature, and a client without a mesh key sends none: its
 Auth frame is the same bytes as before.
 
 then ``Send`` (client -> server) and ``Recv``, ``PeerNotHere``, ``Replaced``
-(server -> client).
+(server -> client).  ``ListPeers`` (client -> server) asks which nodes are
+connected; ``Peers`` answers with up to ``MAX_LISTED`` of them, a random
+sample: how a node whose direct packets reach no seed finds members to join
+through (only members are admitted to a relay that holds the mesh key).
 
 ONLY APPEND TO THE TAG TABLE.  A tag, once shipped, keeps its meaning.
 """
@@ -38,6 +41,7 @@ SIGNATURE_BYTES = 64
 MESH_PROOF_BYTES = 20
 MAX_MESH_PROOFS = 8  # as many keys as a keyring holds
 MAX_PAYLOAD = 64 * 1024
+MAX_LISTED = 32  # node ids in one Peers answer
 # The largest frame on the wire: type byte + node id + payload.
 MAX_FRAME = 1 + NODE_ID_BYTES + MAX_PAYLOAD
 
@@ -190,10 +194,45 @@ class Replaced:
         return cls()
 
 
-Frame = Challenge | Auth | Accepted | Send | Recv | PeerNotHere | Replaced
+@dataclass(frozen=True, slots=True)
+class ListPeers:
+    """Client -> relay: which nodes are connected to you?"""
+
+    TAG: ClassVar[int] = 8
+
+    def encode(self) -> bytes:
+        return bytes((self.TAG,))
+
+    @classmethod
+    def decode_body(cls, body: bytes) -> ListPeers:
+        _expect_len(body, 0, "list-peers")
+        return cls()
+
+
+@dataclass(frozen=True, slots=True)
+class Peers:
+    """Relay -> client: up to ``MAX_LISTED`` node ids connected to the relay, the asker not among them."""
+
+    TAG: ClassVar[int] = 9
+    node_ids: tuple[bytes, ...]
+
+    def encode(self) -> bytes:
+        if len(self.node_ids) > MAX_LISTED:
+            raise RelayProtocolError(f"at most {MAX_LISTED} node ids in a peers frame")
+        return bytes((self.TAG,)) + b"".join(_fixed(n, NODE_ID_BYTES, "node id") for n in self.node_ids)
+
+    @classmethod
+    def decode_body(cls, body: bytes) -> Peers:
+        if len(body) % NODE_ID_BYTES or len(body) // NODE_ID_BYTES > MAX_LISTED:
+            raise RelayProtocolError(f"peers frame body is {len(body)} bytes, expected a multiple of "
+                                     f"{NODE_ID_BYTES} up to {MAX_LISTED} node ids")
+        return cls(tuple(body[i:i + NODE_ID_BYTES] for i in range(0, len(body), NODE_ID_BYTES)))
+
+
+Frame = Challenge | Auth | Accepted | Send | Recv | PeerNotHere | Replaced | ListPeers | Peers
 
 FRAME_TYPES: dict[int, type[Frame]] = {
-    cls.TAG: cls for cls in (Challenge, Auth, Accepted, Send, Recv, PeerNotHere, Replaced)
+    cls.TAG: cls for cls in (Challenge, Auth, Accepted, Send, Recv, PeerNotHere, Replaced, ListPeers, Peers)
 }
 
 

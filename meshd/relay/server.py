@@ -29,6 +29,7 @@ import contextvars
 import errno
 import logging
 import os
+import random
 import secrets
 from collections import deque
 from dataclasses import dataclass, field
@@ -162,6 +163,7 @@ class Relay:
         self.frames_forwarded = 0
         self.bytes_forwarded = 0
         self.peer_not_here = 0
+        self.peer_lists = 0  # ListPeers answered
         self.rate_limited = 0
         self.dropped_queue_full = 0  # the destination's queue held queue_bytes already
         self.dropped_relay_full = 0  # all queues together held total_queue_bytes already
@@ -197,6 +199,7 @@ class Relay:
             "frames_forwarded": self.frames_forwarded,
             "bytes_forwarded": self.bytes_forwarded,
             "peer_not_here": self.peer_not_here,
+            "peer_lists": self.peer_lists,
             "rate_limited": self.rate_limited,
             "dropped_queue_full": self.dropped_queue_full,
             "dropped_relay_full": self.dropped_relay_full,
@@ -372,6 +375,9 @@ class Relay:
             client.last_rx = trio.current_time()
             try:
                 frame = protocol.decode(data)  # type: ignore[arg-type]
+                if isinstance(frame, protocol.ListPeers):
+                    self._list_peers(client)
+                    continue
                 if not isinstance(frame, protocol.Send):
                     raise RelayProtocolError(f"a client may not send {type(frame).__name__} frames")
                 if len(frame.payload) > self.config.max_payload:
@@ -382,6 +388,19 @@ class Relay:
                 await self._close(client, CLOSE_MALFORMED, f"malformed frame: {exc}")
                 return
             self._forward(client, frame, len(data))
+
+    def _list_peers(self, client: _Client) -> None:
+        """Answer a ListPeers with a random sample of the other connected nodes.  It costs the
+        asker its answer's size from its rate budget, so asking cannot outrun forwarding."""
+        others = [node for node in self._clients if node != client.node_id]
+        sample = random.sample(others, min(len(others), protocol.MAX_LISTED))
+        answer = protocol.Peers(tuple(sample)).encode()
+        if not client.bucket.take(len(answer), trio.current_time()):
+            client.rate_limited += 1
+            self.rate_limited += 1
+            return
+        self.peer_lists += 1
+        self._enqueue(client, answer)
 
     def _forward(self, client: _Client, frame: protocol.Send, size: int) -> None:
         client.frames_in += 1

@@ -67,6 +67,12 @@ MAX_MEMBERS = 10_000
 # Members a joiner tells about itself directly once its join is answered.
 JOIN_ANNOUNCE = 3
 
+# An unanswered join is sent again every join_retry_interval for its first few attempts
+# (a lost datagram costs one interval), then at twice the wait each time, up to this many
+# intervals apart (memberlist leaves retrying to its caller).
+JOIN_STEADY_ATTEMPTS = 4
+JOIN_BACKOFF_MAX = 8
+
 # Dead members we ask back per reconnect interval at most (in turn, when there are more).
 MAX_RECONNECTS = 8
 
@@ -172,6 +178,8 @@ class Swim:
         self._gossip_tokens = float(config.gossip_burst)
         self._next_push_pull = now + rng.uniform(0, config.push_pull_interval)
         self._next_join = INF
+        self._join_wait = config.join_retry_interval  # the next wait between join attempts
+        self.join_attempts = 0  # join push-pulls sent since the last join() call
         self._next_reconnect = now + config.reconnect_interval
         self._reconnect_pos = 0  # where the next round of reconnects starts
         self._reconnect_asked: set[str] = set()  # addresses asked back this interval, unanswered
@@ -215,10 +223,36 @@ class Swim:
     # -------------------------------------------------------------- commands
 
     def join(self, seeds: list[str] | tuple[str, ...], now: float) -> None:
-        """Push-pull with each seed; retried until one of them answers."""
+        """Push-pull with each seed; retried, with a growing wait, until one of them answers."""
         self._seeds = tuple(s for s in seeds if s != self.me.addr)
         if self._seeds:
+            self._join_wait, self.join_attempts = self.config.join_retry_interval, 0
             self._send_join(now)
+
+    @property
+    def joining(self) -> bool:
+        """We asked seeds to let us in and none has answered yet."""
+        return self._next_join != INF
+
+    @property
+    def seeds(self) -> tuple[str, ...]:
+        return self._seeds
+
+    def join_via_relay(self, nodes: list[bytes], now: float) -> int:
+        """While joining: the same join push-pull to ``nodes``, known only by node id, over the
+        relay (the driver sends an address ``relay:<prefix>`` there).  Their answer lets us in
+        as a seed's would.  Returns how many were asked."""
+        if not self.joining:
+            return 0
+        packet = self._packet([self._push_pull(True, True)])
+        asked = 0
+        for node in nodes:
+            if node == self.id or node in self.members:
+                continue
+            self._out.append(Outgoing(f"relay:{node.hex()[:8]}", node, packet, True, via="relay"))
+            self.counters["tx_join_via_relay"] += 1
+            asked += 1
+        return asked
 
     def set_meta(self, meta: Meta, now: float) -> None:
         """Change our metadata; a new incarnation carries it to everyone."""
@@ -406,11 +440,11 @@ class Swim:
             rtt = now - (probe.relay_sent_at if relayed else probe.sent_at)
             if direct:
                 self.members[probe.target].rtt = rtt
-            elif relayed and from_target:
-                self.members[probe.target].relay_rtt = rtt
                 if len(self._answered) < 1024:
                     # It received our direct ping at its address, whichever path the ack took.
                     self._answered[self.members[probe.target].addr] = None
+            elif relayed and from_target:
+                self.members[probe.target].relay_rtt = rtt
             if from_target:
                 self.path_checks[probe.target] = self.path_checks.get(probe.target, 0) + 1
             if from_target and self._direct_ok.get(probe.target, True) != direct:
@@ -790,7 +824,7 @@ class Swim:
     def _send_ping_reqs(self, probe: _Probe, now: float) -> None:
         probe.indirect_sent = True
         target = self.members[probe.target]
-        if target.meta.relay_url and self.me.meta.relay_url:
+        if set(target.meta.relay_urls) & set(self.me.meta.relay_urls):
             # The same question over the relay: an answer there means the member
             # is alive and only the direct path is down.
             probe.relay_seq, probe.relay_sent_at = self._next_seq(), now
@@ -864,7 +898,10 @@ class Swim:
             self.counters["tx_push_pull"] += 1
 
     def _send_join(self, now: float) -> None:
-        self._next_join = now + self.config.join_retry_interval
+        self._next_join = now + self._join_wait
+        self.join_attempts += 1
+        if self.join_attempts >= JOIN_STEADY_ATTEMPTS:
+            self._join_wait = min(self._join_wait * 2, self.config.join_retry_interval * JOIN_BACKOFF_MAX)
         packet = self._packet([self._push_pull(True, True)])
         for addr in self._seeds:
             self._out.append(Outgoing(addr, None, packet, True))
