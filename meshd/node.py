@@ -74,6 +74,9 @@ MAX_LOGGED_HANDLER_ERRORS = 20
 JOIN_QUIET_S = 3.0
 JOIN_QUIET_PROBES = 3
 JOIN_POLL_S = 0.25
+# Relay payloads that delay:/loss: faults may hold at once; past it, senders wait.
+RELAY_HELD_MAX = 4096
+
 # Members a joiner asks in at once through a relay's peer list.
 JOIN_VIA_RELAY = 4
 
@@ -173,6 +176,9 @@ class Node:
         self._join_watched = False  # a task watches the join under way
         self.join_problem: str | None = None  # why we are not in the mesh yet, once it shows
         self._join_started = 0.0
+        # Relay payloads held back by delay:/loss: faults, and when the last one is due.
+        self._relay_held: trio.MemorySendChannel[tuple[float, bytes, bytes]] | None = None
+        self._relay_due = 0.0
         self._asked_via_relay: set[bytes] = set()  # members asked to let us in over a relay
         self.rotation = KeyRotation(self)
         self.relays: RelayPool | None = None
@@ -275,6 +281,10 @@ class Node:
                 await nursery.start(self.data.serve, listeners)
                 nursery.start_soon(self._receive_loop)
                 nursery.start_soon(self._timer_loop)
+                if self.relays is not None and opts.faults.stream_faults:
+                    held_send, held = trio.open_memory_channel[tuple[float, bytes, bytes]](RELAY_HELD_MAX)
+                    self._relay_held, self._relay_due = held_send, 0.0
+                    nursery.start_soon(self._relay_held_loop, held)
                 nursery.start_soon(self._path_summary_loop)
                 if self.mesh_key is not None:
                     nursery.start_soon(self.rotation.resend_loop)
@@ -858,10 +868,34 @@ class Node:
 
     async def _relay_send(self, node: bytes, data: bytes) -> None:
         """``data`` to ``node`` over a relay we both hold, sealed like every other payload: the
-        one place relay payloads are sent (gossip and the data channel alike)."""
+        one place relay payloads are sent (gossip and the data channel alike).
+
+        With ``delay:`` or ``loss:`` faults the payload waits in a queue until it is due, as
+        netem on our interface holds the relay connection's packets too (see ``Faults``).
+        """
         assert self.relays is not None
+        sealed = self._seal(data)
+        if self._relay_held is not None:
+            due = max(self._relay_due, trio.current_time() + self.options.faults.stream_send_delay())
+            self._relay_due = due  # in order, as a TCP stream delivers
+            await self._relay_held.send((due, node, sealed))
+            return
         m = self.swim.members.get(node) if self.swim is not None else None
-        await self.relays.send(node, self._seal(data), m.meta.relay_urls if m is not None else ())
+        await self.relays.send(node, sealed, m.meta.relay_urls if m is not None else ())
+
+    async def _relay_held_loop(self, held: trio.MemoryReceiveChannel[tuple[float, bytes, bytes]]) -> None:
+        """Send what ``delay:``/``loss:`` held back, each when due; a send that fails is lost, as
+        one the relay dropped would be (its sender sends it again)."""
+        from .relay.client import RelayError
+
+        assert self.relays is not None
+        async for due, node, sealed in held:
+            await trio.sleep_until(due)
+            m = self.swim.members.get(node) if self.swim is not None else None
+            try:
+                await self.relays.send(node, sealed, m.meta.relay_urls if m is not None else ())
+            except (RelayError, ValueError) as exc:
+                log.debug("held relay payload to %s lost: %s", node.hex()[:8], exc)
 
     def _relay_reaches(self, node: bytes) -> bool:
         """Whether a relay we are connected to reaches ``node`` now."""

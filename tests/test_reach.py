@@ -228,3 +228,33 @@ async def test_a_peer_list_reaching_a_node_that_has_joined_sends_nothing():
             assert b.core.counters["tx_join_via_relay"] == 0
             assert not [line for line in lines if line.startswith("meshd join")]
             nursery.cancel_scope.cancel()
+
+
+async def test_delay_holds_what_a_node_sends_over_the_relay_too():
+    """netem on a host holds its relay connection's packets as well: in-process, ``delay:``
+    holds every relay payload we send, in order."""
+    lines: list[str] = []
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            url, _ = await _relay(nursery)
+            opts = partial(NodeOptions, stages=1, profile="local", relay=url)
+            a = await start_node(nursery, opts(role="orchestrator"), lines)
+            faults = Faults.parse([f"drop:{a.addr}", "delay:80"])  # C -> A goes over the relay, late
+            c = await start_node(nursery, opts(stage=0, seeds=[a.addr], faults=faults), lines)
+            await wait_converged([a, c])
+            got: list[tuple[float, bytes]] = []
+
+            async def collect() -> None:
+                async for _src, data in a.data.received:
+                    got.append((trio.current_time(), data))
+
+            nursery.start_soon(collect)
+            await _until(lambda: c.paths.out_path(a.identity.node_id) == "relay", 20, "C->A on the relay")
+            sent = []
+            for i in range(5):
+                sent.append(trio.current_time())
+                await c.data.post(a.identity.node_id, b"%d" % i, timeout=20)
+            await _until(lambda: len(got) == 5, 20, "all five delivered")
+            assert [data for _, data in got] == [b"%d" % i for i in range(5)]
+            assert all(at - when >= 0.08 for (at, _), when in zip(got, sent, strict=True))
+            nursery.cancel_scope.cancel()

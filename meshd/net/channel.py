@@ -42,6 +42,7 @@ from .data_keys import BadPeerKey, PairKeys, ProcessKeys
 from .dialer import Dialer, PathFailed, Refused
 from .faults import Faults
 from .handshake import HANDSHAKE_FAILURES, LocalEnd, Proven, accept
+from .netem_socket import with_stream_faults
 from .reassembly import Reassembler
 from .receiver import Handler, Receiver
 from .sender import CHUNK_BYTES, DeliveryError, Outgoing, Sender
@@ -174,6 +175,7 @@ class DataChannel:
 
     async def _handle_inbound(self, stream: trio.SocketStream) -> None:
         self.counters["streams_in"] += 1
+        stream = with_stream_faults(stream, self.faults, self._spawn)  # our writes on it held, as netem would
         async with stream:
             buf = bytearray()
             try:

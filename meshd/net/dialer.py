@@ -17,6 +17,7 @@ import trio
 
 from ..wire import RELAY_DATA
 from .handshake import HANDSHAKE_FAILURES, HandshakeError, dial
+from .netem_socket import with_stream_faults
 
 if TYPE_CHECKING:
     from .channel import DataChannel
@@ -110,11 +111,14 @@ class Dialer:
         self._ch.counters["dials"] += 1
         timeout = self._ch.config.dial_timeout
         host, _, port = addr.rpartition(":")
+        faults = self._ch.faults
         try:
             with trio.fail_after(timeout):
-                if self._ch.faults.stream_blocked(addr):
+                if faults.stream_blocked(addr):
                     await trio.sleep_forever()  # the SYN goes nowhere, as behind a filter
-                return await trio.open_tcp_stream(host.strip("[]"), int(port))
+                if faults.stream_faults:
+                    await trio.sleep(faults.connect_delay())  # our SYN, held as netem would
+                stream = await trio.open_tcp_stream(host.strip("[]"), int(port))
         except trio.TooSlowError:
             self._ch.counters["dial_failures"] += 1
             raise PathFailed(f"connect to {addr} timed out after {timeout:g}s") from None
@@ -122,6 +126,7 @@ class Dialer:
             self._ch.counters["dial_failures"] += 1
             cls = Refused if _refused(exc) else PathFailed
             raise cls(f"connect to {addr} failed: {exc.strerror or exc}") from None
+        return with_stream_faults(stream, faults, self._ch._spawn)
 
     async def relay(self, node: bytes, frames: Iterable[bytes]) -> None:
         """Send encoded packets to ``node`` through the relay, each as one relay frame."""

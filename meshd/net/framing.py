@@ -14,6 +14,7 @@ import struct
 import trio
 
 from ..wire import MAX_FRAME_BYTES, Packet, WireError, decode, encode
+from .netem_socket import NetemSocket
 
 _LEN = struct.Struct("!I")
 # Under malloc's mmap threshold: a 256 KiB receive buffer cost 11 µs per read, 64 KiB under 1 µs.
@@ -69,7 +70,10 @@ async def read_packet(stream: trio.abc.ReceiveStream, buf: bytearray) -> Packet:
 
 def write_some(stream: trio.SocketStream, data: bytes) -> int:
     """How many bytes of ``data`` the socket takes now, without waiting (0 when its buffer
-    is full).  Raises trio.BrokenResourceError when the stream is broken."""
+    is full, and always under a fault that holds the stream's writes: they must go through
+    ``send_all``, which holds them).  Raises trio.BrokenResourceError when the stream is broken."""
+    if isinstance(stream.socket, NetemSocket):
+        return 0
     try:
         return os.write(stream.socket.fileno(), data)
     except BlockingIOError:
