@@ -32,8 +32,10 @@ from meshd.launch.model import (
     Stop,
     StopJob,
     StopRun,
+    is_relay_job,
     new_run,
     parse_stage_job,
+    relay_job_names,
     run_from_dict,
     run_to_dict,
     step,
@@ -306,6 +308,31 @@ def test_relay_down_does_not_end_the_run():
     assert d.run.status is RunStatus.RUNNING
     d.step(Exited("orchestrator", 0), Exited("stage-0", 0), Exited("stage-1", 0))
     assert d.run.status is RunStatus.DONE
+
+
+def test_several_relays_are_named_relay_relay_2_and_the_nodes_wait_for_every_one():
+    assert relay_job_names(1) == ["relay"] and relay_job_names(3) == ["relay", "relay-2", "relay-3"]
+    assert [is_relay_job(n) for n in ("relay", "relay-2", "relay-12", "relay-1", "relay-0", "relays",
+                                      "stage-1")] == [True, True, True, False, False, False, False]
+    d = Driver(new_run("r", 2, now=0.0, relay=2))
+    assert [(j.name, j.role.value) for j in d.run.aux_jobs] == [("relay", "relay"), ("relay-2", "relay")]
+    d.step()
+    assert d.starts() == ["relay", "relay-2"]
+    d.step(Running("relay", "127.0.0.1:9000"))
+    assert d.starts() == ["relay", "relay-2"], "a node started before every relay was up"
+    d.step(Running("relay-2", "127.0.0.1:9001"))
+    assert d.starts()[2:] == ["orchestrator", "stage-0", "stage-1"]
+    assert new_run("r", 1, now=0.0, relay=True).aux_jobs[0].name == "relay"
+
+
+def test_one_of_two_relays_down_does_not_end_the_run_and_both_stop_when_it_is_done():
+    d = running_run(2, relay=2)
+    d.step(StopJob("relay"), Exited("relay", -9))
+    assert d.status("relay") == "stopped" and d.run.status is RunStatus.RUNNING
+    d.step(Exited("orchestrator", 0), Exited("stage-0", 0), Exited("stage-1", 0))
+    assert d.run.job("relay-2").status is JobStatus.TERMINATING
+    d.step(Exited("relay-2", -15))
+    assert d.run.status is RunStatus.DONE and d.status("relay-2") == "exited (0)"
 
 
 def test_retry_only_by_policy_and_never_a_done_job():

@@ -27,3 +27,12 @@ def test_the_provider_handles_only_network_faults():
     p = netns.NetnsProvider.__new__(netns.NetnsProvider)
     assert all(p.handles(s) for s in ["drop:a->b", "isolate:x", "loss:0.1", "delay:5", "nat:x"])
     assert not any(p.handles(s) for s in ["kill:stage-1@token-3", "relay-down@2"])
+
+
+def test_every_relay_gets_its_own_namespace_address_and_the_relay_port():
+    p = netns.NetnsProvider.__new__(netns.NetnsProvider)
+    p.names = ["relay", "relay-2", "orchestrator", "stage-0"]
+    p.ips = {n: f"10.213.7.{10 + i}" for i, n in enumerate(p.names)}
+    relay, gossip = netns.RELAY_PORT, netns.GOSSIP_PORT
+    assert p.addresses() == {"relay": f"10.213.7.10:{relay}", "relay-2": f"10.213.7.11:{relay}",
+                             "orchestrator": f"10.213.7.12:{gossip}", "stage-0": f"10.213.7.13:{gossip}"}

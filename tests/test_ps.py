@@ -166,3 +166,19 @@ def test_state_round_trips_and_names_are_checked(tmp_path):
     assert next_run_name(tmp_path) == "smoke-2"
     with pytest.raises(ValueError):
         save_run(new_run("../escape", 1, now=0.0), tmp_path)
+
+
+def test_every_relay_of_a_run_is_a_job_in_the_table_and_the_json(tmp_path):
+    now = time.time() - 30
+    run = new_run("smoke-1", 2, now=now, relay=2)
+    step(run, [], now)
+    step(run, [Started("relay", 4001), Running("relay", "127.0.0.1:9000"),
+               Started("relay-2", 4002), Running("relay-2", "127.0.0.1:9004")], now)
+    save_run(run, tmp_path)
+    out = ps("--run-dir", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    rows = {line.split()[0]: line.split() for line in out.stdout.splitlines()[1:]}
+    assert rows["relay-2"][:4] == ["relay-2", "relay", "127.0.0.1:9004", "running"]
+    assert rows["relay"][:4] == ["relay", "relay", "127.0.0.1:9000", "running"]
+    jobs = json.loads(ps("--run-dir", str(tmp_path), "--json").stdout)["runs"][0]["jobs"]
+    assert [(j["name"], j["role"]) for j in jobs][:2] == [("relay", "relay"), ("relay-2", "relay")]

@@ -3,30 +3,48 @@ the orchestrator, the `--json` object's shape and the summary."""
 
 from __future__ import annotations
 
+import signal
 import time
+from pathlib import Path
 
 import pytest
 
+from meshd.launch.checks import paths, relay_moves
 from meshd.launch.drive import orchestrator_failure
 from meshd.launch.failure import Failure, Kind
+from meshd.launch.jobs import JobDriver
 from meshd.launch.model import Lost, Running, Started, job_status_message, new_run, step
-from meshd.launch.plan import Disruption, FaultPlan, RunPlan, job_argvs, node_names, plan_faults
-from meshd.launch.report import Generated, Outcome, summary
+from meshd.launch.plan import Disruption, FaultPlan, RelayDown, RunPlan, job_argvs, node_names, plan_faults
+from meshd.launch.report import Generated, Outcome, Progress, summary
+from meshd.launch.state import read_run
 
 ADDRS = {"relay": "127.0.0.1:9000", "orchestrator": "127.0.0.1:9001",
          "stage-0": "127.0.0.1:9002", "stage-1": "127.0.0.1:9003"}
+TWO_RELAYS = {**ADDRS, "relay-2": "127.0.0.1:9004"}
 
 
 def test_a_one_way_drop_becomes_the_senders_own_rule_naming_the_receivers_address():
     plan = plan_faults(["drop:stage-1->stage-0", "kill:stage-0@token-3", "relay-down@2.5"], ADDRS)
     assert plan.node_faults == {"stage-1": ["drop:127.0.0.1:9002"]}
-    assert plan.kills == [Disruption("kill:stage-0@token-3", "stage-0", 3)] and plan.relay_down_s == 2.5
+    assert plan.kills == [Disruption("kill:stage-0@token-3", "stage-0", 3)]
+    assert plan.relay_downs == [RelayDown("relay-down@2.5", "relay", 2.5)]
+
+
+def test_relay_down_stops_the_first_relay_and_may_name_another_which_faults_may_name_too():
+    plan = plan_faults(["relay-down@2", "relay-down:relay-2@3.5", "drop:stage-1->relay-2",
+                        "kill:relay-2@token-4"], TWO_RELAYS)
+    assert plan.relay_downs == [RelayDown("relay-down@2", "relay", 2.0),
+                                RelayDown("relay-down:relay-2@3.5", "relay-2", 3.5)]
+    assert plan.node_faults == {"stage-1": ["drop:127.0.0.1:9004"]}
+    assert plan.kills == [Disruption("kill:relay-2@token-4", "relay-2", 4)]
 
 
 @pytest.mark.parametrize("spec, words", [
     ("drop:stage-1->stage-7", "no node named 'stage-7'"),
     ("nat:stage-0", "nat needs --provider netns"),
     ("bogus", "expected drop:A->B"),
+    ("relay-down:relay-2@2", "no node named 'relay-2'"),
+    ("relay-down:stage-0@2", "stage-0 is not a relay"),
 ])
 def test_a_bad_fault_spec_is_refused_with_a_message_naming_it(spec, words):
     with pytest.raises(ValueError, match=words):
@@ -45,6 +63,121 @@ def test_every_node_is_seeded_through_all_the_others_and_carries_only_its_faults
     assert "--fault=isolate" in argvs["stage-0"]
     assert not any(a.startswith("--fault") for a in argvs["stage-1"])
     assert argvs["stage-1"][:4] == ["run", "--role", "stage", "--stage"] and argvs["stage-1"][4] == "1"
+
+
+def test_with_two_relays_every_node_holds_both_the_first_first_and_each_relay_has_the_mesh_key():
+    names = node_names(2)
+    addrs = {n: ADDRS[n] for n in names}
+    plan = RunPlan(2, "/m", ADDRS["relay"], addrs, dict.fromkeys(names, "127.0.0.1:0"), FaultPlan(),
+                   "/tmp/snaps", "/tmp/keys", mesh_key="/tmp/run/mesh.key",
+                   extra_relays={"relay-2": "127.0.0.1:9004"})
+    assert plan.relay_urls == {"relay": "ws://127.0.0.1:9000", "relay-2": "ws://127.0.0.1:9004"}
+    argvs = job_argvs(plan)
+    assert list(argvs) == ["relay", "relay-2", *names]
+    assert argvs["relay-2"] == ["relay", "--bind", "127.0.0.1:9004", "--mesh-key-file", "/tmp/run/mesh.key"]
+    assert argvs["relay"] == ["relay", "--bind", "127.0.0.1:9000", "--mesh-key-file", "/tmp/run/mesh.key"]
+    for name in names:
+        given = [argvs[name][i + 1] for i, a in enumerate(argvs[name]) if a == "--relay"]
+        assert given == ["ws://127.0.0.1:9000", "ws://127.0.0.1:9004"], name
+
+
+class _FakePopen:
+    def __init__(self, pid: int) -> None:
+        self.pid, self.returncode = pid, None
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        return self.returncode
+
+    def kill(self) -> None:
+        self.returncode = self.returncode if self.returncode is not None else -signal.SIGKILL
+
+
+class _FakeProcess:
+    """What JobDriver needs of a job's process, with no process: it is up at once, a relay having
+    printed its URL and a node its boot line; a signal ends it."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None) -> None:
+        self.name, self.boot, self.first_line = name, None, 0
+        self.proc = _FakePopen(4000 + len(name))
+        port = argv[argv.index("--bind") + 1]
+        self.lines = [f"meshd relay url=ws://{port} stun={port}/udp"] if argv[0] == "relay" else []
+        if argv[0] == "run":
+            from meshd.launch.process import Boot
+
+            self.boot = Boot("ab" * 32, f"{len(name):08x}", "stage", "0", port, "-")
+
+    def alive(self) -> bool:
+        return self.proc.returncode is None
+
+    def signal(self, signum: int) -> None:
+        if self.alive():  # meshd exits 0 on SIGTERM
+            self.proc.returncode = 0 if signum == signal.SIGTERM else -signum
+
+    def wait_boot(self, timeout: float):
+        return self.boot
+
+
+def test_a_relay_downed_by_the_fault_reads_stopped_and_the_run_goes_on(tmp_path: Path):
+    names = node_names(1)
+    plan = RunPlan(1, "/m", ADDRS["relay"], {n: ADDRS[n] for n in names}, dict.fromkeys(names, "127.0.0.1:0"),
+                   FaultPlan(), "/tmp/snaps", "/tmp/keys", extra_relays={"relay-2": "127.0.0.1:9004"})
+    run = new_run("smoke-1", 1, now=time.time(), relay=2)
+    driver = JobDriver(run, tmp_path, job_argvs(plan), {}, Progress(False), _FakeProcess)
+    driver.observe()
+    driver.wait_started(["relay", "relay-2", *names], 5)
+    assert [j.address for j in run.aux_jobs] == ["127.0.0.1:9000", "127.0.0.1:9004"]
+    fired = []
+    driver.down_later("relay", 0.0, lambda: fired.append(True)).join()
+    assert fired and driver.procs["relay"].proc.returncode == -signal.SIGKILL
+    driver.poll()
+    assert run.reason is None, "a relay stopped by the fault ended the run"
+    assert job_status_message(run.job("relay")) == "stopped"
+    driver.finish(timeout=1)
+    saved = read_run(tmp_path / "smoke-1.json")  # what `meshd ps` shows
+    assert saved.status.value == "done"
+    assert {j.name: j.status_message for j in saved.jobs} == {
+        "relay": "stopped", "relay-2": "exited (0)", "orchestrator": "exited (0)", "stage-0": "exited (0)"}
+
+
+def test_a_relay_that_dies_on_its_own_fails_the_run_naming_it(tmp_path: Path):
+    names = node_names(1)
+    plan = RunPlan(1, "/m", ADDRS["relay"], {n: ADDRS[n] for n in names}, dict.fromkeys(names, "127.0.0.1:0"),
+                   FaultPlan(), "/tmp/snaps", "/tmp/keys", extra_relays={"relay-2": "127.0.0.1:9004"})
+    run = new_run("smoke-1", 1, now=time.time(), relay=2)
+    driver = JobDriver(run, tmp_path, job_argvs(plan), {}, Progress(False), _FakeProcess)
+    driver.observe()
+    driver.wait_started(["relay", "relay-2", *names], 5)
+    driver.procs["relay-2"].signal(signal.SIGKILL)
+    driver.poll()
+    assert run.message == "relay-2: exited (-9)"
+
+
+def test_the_relay_moves_are_read_from_each_nodes_lines_naming_jobs_and_relays():
+    line = ("meshd relay-move stage-1->stage-2 prefix=2b91108e from=ws://127.0.0.1:9000 "
+            "to=ws://127.0.0.1:9004 (ws://127.0.0.1:9000: relay ws://127.0.0.1:9000 closed the connection "
+            "(1006 ABNORMAL_CLOSURE))")
+    moves = relay_moves({"stage-1": ["meshd stage-map 2b91108e=stage-2", line], "stage-0": []},
+                        {"2b91108e": "stage-2.2"},
+                        {"relay": "ws://127.0.0.1:9000", "relay-2": "ws://127.0.0.1:9004"})
+    assert moves == [{"node": "stage-1", "to_node": "stage-2.2", "peer": "2b91108e",
+                      "from": "ws://127.0.0.1:9000", "to": "ws://127.0.0.1:9004",
+                      "why": "ws://127.0.0.1:9000: relay ws://127.0.0.1:9000 closed the connection "
+                             "(1006 ABNORMAL_CLOSURE)",
+                      "from_relay": "relay", "to_relay": "relay-2"}]
+
+
+def test_a_relayed_direction_names_its_relay_and_a_direct_one_none():
+    def member(prefix: str, path: str, via: str | None) -> dict:
+        return {"prefix": prefix, "path_out": path, "data_out": path, "relay_via": via}
+
+    snaps = {"stage-0": {"members": [member("bbbbbbbb", "relay", "ws://b")]},
+             "stage-1": {"members": [member("aaaaaaaa", "direct", "ws://a")]}}
+    every, _ = paths(snaps, {"aaaaaaaa": "stage-0", "bbbbbbbb": "stage-1"})
+    assert [(p["from"], p["to"], p["path"], p["relay"]) for p in every] == [
+        ("stage-0", "stage-1", "relay", "ws://b"), ("stage-1", "stage-0", "direct", None)]
 
 
 def test_a_lost_stage_reads_the_same_in_smoke_run_and_in_the_jobs_status():
@@ -79,7 +212,8 @@ def test_the_json_object_has_the_contracts_keys_in_order():
     out = outcome.to_json()
     assert list(out) == ["ok", "status", "reason", "stages", "replicas", "run", "tokens", "text",
                          "reference_tokens", "matches_reference", "stage_map", "paths", "asymmetric",
-                         "timings", "failovers", "disruptions", "leftovers", "run_status", "jobs"]
+                         "timings", "failovers", "disruptions", "relay_moves", "leftovers", "run_status",
+                         "jobs"]
     assert (out["ok"], out["status"], out["reason"]) == (True, "done", None)
     assert out["timings"] == {"converge_s": 1.235, "first_token_s": None, "tokens_per_s": 4.5,
                               "total_s": 9.877}
@@ -90,7 +224,8 @@ def test_a_failed_run_says_why_and_exits_non_zero():
     outcome = Outcome(3, failure=Failure.unreachable(["stage-1"], "not converged within 6s"))
     out = outcome.to_json()
     assert out == {"ok": False, "status": "unreachable: stage-1", "reason": "not converged within 6s",
-                   "stages": 3, "replicas": 1, "failovers": [], "disruptions": [], "leftovers": 0}
+                   "stages": 3, "replicas": 1, "failovers": [], "disruptions": [], "relay_moves": [],
+                   "leftovers": 0}
     assert outcome.exit_code == 1
     assert Outcome(3, failure=Failure.stopped("SIGTERM")).exit_code == 130
 
@@ -106,3 +241,26 @@ def test_the_summary_names_the_asymmetric_pair_and_the_relayed_direction():
     assert "asymmetric: o→s: relay; s→o: direct" in text
     assert "paths: 0 direct, via relay: orchestrator→stage-0" in text
     assert "matches meshd generate: NO" in text and text.endswith("leftovers: 0")
+
+
+def test_the_summary_names_the_relay_down_the_move_and_the_generation_after_it():
+    urls = {"relay": "ws://127.0.0.1:9000", "relay-2": "ws://127.0.0.1:9004"}
+    generated = _generated()
+    generated.paths = [{"from": "stage-1", "to": "stage-2", "path": "relay", "relay": urls["relay-2"]}]
+    generated.again = {"after": "relay-down@2", "tokens": [1, 2], "matches_reference": True,
+                       "first_token_s": 0.1, "tokens_per_s": 9.5}
+    outcome = Outcome(3, relays=urls, generated=generated,
+                      disruptions=[{"fault": "relay-down@2", "action": "relay-down", "job": "relay",
+                                    "url": urls["relay"], "after_s": 2.0}],
+                      relay_moves=[{"node": "stage-1", "to_node": "stage-2", "peer": "2b91108e",
+                                    "from": urls["relay"], "to": urls["relay-2"], "why": "relay closed",
+                                    "from_relay": "relay", "to_relay": "relay-2"}])
+    out = outcome.to_json()
+    assert list(out)[:6] == ["ok", "status", "reason", "stages", "replicas", "relays"]
+    assert list(out)[list(out).index("timings") + 1] == "again"
+    lines = summary(out).splitlines()
+    assert "paths: 0 direct, via relay: stage-1→stage-2 (relay-2)" in lines
+    assert "generated again after relay-down@2: 2 tokens; matches meshd generate: yes; 9.5 tokens/s" in lines
+    assert "relay-down: stopped relay (ws://127.0.0.1:9000) after 2s" in lines
+    assert ("relay move: stage-1→stage-2 from ws://127.0.0.1:9000 (relay) to ws://127.0.0.1:9004 (relay-2): "
+            "relay closed") in lines

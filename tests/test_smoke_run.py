@@ -97,6 +97,32 @@ def test_ps_shows_the_run_from_another_process(run_dir):
     assert (run_dir / f"{out['run']}.hosts").read_text().count("\n") == 3  # orchestrator + 2 stages
 
 
+def test_with_two_relays_a_relayed_pair_moves_to_the_second_when_the_first_goes_down(run_dir):
+    rc, out = smoke("--stages", "3", "--stub", "--relays", "2", "--fault", "drop:stage-1->stage-2",
+                    "--fault", "relay-down@2")
+    assert rc == 0, json.dumps(out)  # the whole report: tokens, paths, moves, jobs
+    assert out["ok"] and out["matches_reference"] and out["tokens"] == out["reference_tokens"]
+    relays = out["relays"]
+    assert list(relays) == ["relay", "relay-2"] and relays["relay"] != relays["relay-2"]
+    assert [(d["action"], d["job"], d["url"]) for d in out["disruptions"]] == [
+        ("relay-down", "relay", relays["relay"])]
+    # The pair the drop sends over a relay moved from the first relay to the second ...
+    moves = [(m["node"], m["to_node"], m["from"], m["to"]) for m in out["relay_moves"]]
+    assert ("stage-1", "stage-2", relays["relay"], relays["relay-2"]) in moves, out["relay_moves"]
+    # ... and is carried by it at the end, after a generation with the first relay down.
+    [pair] = [p for p in out["paths"] if (p["from"], p["to"]) == ("stage-1", "stage-2")]
+    assert pair["path"] == "relay" and pair["relay"] == relays["relay-2"]
+    if "again" in out:  # the generation ended before the relay went down: it ran once more
+        assert out["again"]["after"] == "relay-down@2" and out["again"]["matches_reference"]
+    assert out["run_status"] == "done" and out["jobs"]["relay"] == "stopped"
+    assert out["jobs"]["relay-2"] == "exited (0)" and out["leftovers"] == 0
+    assert meshd_children(run_dir) == []
+    r = subprocess.run([sys.executable, "-m", "meshd", "ps", "--json"], capture_output=True, text=True,
+                       timeout=30, env={**os.environ, "XDG_STATE_HOME": str(run_dir.parent.parent)})
+    jobs = {j["name"]: j for j in json.loads(r.stdout)["runs"][0]["jobs"]}
+    assert jobs["relay-2"]["role"] == "relay" and jobs["relay-2"]["address"] == relays["relay-2"][5:]
+
+
 def test_a_killed_stage_without_replicas_fails_the_run_naming_it(run_dir):
     t0 = time.monotonic()
     rc, out = smoke("--stages", "3", "--replicas", "1", "--fault", "kill:stage-1@token-5",

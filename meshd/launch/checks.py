@@ -1,7 +1,7 @@
 """What a smoke run is judged on: whether the mesh is whole (every node alive to every
 other, every pipeline name owned by every replica), the tokens against ``meshd generate``,
-each direction's path and the pairs whose two directions differ, nodes cut off from the
-rest, the failovers by job, and what teardown left behind.
+each direction's path (and relay) and the pairs whose two directions differ, nodes cut off
+from the rest, the failovers and the relay moves by job, and what teardown left behind.
 
 Everything here reads snapshots and numbers the driver collected; nothing starts,
 stops or asks a process anything.
@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .model import parse_stage_job
+from .process import parse_relay_move
 
 Snapshot = dict[str, Any]  # a node's /api/snapshot
 Member = dict[str, Any]  # one entry of a snapshot's "members"
@@ -92,6 +93,8 @@ def paths(snaps: dict[str, Snapshot], prefixes: dict[str, str]) -> tuple[list[di
             table[(name, other)] = m
     every = [{"from": a, "to": b, "path": "relay" if _uses_relay(m) else m["path_out"],
               "datagrams": m["path_out"], "data": m.get("data_out"),
+              # Which relay, for a relayed direction: the one that carried its last frame.
+              "relay": m.get("relay_via") if _uses_relay(m) else None,
               "rtt_ms": m.get("rtt_ms"), "why": m.get("last_failure"), "relay_ok": m.get("relay_ok"),
               "direct_failures": m.get("direct_failures")}
              for (a, b), m in sorted(table.items())]
@@ -137,6 +140,26 @@ def failovers(reported: list[Any], prefixes: dict[str, str]) -> list[dict[str, A
             if job is not None:
                 named[f"{end}_job"] = job
         out.append(named)
+    return out
+
+
+def relay_moves(lines: dict[str, list[str]], prefixes: dict[str, str],
+                relays: dict[str, str]) -> list[dict[str, Any]]:
+    """Every ``meshd relay-move`` line the nodes printed (``lines``: node job -> its output), in
+    the order each node printed them: ``node`` (the job that printed it), ``to_node`` (the
+    peer's job by ``prefixes``, else the name the node gave it), ``peer``, ``from`` and ``to``
+    (relay URLs), ``why``, and ``from_relay`` / ``to_relay``, the relay jobs those URLs are
+    (``relays``: relay job -> URL) when they are the run's."""
+    job_of = {url: job for job, url in relays.items()}
+    out = []
+    for node, node_lines in lines.items():
+        for line in node_lines:
+            move = parse_relay_move(line)
+            if move is None:
+                continue
+            out.append({"node": node, "to_node": prefixes.get(move.peer, move.to_node), "peer": move.peer,
+                        "from": move.old, "to": move.new, "why": move.why,
+                        "from_relay": job_of.get(move.old), "to_relay": job_of.get(move.new)})
     return out
 
 

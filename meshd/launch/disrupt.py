@@ -1,21 +1,25 @@
-"""The ``kill:`` and ``restart:`` faults, carried out as the tokens come.
+"""The ``kill:`` and ``restart:`` faults, carried out as the tokens come, and the
+``relay-down`` faults, carried out on a clock.
 
 A fault names a job, or a replicated stage by its bare name (``stage-K``): then the
 target is the replica serving the request at that moment, which only the orchestrator
 knows.  Its ``GET /api/requests`` gives each running request's route (stage name ->
 peer prefix), and the run's stage map ties the prefix to a job.  Each fault carried out
-is recorded for the report, so a reader can match it with the failover it caused.
+is recorded for the report, so a reader can match it with the failover (or, for a relay,
+the relay moves) it caused.
 """
 
 from __future__ import annotations
 
+import functools
+import threading
 from collections.abc import Callable
 from typing import Any
 
 from .failure import Failure, RunFailed
 from .jobs import JobDriver
 from .model import parse_stage_job
-from .plan import Disruption
+from .plan import Disruption, RelayDown
 from .report import Progress
 
 
@@ -99,3 +103,40 @@ class Disruptor:
         self.done.append({"fault": fault.spec, "action": action, "job": job, "peer": peer,
                           "token": fault.token})
         self.progress.log(f"{action} {job} ({peer or 'no peer'}) after token {fault.token}")
+
+
+class RelayDowns:
+    """Carries out the run's ``relay-down`` faults: each relay is SIGKILLed ``after_s`` seconds
+    from :meth:`start` (when the generation starts), and recorded in ``done`` as it goes down.
+
+    ``urls`` maps each relay job to the URL the nodes hold for it, so the record and the relay
+    moves in the report name the same relay the same way.
+    """
+
+    def __init__(self, downs: list[RelayDown], driver: JobDriver, urls: dict[str, str],
+                 progress: Progress, done: list[dict[str, Any]]) -> None:
+        self.downs, self.driver, self.urls, self.progress, self.done = downs, driver, urls, progress, done
+        self._fired: set[str] = set()  # specs carried out, written by the timers' threads
+        self._timers: list[threading.Timer] = []
+
+    def start(self) -> None:
+        for down in self.downs:
+            self._timers.append(self.driver.down_later(down.who, down.after_s,
+                                                       functools.partial(self._went_down, down)))
+
+    @property
+    def pending(self) -> list[RelayDown]:
+        """The faults not carried out yet."""
+        return [down for down in self.downs if down.spec not in self._fired]
+
+    def wait(self) -> None:
+        """Until every fault is carried out."""
+        for timer in self._timers:
+            timer.join()
+
+    def _went_down(self, down: RelayDown) -> None:  # in the timer's thread
+        self.done.append({"fault": down.spec, "action": "relay-down", "job": down.who,
+                          "url": self.urls.get(down.who), "after_s": down.after_s})
+        self._fired.add(down.spec)
+        url = self.urls.get(down.who)
+        self.progress.log(f"relay-down: stopped {down.who} ({url}) after {down.after_s:g}s")

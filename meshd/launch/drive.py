@@ -1,4 +1,5 @@
-"""Driving a smoke run: the testbed, the model, the mesh converging, one generation.
+"""Driving a smoke run: the testbed, the model, the mesh converging, one generation (two when
+a ``relay-down`` fault comes after the first has ended: the second runs with the relay down).
 
 Each step talks to live processes over their dashboards and raises
 :class:`~meshd.launch.failure.RunFailed` with a :class:`~meshd.launch.failure.Failure`
@@ -13,8 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import signal
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .checks import Snapshot, cut_off, names_short, owners_needed, sees_all
-from .disrupt import Disruptor
+from .disrupt import Disruptor, RelayDowns
 from .failure import Failure, Kind, RunFailed
 from .jobs import JobDriver
 from .local import LocalProcess, free_ports
@@ -42,7 +41,7 @@ _PEER = re.compile(r"\bpeer (?P<peer>[0-9a-f]{8})\b")
 class Placement:
     """Where the jobs listen, and the run-level faults turned into a plan."""
 
-    relay_bind: str
+    relays: dict[str, str]  # relay job -> HOST:PORT, the first (``relay``) first
     addrs: dict[str, str]  # node job -> gossip HOST:PORT
     faults: FaultPlan
 
@@ -71,6 +70,8 @@ class Driven:
     converge_s: float
     generation: Generation
     final: dict[str, Snapshot]  # the nodes still alive after the generation, by run name
+    again: Generation | None = None  # generated again once relay-down faults late for the first came
+    again_after: list[str] = dataclasses.field(default_factory=list)  # those faults' specs
 
 
 def prepare_model(model: str | None, stub: bool, tmp: Path, progress: Progress) -> str:
@@ -88,34 +89,35 @@ def prepare_model(model: str | None, stub: bool, tmp: Path, progress: Progress) 
     return model
 
 
-def open_netns(names: list[str], progress: Progress) -> NetnsProvider:
-    """A netns testbed for the relay and ``names``, not built yet (see :func:`place_jobs`)."""
+def open_netns(relays: list[str], names: list[str], progress: Progress) -> NetnsProvider:
+    """A netns testbed for the relays and ``names``, not built yet (see :func:`place_jobs`)."""
     progress.update("building the netns testbed")
     try:
-        return NetnsProvider(["relay", *names])
+        return NetnsProvider([*relays, *names])
     except NetnsError as exc:
         raise RunFailed(Failure.error(str(exc))) from None
 
 
-def place_jobs(provider: NetnsProvider | None, specs: list[str], names: list[str],
+def place_jobs(provider: NetnsProvider | None, specs: list[str], names: list[str], relays: list[str],
                max_tokens: int | None = None) -> Placement:
     """Choose every job's address and plan the faults; on netns, build the testbed with its faults.
 
-    ``provider`` None: local processes on ports free on loopback now.
+    ``relays`` are the relay jobs' names, the first first.  ``provider`` None: local processes
+    on ports free on loopback now.
     """
     try:
         if provider is None:
-            ports = free_ports(len(names) + 1)
-            relay_bind = f"127.0.0.1:{ports[0]}"
-            addrs = {n: f"127.0.0.1:{p}" for n, p in zip(names, ports[1:], strict=True)}
-            faults = plan_faults(specs, {**addrs, "relay": relay_bind}, max_tokens)
-            return Placement(relay_bind, addrs, faults)
+            ports = free_ports(len(relays) + len(names))
+            binds = {n: f"127.0.0.1:{p}" for n, p in zip(relays, ports, strict=False)}
+            addrs = {n: f"127.0.0.1:{p}" for n, p in zip(names, ports[len(relays):], strict=True)}
+            faults = plan_faults(specs, {**addrs, **binds}, max_tokens)
+            return Placement(binds, addrs, faults)
         faults = plan_faults([s for s in specs if not provider.handles(s)], provider.addresses(), max_tokens)
         provider.setup([s for s in specs if provider.handles(s)])  # validates the specs before building
     except (NetnsError, ValueError) as exc:
         raise RunFailed(Failure.error(str(exc))) from None
     every = provider.addresses()  # after setup: a job behind NAT has its inside address
-    return Placement(every["relay"], {n: every[n] for n in names}, faults)
+    return Placement({n: every[n] for n in relays}, {n: every[n] for n in names}, faults)
 
 
 def dashboard(proc: LocalProcess, timeout: float) -> Dashboard:
@@ -163,7 +165,9 @@ def converge_and_generate(driver: JobDriver, boards: dict[str, Dashboard], prefi
     """Wait for the mesh to converge, then generate once with the run's faults; after a restart,
     wait for the restarted nodes to take their place back; snapshot the nodes still up.
 
-    ``disruptions`` collects the kill and restart faults as they are carried out.
+    A ``relay-down`` fault that has not come when the generation ends is waited for, and the
+    run generates once more with that relay down (``Driven.again``): a fault that never met a
+    generation would test nothing.  ``disruptions`` collects the faults as they are carried out.
     """
     import httpx
 
@@ -172,7 +176,8 @@ def converge_and_generate(driver: JobDriver, boards: dict[str, Dashboard], prefi
     with httpx.Client(timeout=10) as client:
         converge_s = converge(client, driver, boards, prefixes, owners_needed(plan.stages, boards), timeout)
         progress.log(f"converged in {converge_s:.1f}s: " + " ".join(f"{p}={n}" for p, n in prefixes.items()))
-        schedule_relay_down(driver, faults.relay_down_s)
+        downs = RelayDowns(faults.relay_downs, driver, plan.relay_urls, progress, disruptions)
+        downs.start()
         progress.update("generating")
         disruptor = Disruptor(faults.kills, driver, _requests_asker(client, boards["orchestrator"]), prefixes,
                               progress, disruptions)
@@ -180,8 +185,32 @@ def converge_and_generate(driver: JobDriver, boards: dict[str, Dashboard], prefi
                               prefixes, progress)
         if disruptor.restarted:
             rejoin(client, driver, boards, prefixes, plan.stages, disruptor.restarted, timeout, progress)
+        again, late = None, [d.spec for d in downs.pending]
+        if late:
+            progress.update(f"waiting for {', '.join(late)}")
+            downs.wait()
+            again = generate_again(client, driver, boards, prefixes, plan.stages, prompt, max_tokens, timeout,
+                                   progress, f"after {', '.join(late)}")
         final = {n: snapshot(client, board) for n, board in boards.items() if driver.procs[n].alive()}
-    return Driven(converge_s, generation, final)
+    return Driven(converge_s, generation, final, again, late)
+
+
+def generate_again(client: httpx.Client, driver: JobDriver, boards: dict[str, Dashboard],
+                   prefixes: dict[str, str], stages: int, prompt: str, max_tokens: int, timeout: float,
+                   progress: Progress, after: str) -> Generation:
+    """Check the live nodes still make a whole mesh, then generate once more (no kill faults)."""
+    alive = {n: board for n, board in boards.items() if driver.procs[n].alive()}
+    try:
+        converge(client, driver, alive, prefixes, owners_needed(stages, alive), timeout)
+    except RunFailed as exc:
+        raise RunFailed(dataclasses.replace(exc.failure, reason=f"{after}: {exc.failure.reason}")) from None
+    progress.update(f"generating again, {after}")
+    board = boards["orchestrator"]
+    nothing = Disruptor([], driver, _requests_asker(client, board), prefixes, progress, [])
+    try:
+        return generate(client, board, prompt, max_tokens, timeout, nothing, prefixes, progress)
+    except RunFailed as exc:
+        raise RunFailed(dataclasses.replace(exc.failure, reason=f"{after}: {exc.failure.reason}")) from None
 
 
 def rejoin(client: httpx.Client, driver: JobDriver, boards: dict[str, Dashboard], prefixes: dict[str, str],
@@ -208,13 +237,6 @@ def rejoin(client: httpx.Client, driver: JobDriver, boards: dict[str, Dashboard]
     progress.log(f"{', '.join(restarted)} rejoined; converged again in {took:.1f}s")
 
 
-def schedule_relay_down(driver: JobDriver, after_s: float | None) -> None:
-    """The ``relay-down@S`` fault: SIGKILL the relay ``after_s`` seconds from now."""
-    if after_s is not None:
-        relay = driver.procs["relay"]
-        threading.Timer(after_s, lambda: relay.signal(signal.SIGKILL)).start()
-
-
 def _requests_asker(client: httpx.Client, board: Dashboard) -> Callable[[], Any]:
     """A call that returns the orchestrator's ``GET /api/requests`` answer; ValueError when it cannot."""
     import httpx
@@ -233,7 +255,10 @@ def _requests_asker(client: httpx.Client, board: Dashboard) -> Callable[[], Any]
 
 def generate(client: httpx.Client, board: Dashboard, prompt: str, max_tokens: int, timeout: float,
              disruptor: Disruptor, prefixes: dict[str, str], progress: Progress) -> Generation:
-    """Stream one completion from the orchestrator, carrying out the ``kill:`` / ``restart:`` faults."""
+    """Stream one completion from the orchestrator, carrying out the ``kill:`` / ``restart:`` faults.
+
+    A stream that stalls for ``timeout`` seconds fails the run as a timeout, naming the tokens so far.
+    """
     import httpx
 
     tokens: list[int] = []
@@ -241,19 +266,26 @@ def generate(client: httpx.Client, board: Dashboard, prompt: str, max_tokens: in
     failovers: list[dict[str, Any]] = []
     first_token_s, t_gen = None, time.monotonic()
     body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True}
-    with client.stream("POST", f"{board.url}/v1/completions", json=body, headers=board.headers,
-                       timeout=httpx.Timeout(timeout, connect=10)) as r:
-        for extra in _stream_meshd(r, prefixes):
-            request = extra.get("request", request)
-            if isinstance(extra.get("failovers"), list):
-                failovers = extra["failovers"]
-            if "token" not in extra:
-                continue
-            tokens.append(extra["token"])
-            first_token_s = first_token_s or time.monotonic() - t_gen
-            rate = len(tokens) / max(time.monotonic() - t_gen, 1e-9)
-            progress.update(f"generating: {len(tokens)}/{max_tokens} tokens, {rate:.1f} tokens/s")
-            disruptor.after_token(len(tokens), request)
+    try:
+        with client.stream("POST", f"{board.url}/v1/completions", json=body, headers=board.headers,
+                           timeout=httpx.Timeout(timeout, connect=10)) as r:
+            for extra in _stream_meshd(r, prefixes):
+                request = extra.get("request", request)
+                if isinstance(extra.get("failovers"), list):
+                    failovers = extra["failovers"]
+                if "token" not in extra:
+                    continue
+                tokens.append(extra["token"])
+                first_token_s = first_token_s or time.monotonic() - t_gen
+                rate = len(tokens) / max(time.monotonic() - t_gen, 1e-9)
+                progress.update(f"generating: {len(tokens)}/{max_tokens} tokens, {rate:.1f} tokens/s")
+                disruptor.after_token(len(tokens), request)
+    except httpx.TimeoutException:
+        raise RunFailed(Failure.timeout(f"the generation stalled: no token within {timeout:g}s after "
+                                        f"{len(tokens)} of {max_tokens}")) from None
+    except httpx.HTTPError as exc:
+        raise RunFailed(Failure.error(f"the generation's stream broke after {len(tokens)} tokens: "
+                                      f"{type(exc).__name__}: {exc}")) from None
     return Generation(tokens, first_token_s, time.monotonic() - t_gen, request, failovers)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +33,7 @@ from .model import (
     StopRun,
     step,
 )
+from .process import parse_relay_url
 from .report import Progress
 from .state import save_run
 
@@ -48,6 +50,9 @@ class JobDriver:
         self.procs: dict[str, LocalProcess] = {}
         self._exited: set[str] = set()
         self._running: set[str] = set()
+        self._relays = [job.name for job in run.aux_jobs]
+        self._downed: set[str] = set()  # relays stopped by a relay-down fault
+        self._timers: list[threading.Timer] = []  # relay-down faults still to come
 
     def observe(self, *observations: Observation) -> None:
         pending = list(observations)
@@ -69,19 +74,28 @@ class JobDriver:
                 return
 
     def poll(self) -> None:
-        """Report processes that came up or went away since the last look."""
+        """Report processes that came up or went away since the last look.
+
+        A node is up once it printed its boot line, a relay once it printed its URL (it listens).
+        """
         seen: list[Observation] = []
         for name, proc in self.procs.items():
-            if name not in self._running and name != "relay" and proc.boot is None:
-                with contextlib.suppress(TimeoutError, RuntimeError):
-                    proc.wait_boot(0.01)
-            if name not in self._running and (proc.boot is not None or (name == "relay" and proc.lines)):
-                self._running.add(name)
-                peer = proc.boot.prefix if proc.boot is not None else None
-                address = proc.boot.addr if proc.boot is not None else None
-                seen.append(Running(name, address, peer))
+            if name not in self._running and name in self._relays:
+                url = next((u for line in proc.lines[proc.first_line:] if (u := parse_relay_url(line))), None)
+                if url is not None:
+                    self._running.add(name)
+                    seen.append(Running(name, url.removeprefix("ws://")))
+            elif name not in self._running:
+                if proc.boot is None:
+                    with contextlib.suppress(TimeoutError, RuntimeError):
+                        proc.wait_boot(0.01)
+                if proc.boot is not None:
+                    self._running.add(name)
+                    seen.append(Running(name, proc.boot.addr, proc.boot.prefix))
             if name not in self._exited and not proc.alive():
                 self._exited.add(name)
+                if name in self._downed:  # stopped on purpose: the run goes on, the job reads stopped
+                    seen.append(StopJob(name))
                 seen.append(Exited(name, proc.proc.returncode))
         if seen:
             self.observe(*seen)
@@ -89,6 +103,28 @@ class JobDriver:
     def kill(self, name: str) -> None:
         """The ``kill:`` fault: SIGKILL the job's process; the run model learns of it by its exit."""
         self.procs[name].signal(signal.SIGKILL)
+
+    def down(self, name: str) -> None:
+        """The ``relay-down`` fault: SIGKILL the relay's process, as a crash would end it; the run
+        model learns by its exit that it was stopped on purpose, so the run goes on.
+
+        Safe from a timer's thread: it only marks the job and sends the signal.
+        """
+        self._downed.add(name)
+        self.procs[name].signal(signal.SIGKILL)
+
+    def down_later(self, name: str, after_s: float, then: Callable[[], None]) -> threading.Timer:
+        """:meth:`down` ``name`` in ``after_s`` seconds, then call ``then`` (in the timer's thread);
+        :meth:`finish` cancels what has not come yet."""
+        def fire() -> None:
+            self.down(name)
+            then()
+
+        timer = threading.Timer(after_s, fire)
+        timer.daemon = True  # a failed run's pending fault must not keep smoke-run alive
+        self._timers.append(timer)
+        timer.start()
+        return timer
 
     def restart(self, name: str) -> None:
         """The ``restart:`` fault: SIGKILL the job's process and start the same command again
@@ -127,6 +163,10 @@ class JobDriver:
 
     def finish(self, timeout: float = 8.0) -> int:
         """Let every job end (per the stop criteria), then make sure; returns processes left alive."""
+        for timer in self._timers:
+            timer.cancel()
+        for timer in self._timers:
+            timer.join()  # one firing now has marked its relay before we look
         self.poll()  # a job that died (a kill: fault) is seen failed before the run is done
         master = self.procs.get("orchestrator")
         if master is not None and master.alive() and not self.run.reason:
@@ -141,8 +181,9 @@ class JobDriver:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and any(p.alive() for p in self.procs.values()):
             self.poll()
-            if not self.run.reason and all(not p.alive() for n, p in self.procs.items() if n != "relay"):
-                self.observe(StopJob("relay"))
+            nodes = [p for n, p in self.procs.items() if n not in self._relays]
+            if not self.run.reason and all(not p.alive() for p in nodes):
+                self.observe(*(StopJob(relay) for relay in self._relays if relay in self.procs))
             time.sleep(0.05)
         left = stop_all(list(self.procs.values()))
         self.poll()

@@ -1,5 +1,5 @@
 """The run model: one master job (the orchestrator), worker jobs (N stages, each on one or
-more replicas), an optional auxiliary job (the relay), and the controller that decides what
+more replicas), optional auxiliary jobs (the relays), and the controller that decides what
 to start and stop. A stage is lost when no replica of it is up, not when one replica fails.
 
 Sans-IO: no trio, no subprocess, no clock. The driver (smoke-run) feeds what it saw as
@@ -24,6 +24,7 @@ from enum import StrEnum
 from typing import Any
 
 _STAGE_JOB = re.compile(r"^stage-(?P<stage>\d+)(?:\.(?P<replica>[1-9]\d*))?$")
+_RELAY_JOB = re.compile(r"^relay(?:-(?P<n>[2-9]|[1-9]\d+))?$")
 
 
 class JobStatus(StrEnum):
@@ -166,6 +167,17 @@ def parse_stage_job(name: str) -> tuple[int, int] | None:
     return int(m["stage"]), int(m["replica"] or 1)
 
 
+def relay_job_names(count: int) -> list[str]:
+    """The relay jobs' names: ``relay`` for the first, then ``relay-2``, ``relay-3``..., so a run
+    with one relay reads as it always has and ``relay`` always names the first."""
+    return ["relay", *(f"relay-{i}" for i in range(2, count + 1))]
+
+
+def is_relay_job(name: str) -> bool:
+    """``relay`` or ``relay-N`` (N >= 2): a name ``relay_job_names`` gives."""
+    return _RELAY_JOB.match(name) is not None
+
+
 def stage_jobs(stages: int, replicas: int = 1) -> list[tuple[int, int]]:
     """Every stage job's (stage, replica) by rank: each stage's first replica, then each stage's
     second, and so on (so without replicas, stage-K has rank K + 1)."""
@@ -179,7 +191,7 @@ def stage_job_names(stages: int, replicas: int = 1) -> list[str]:
 
 @dataclass(slots=True)
 class Job:
-    name: str  # orchestrator, stage-K, stage-K.j (a replica), relay
+    name: str  # orchestrator, stage-K, stage-K.j (a replica), relay, relay-N
     role: Role
     stage: int | None = None
     status: JobStatus = JobStatus.SUBMITTED
@@ -415,7 +427,7 @@ def new_run(
     *,
     now: float,
     replicas: int = 1,
-    relay: bool = False,
+    relay: bool | int = False,
     startup_order: StartupOrder | str = StartupOrder.ANY,
     stop_criteria: StopCriteria | str = StopCriteria.ALL_DONE,
     retry: RetryPolicy | None = None,
@@ -423,14 +435,15 @@ def new_run(
     stop_grace: float = 5.0,
 ) -> Run:
     """A run of one orchestrator, `replicas` jobs for each of the `stages` stages (by rank, see
-    `stage_job_names`) and, with `relay`, a relay job; all submitted."""
+    `stage_job_names`) and relay jobs: `relay` True (or 1) for one, `relay`; R for R of them,
+    `relay`, `relay-2`, ... (see `relay_job_names`); all submitted."""
     if stages < 1:
         raise ValueError("a run needs at least one stage")
     if replicas < 1:
         raise ValueError("a stage needs at least one replica")
-    jobs = []
-    if relay:
-        jobs.append(Job("relay", Role.RELAY, submitted_at=now))
+    if relay < 0:
+        raise ValueError("a run's relay count cannot be negative")
+    jobs = [Job(name, Role.RELAY, submitted_at=now) for name in relay_job_names(int(relay))] if relay else []
     jobs.append(Job("orchestrator", Role.ORCHESTRATOR, submitted_at=now))
     jobs.extend(Job(stage_job_name(k, j), Role.STAGE, stage=k, submitted_at=now)
                 for k, j in stage_jobs(stages, replicas))
@@ -642,7 +655,7 @@ def _retry_failed(run: Run, now: float) -> None:
 def _may_start(run: Run, job: Job) -> bool:
     if job.is_aux:
         return True
-    # The nodes need the relay's URL: they start once every auxiliary job is up.
+    # The nodes need the relays' URLs: they start once every auxiliary job is up.
     if any(aux.status is not JobStatus.RUNNING for aux in run.aux_jobs):
         return False
     order = run.startup_order

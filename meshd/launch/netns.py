@@ -3,8 +3,8 @@
 Layout of one run (``X`` is derived from our pid; the run owns 10.213.X.0/24):
 
     meshd-X-sw            switch namespace with bridge ``br0``
-    meshd-X-<job>         one per job (relay, orchestrator, stage-K, a replica's stage-K.j): ``eth0``
-                          on the bridge, lo up
+    meshd-X-<job>         one per job (relay, relay-N, orchestrator, stage-K, a replica's stage-K.j):
+                          ``eth0`` on the bridge, lo up; every relay listens on its own address
     host veth ``mX-host`` 10.213.X.1 in the root namespace, on the bridge, so smoke-run reaches
                           the dashboards without entering a namespace
     meshd-X-nat-<job>     for ``nat:<job>``: a router with ``out`` on the bridge (the job's
@@ -36,6 +36,7 @@ import shutil
 import subprocess
 
 from .local import LocalProcess
+from .model import is_relay_job
 
 GOSSIP_PORT = 7946
 RELAY_PORT = 3478
@@ -83,7 +84,7 @@ class NetnsProvider:
 
     def __init__(self, names: list[str]) -> None:
         check_available()
-        self.names = list(names)  # every job, the relay included
+        self.names = list(names)  # every job, the relays included
         self.x = _pick_subnet()
         self.prefix = f"meshd-{self.x}-"
         self.host_ip = f"10.213.{self.x}.1"
@@ -100,8 +101,8 @@ class NetnsProvider:
         return spec.startswith(_NETWORK)
 
     def addresses(self) -> dict[str, str]:
-        """Each job's gossip HOST:PORT (the relay's is its WebSocket/STUN port)."""
-        return {n: f"{self.ips[n]}:{RELAY_PORT if n == 'relay' else GOSSIP_PORT}" for n in self.names}
+        """Each job's gossip HOST:PORT (a relay's is its WebSocket/STUN port)."""
+        return {n: f"{self.ips[n]}:{RELAY_PORT if is_relay_job(n) else GOSSIP_PORT}" for n in self.names}
 
     def dashboard_bind(self, name: str) -> str:
         return f"{self.ips[name]}:{DASHBOARD_PORT}"

@@ -5,6 +5,10 @@ Run-level fault specs name nodes by run name; here they become each node's own
 the driver carries out (``kill:X@token-T``, ``restart:X@token-T``, ``relay-down@S``).
 With the addresses and the faults known, every job's command line follows.
 
+A run has one relay, ``relay``, or several: ``relay``, ``relay-2``, ``relay-3``...; every
+node is given all of them, the first first.  ``relay-down@S`` stops the first relay;
+``relay-down:relay-2@S`` names another.
+
 With replicas, ``stage-K`` is the stage's first replica and ``stage-K.j`` another.  In
 ``kill:`` and ``restart:`` alone, a replicated ``stage-K`` means whichever replica serves
 the request at that moment, so there ``stage-K.1`` names the first replica precisely.
@@ -17,13 +21,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .model import parse_stage_job, stage_job_name, stage_job_names
+from .model import is_relay_job, parse_stage_job, stage_job_name, stage_job_names
 
 _DISRUPT = re.compile(r"^(?P<what>kill|restart):(?P<who>[\w.-]+)@token-(?P<token>\d+)$")
-_RELAY_DOWN = re.compile(r"^relay-down@(?P<s>\d+(\.\d+)?)$")
+_RELAY_DOWN = re.compile(r"^relay-down(?::(?P<who>[\w.-]+))?@(?P<s>\d+(\.\d+)?)$")
 _DROP = re.compile(r"^drop:(?P<a>[\w.-]+)->(?P<b>[\w.-]+)$")
-_EXPECTED = ("drop:A->B, isolate:X, loss:P, delay:MS, kill:X@token-T, restart:X@token-T "
-             "or relay-down@SECONDS")
+_EXPECTED = ("drop:A->B, isolate:X, loss:P, delay:MS, kill:X@token-T, restart:X@token-T, "
+             "relay-down@SECONDS or relay-down:RELAY@SECONDS")
 
 
 def node_names(stages: int, replicas: int = 1) -> list[str]:
@@ -49,17 +53,27 @@ class Disruption:
         return stage_job_name(parsed[0]) if parsed else self.who
 
 
+@dataclass(frozen=True)
+class RelayDown:
+    """A ``relay-down@S`` (the first relay) or ``relay-down:relay-N@S`` fault: SIGKILL that relay
+    job ``after_s`` seconds into the generation."""
+
+    spec: str  # as the user wrote it, for messages and the report
+    who: str  # a relay job: relay, relay-2, ...
+    after_s: float
+
+
 @dataclass
 class FaultPlan:
     node_faults: dict[str, list[str]] = field(default_factory=dict)  # job -> its own --fault specs
     kills: list[Disruption] = field(default_factory=list)  # kill: and restart:, in the order given
-    relay_down_s: float | None = None  # the relay is killed this long into the generation
+    relay_downs: list[RelayDown] = field(default_factory=list)  # in the order given
 
 
 def plan_faults(specs: list[str], addrs: dict[str, str], max_tokens: int | None = None) -> FaultPlan:
     """Turn run-level fault specs into per-node flags and actions; ValueError names a bad one.
 
-    ``addrs`` maps every job that a spec may name (the relay included) to its HOST:PORT;
+    ``addrs`` maps every job that a spec may name (the relays included) to its HOST:PORT;
     ``max_tokens``, when given, refuses a kill that the generation would never reach.
     """
     names = set(addrs)
@@ -82,7 +96,10 @@ def plan_faults(specs: list[str], addrs: dict[str, str], max_tokens: int | None 
         elif spec.startswith(("kill:", "restart:")):
             plan.kills.append(_disruption(spec, node, names, max_tokens))
         elif m := _RELAY_DOWN.match(spec):
-            plan.relay_down_s = float(m["s"])
+            who = node(m["who"] or "relay", spec)
+            if not is_relay_job(who):
+                raise ValueError(f"--fault {spec}: {who} is not a relay (relay-down stops a relay job)")
+            plan.relay_downs.append(RelayDown(spec, who, float(m["s"])))
         elif spec.startswith("nat:"):
             raise ValueError(f"--fault {spec}: nat needs --provider netns")
         else:
@@ -119,7 +136,7 @@ class RunPlan:
 
     stages: int
     model: str  # checkpoint directory
-    relay_bind: str  # the relay's HOST:PORT
+    relay_bind: str  # the first relay's (job ``relay``) HOST:PORT
     addrs: dict[str, str]  # node job -> gossip HOST:PORT
     dashboards: dict[str, str]  # node job -> dashboard bind
     faults: FaultPlan
@@ -127,10 +144,22 @@ class RunPlan:
     key_dir: str  # every node's key file lives under it, so a restarted node keeps its identity
     replicas: int = 1
     mesh_key: str | None = None  # the run's mesh key file; None runs the mesh without one (--insecure)
+    extra_relays: dict[str, str] = field(default_factory=dict)  # relay-2, relay-3, ... -> HOST:PORT
 
     @property
     def names(self) -> list[str]:
+        """The node jobs (every job but the relays)."""
         return list(self.addrs)
+
+    @property
+    def relays(self) -> dict[str, str]:
+        """Every relay job, the first (``relay``) first, -> its HOST:PORT."""
+        return {"relay": self.relay_bind, **self.extra_relays}
+
+    @property
+    def relay_urls(self) -> dict[str, str]:
+        """Every relay job -> the URL nodes are given for it."""
+        return {name: f"ws://{bind}" for name, bind in self.relays.items()}
 
 
 def key_file(plan: RunPlan, name: str) -> str:
@@ -139,13 +168,15 @@ def key_file(plan: RunPlan, name: str) -> str:
 
 
 def job_argvs(plan: RunPlan) -> dict[str, list[str]]:
-    """Each job's ``meshd`` arguments: the relay, then every node seeded through all the others;
-    all of them with the run's mesh key (or, without one, every node told ``--insecure``)."""
+    """Each job's ``meshd`` arguments: the relays, then every node seeded through all the others
+    and given every relay (the first first: its home relay); all of them with the run's mesh key
+    (or, without one, every node told ``--insecure``)."""
     keyed = ["--mesh-key-file", plan.mesh_key] if plan.mesh_key else []
-    common = ["--stages", str(plan.stages), "--relay", f"ws://{plan.relay_bind}", "--model", plan.model,
+    relays = [arg for url in plan.relay_urls.values() for arg in ("--relay", url)]
+    common = ["--stages", str(plan.stages), *relays, "--model", plan.model,
               "--profile", "local", "--snapshot-dir", plan.snapshot_dir, "--snapshot-interval", "1",
               *(keyed or ["--insecure"])]
-    argvs = {"relay": ["relay", "--bind", plan.relay_bind, *keyed]}
+    argvs = {name: ["relay", "--bind", bind, *keyed] for name, bind in plan.relays.items()}
     for name, addr in plan.addrs.items():
         # Every other node is a seed: a node whose direct path to one is filtered joins through another.
         seeds = [f"--seed={other}" for n, other in plan.addrs.items() if n != name]

@@ -2,8 +2,9 @@
 
 Each process's stdout is read by a thread into a list of lines, so a caller
 can wait for a line with a timeout and get an error that says which node was
-waited on, for what, and what it printed last.  The boot line and the
-stage-map line are parsed here, as the contract spells them.  A restart (the
+waited on, for what, and what it printed last.  The boot line, the stage-map
+line, the relay-move line and a relay's url line are parsed here, as the
+contract and docs/usage.md spell them.  A restart (the
 ``restart:`` fault) runs the same command again in the same wrapper: its output
 goes on in the same list, and waits look from where the new process began.
 """
@@ -25,6 +26,12 @@ BOOT_RE = re.compile(
     r"stage=(?P<stage>\S+) addr=(?P<addr>\S+) relay=(?P<relay>\S+)$"
 )
 STAGE_MAP_RE = re.compile(r"^meshd stage-map((?: [0-9a-f]{8}=\S+)+)$")
+# meshd relay-move stage-1->stage-2 prefix=2b91108e from=ws://A to=ws://B (why it moved)
+RELAY_MOVE_RE = re.compile(
+    r"^meshd relay-move (?P<node>\S+?)->(?P<to_node>\S+) prefix=(?P<peer>[0-9a-f]{8}) "
+    r"from=(?P<old>\S+) to=(?P<new>\S+) \((?P<why>.*)\)$"
+)
+RELAY_URL_RE = re.compile(r"^meshd relay url=(?P<url>ws://(?P<addr>\S+?))(?: |$)")
 
 
 @dataclass(frozen=True)
@@ -35,6 +42,30 @@ class Boot:
     stage: str
     addr: str
     relay: str
+
+
+@dataclass(frozen=True)
+class RelayMove:
+    """A ``meshd relay-move`` line: the relay carrying ``node``'s frames to ``peer`` changed."""
+
+    node: str  # the run name the printing node gives itself: orchestrator, stage-K
+    to_node: str  # the peer's run name as that node knows it (``unknown`` before it has one)
+    peer: str  # the peer's id prefix, 8 hex
+    old: str  # the relay URL that carried the pair
+    new: str  # the relay URL that carries it now
+    why: str
+
+
+def parse_relay_move(line: str) -> RelayMove | None:
+    """The relay-move line's fields, or None for any other line."""
+    m = RELAY_MOVE_RE.match(line)
+    return RelayMove(**m.groupdict()) if m is not None else None
+
+
+def parse_relay_url(line: str) -> str | None:
+    """``meshd relay url=ws://HOST:PORT stun=...`` (a relay's first line) -> ``ws://HOST:PORT``."""
+    m = RELAY_URL_RE.match(line)
+    return m["url"] if m is not None else None
 
 
 def parse_stage_map(line: str) -> dict[str, str] | None:

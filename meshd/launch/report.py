@@ -54,6 +54,9 @@ class Generated:
     converge_s: float
     first_token_s: float | None
     tokens_per_s: float | None
+    # The generation run again once a relay-down came after the first had ended: its
+    # ``after``, ``tokens``, ``matches_reference``, ``first_token_s`` and ``tokens_per_s``.
+    again: dict[str, Any] | None = None
 
 
 @dataclass
@@ -62,16 +65,19 @@ class Outcome:
 
     stages: int
     replicas: int = 1
+    relays: dict[str, str] | None = None  # relay job -> the URL nodes hold for it, once planned
     failure: Failure | None = None
     testbed: dict | None = None  # the netns provider's layout
     run: str | None = None  # the run's name in the run dir
     generated: Generated | None = None
     failovers: list[dict[str, Any]] = field(default_factory=list)  # see checks.failovers
-    disruptions: list[dict[str, Any]] = field(default_factory=list)  # kill: / restart: faults carried out
+    disruptions: list[dict[str, Any]] = field(default_factory=list)  # kill:, restart:, relay-down carried out
+    relay_moves: list[dict[str, Any]] = field(default_factory=list)  # see checks.relay_moves
     leftovers: int = 0
     run_status: str | None = None
     jobs: dict[str, str] | None = None  # job -> its status message
     total_s: float | None = None
+    logs: str | None = None  # a failed run's job output, one file a job: <run dir>/<run>.logs/
 
     @property
     def ok(self) -> bool:
@@ -89,6 +95,8 @@ class Outcome:
         out: dict[str, Any] = {"ok": self.ok, "status": failure.status if failure else status,
                                "reason": failure.reason if failure else None, "stages": self.stages,
                                "replicas": self.replicas}
+        if self.relays is not None:
+            out["relays"] = self.relays
         if self.testbed is not None:
             out["testbed"] = self.testbed
         if self.run is not None:
@@ -103,12 +111,17 @@ class Outcome:
                             "tokens_per_s": g.tokens_per_s,
                             "total_s": None if self.total_s is None else round(self.total_s, 3)},
             })
+            if g.again is not None:
+                out["again"] = g.again
         out["failovers"] = self.failovers
         out["disruptions"] = self.disruptions
+        out["relay_moves"] = self.relay_moves
         out["leftovers"] = self.leftovers
         if self.run_status is not None:
             out["run_status"] = self.run_status
             out["jobs"] = self.jobs
+        if self.logs is not None:
+            out["logs"] = self.logs
         return out
 
 
@@ -119,7 +132,9 @@ def summary(result: dict[str, Any]) -> str:
     if result.get("stage_map"):
         lines.append("stage map: " + " ".join(f"{p}={n}" for p, n in result["stage_map"].items()))
     lines += [f"asymmetric: {a['detail']}" for a in result.get("asymmetric", [])]
-    relayed = [f"{p['from']}→{p['to']}" for p in result.get("paths", []) if p["path"] != "direct"]
+    relays = result.get("relays") or {}
+    relay_job = {url: job for job, url in relays.items()} if len(relays) > 1 else {}
+    relayed = [_relayed(p, relay_job) for p in result.get("paths", []) if p["path"] != "direct"]
     if result.get("paths"):
         lines.append(f"paths: {len(result['paths']) - len(relayed)} direct"
                      + (f", via relay: {', '.join(relayed)}" if relayed else ""))
@@ -129,16 +144,43 @@ def summary(result: dict[str, Any]) -> str:
                      f"{'yes' if result['matches_reference'] else 'NO'}")
         lines.append(f"converge {t['converge_s']}s, first token {t['first_token_s']}s, "
                      f"{t['tokens_per_s']} tokens/s")
+    if (again := result.get("again")) is not None:
+        lines.append(f"generated again after {again['after']}: {len(again['tokens'])} tokens; matches meshd "
+                     f"generate: {'yes' if again['matches_reference'] else 'NO'}; "
+                     f"{again['tokens_per_s']} tokens/s")
     lines += [_disruption_line(d) for d in result.get("disruptions", [])]
     lines += [failover_line(f) for f in result.get("failovers", [])]
+    lines += [relay_move_line(m) for m in result.get("relay_moves", [])]
+    if result.get("logs"):
+        lines.append(f"logs: {result['logs']}")
     lines.append(f"leftovers: {result['leftovers']}")
     return "\n".join(lines)
 
 
+def _relayed(path: dict[str, Any], relay_job: dict[str, str]) -> str:
+    """``stage-1→stage-2``, and with several relays the one it uses: ``stage-1→stage-2 (relay-2)``."""
+    job = relay_job.get(path.get("relay") or "")
+    return f"{path['from']}→{path['to']}" + (f" ({job})" if job else "")
+
+
 def _disruption_line(d: dict[str, Any]) -> str:
-    """``killed stage-1.2 (77aa0011) after token 5``, or ``restarted ...``."""
+    """``killed stage-1.2 (77aa0011) after token 5``, ``restarted ...``, or
+    ``relay-down: stopped relay (ws://127.0.0.1:4100) after 2s``."""
+    if d["action"] == "relay-down":
+        return f"relay-down: stopped {d['job']}" + (f" ({d['url']})" if d.get("url") else "") + \
+            f" after {d['after_s']:g}s"
     done = "restarted" if d["action"] == "restart" else "killed"
     return f"{done} {d['job']}" + (f" ({d['peer']})" if d.get("peer") else "") + f" after token {d['token']}"
+
+
+def relay_move_line(m: dict[str, Any]) -> str:
+    """``relay move: stage-1→stage-2 from ws://127.0.0.1:4100 (relay) to ws://127.0.0.1:4101 (relay-2):
+    why``: a node moved a pair to another relay."""
+    def end(side: str) -> str:
+        job = m.get(f"{side}_relay")
+        return f"{m.get(side)}" + (f" ({job})" if job else "")
+
+    return f"relay move: {m.get('node')}→{m.get('to_node')} from {end('from')} to {end('to')}: {m.get('why')}"
 
 
 def failover_line(f: dict[str, Any]) -> str:

@@ -1,12 +1,12 @@
-"""``meshd smoke-run``: relay + orchestrator + N stages (K replicas each), one generation,
+"""``meshd smoke-run``: R relays + orchestrator + N stages (K replicas each), one generation,
 checked token for token against ``meshd generate``, then everything torn down.
 
 This module puts the steps in order and owns what spans them: the signals, the
 temp dir, the teardown and the exit code.  The steps live beside it: ``plan``
 (fault specs and command lines), ``jobs``, ``drive`` and ``disrupt`` (processes,
-convergence, the generation, kills and restarts), ``checks`` (convergence, the
-reference, paths, failovers, leftovers) and ``report`` (progress, the summary,
-the ``--json`` object).
+convergence, the generation, kills, restarts and relays going down), ``checks``
+(convergence, the reference, paths, failovers, relay moves, leftovers) and
+``report`` (progress, the summary, the ``--json`` object).
 """
 
 from __future__ import annotations
@@ -25,16 +25,16 @@ from typing import Any
 
 from ..keyring import generate_file
 from . import checks
-from .drive import Driven, converge_and_generate, dashboard, open_netns, place_jobs, prepare_model
+from .drive import Driven, Generation, converge_and_generate, dashboard, open_netns, place_jobs, prepare_model
 from .env import prepare_env
 from .failure import Failure, Interrupted, RunFailed
 from .jobs import JobDriver
 from .local import LocalProcess
-from .model import job_status_message, new_run
+from .model import job_status_message, new_run, relay_job_names
 from .netns import NetnsProvider
 from .plan import RunPlan, job_argvs, node_names
 from .report import Generated, Outcome, Progress, summary
-from .state import default_run_dir, next_run_name
+from .state import default_run_dir, next_run_name, save_logs
 
 DEFAULT_PROMPT = "Once upon a time"
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -92,6 +92,10 @@ def run_smoke(args: argparse.Namespace) -> int:
     if session.driver is not None:
         outcome.run_status = str(session.driver.run.status)
         outcome.jobs = {j.name: job_status_message(j) for j in session.driver.run.jobs}
+        outcome.relay_moves = _relay_moves(session.driver, outcome.relays or {})
+        if not outcome.ok and outcome.run is not None:  # the temp dir is gone: keep what the jobs said
+            procs = session.driver.procs.items()
+            outcome.logs = str(save_logs(session.driver.run_dir, outcome.run, {n: p.lines for n, p in procs}))
     outcome.total_s = time.monotonic() - t_start
     result = outcome.to_json()
     print(json.dumps(result) if args.json else summary(result), flush=True)
@@ -115,20 +119,25 @@ def _run(args: argparse.Namespace, session: _Session, outcome: Outcome, progress
 
 def _plan(args: argparse.Namespace, session: _Session, outcome: Outcome, progress: Progress) -> RunPlan:
     names = node_names(args.stages, args.replicas)
+    relays = relay_job_names(args.relays)
     model = prepare_model(args.model, args.stub, session.tmp, progress)
     if args.provider == "netns":
-        session.provider = open_netns(names, progress)  # torn down even if building it fails
-    placement = place_jobs(session.provider, args.fault, names, args.max_tokens)
+        session.provider = open_netns(relays, names, progress)  # torn down even if building it fails
+    placement = place_jobs(session.provider, args.fault, names, relays, args.max_tokens)
     provider = session.provider
     if provider is not None:
         outcome.testbed = provider.describe()
     dashboards = {n: provider.dashboard_bind(n) if provider else "127.0.0.1:0" for n in names}
     mesh_key = None
-    if not args.insecure_mesh:  # the relay and every node share one, as a real mesh would
+    if not args.insecure_mesh:  # the relays and every node share one, as a real mesh would
         mesh_key = str(session.tmp / "mesh.key")
         generate_file(mesh_key)
-    return RunPlan(args.stages, model, placement.relay_bind, placement.addrs, dashboards, placement.faults,
-                   str(session.tmp / "snapshots"), str(session.tmp / "keys"), args.replicas, mesh_key)
+    first, *others = placement.relays.items()
+    plan = RunPlan(args.stages, model, first[1], placement.addrs, dashboards, placement.faults,
+                   str(session.tmp / "snapshots"), str(session.tmp / "keys"), args.replicas, mesh_key,
+                   dict(others))
+    outcome.relays = plan.relay_urls
+    return plan
 
 
 def _start(args: argparse.Namespace, plan: RunPlan, session: _Session, outcome: Outcome,
@@ -136,15 +145,22 @@ def _start(args: argparse.Namespace, plan: RunPlan, session: _Session, outcome: 
     """Record the run in the run dir and start its jobs in the startup order."""
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir()
     run_dir.mkdir(parents=True, exist_ok=True)
-    run = new_run(next_run_name(run_dir), plan.stages, now=time.time(), replicas=plan.replicas, relay=True,
-                  startup_order=args.startup_order, stop_criteria=args.stop_criteria)
+    run = new_run(next_run_name(run_dir), plan.stages, now=time.time(), replicas=plan.replicas,
+                  relay=len(plan.relays), startup_order=args.startup_order, stop_criteria=args.stop_criteria)
     outcome.run = run.name
     spawn = session.provider.spawn if session.provider else LocalProcess
     driver = JobDriver(run, run_dir, job_argvs(plan), prepare_env(run, run_dir, plan.addrs), progress, spawn)
     session.driver = driver
     driver.observe()
-    driver.wait_started(["relay", *plan.names], args.timeout)
+    driver.wait_started([*plan.relays, *plan.names], args.timeout)
     return driver
+
+
+def _relay_moves(driver: JobDriver, relays: dict[str, str]) -> list[dict[str, Any]]:
+    """The relay moves every node printed, whatever became of the run (a failed run's too)."""
+    nodes = {name: proc for name, proc in driver.procs.items() if name not in relays}
+    prefixes = {proc.boot.prefix: name for name, proc in nodes.items() if proc.boot is not None}
+    return checks.relay_moves({name: list(proc.lines) for name, proc in nodes.items()}, prefixes, relays)
 
 
 def _boot_prefix(proc: LocalProcess) -> str:
@@ -158,22 +174,34 @@ def _check(plan: RunPlan, args: argparse.Namespace, driven: Driven, prefixes: di
     ref = checks.compare_with_reference(plan.model, args.prompt, args.max_tokens, gen.tokens)
     up = {peer: job for peer, job in prefixes.items() if job in driven.final}  # not a killed replica
     paths, asymmetric = checks.paths(driven.final, up)
+    again: dict[str, Any] | None = None
+    if (second := driven.again) is not None:
+        again = {"after": ", ".join(driven.again_after), "tokens": second.tokens,
+                 "matches_reference": second.tokens == ref.tokens,
+                 "first_token_s": None if second.first_token_s is None else round(second.first_token_s, 3),
+                 "tokens_per_s": _rate(second)}
     return Generated(
-        tokens=gen.tokens, text=ref.text, reference_tokens=ref.tokens, matches_reference=ref.matches,
+        tokens=gen.tokens, text=ref.text, reference_tokens=ref.tokens,
+        matches_reference=ref.matches and (again is None or again["matches_reference"]),
         stage_map=prefixes, paths=paths, asymmetric=asymmetric, converge_s=driven.converge_s,
-        first_token_s=gen.first_token_s,
-        tokens_per_s=round(len(gen.tokens) / gen.gen_s, 2) if gen.gen_s > 0 else None,
+        first_token_s=gen.first_token_s, tokens_per_s=_rate(gen), again=again,
     )
+
+
+def _rate(gen: Generation) -> float | None:
+    return round(len(gen.tokens) / gen.gen_s, 2) if gen.gen_s > 0 else None
 
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("smoke-run", help="relay, orchestrator, N stages: one generation, checked, torn down",
-                       description="Start a relay, an orchestrator and N stage nodes (K replicas each) on "
-                                   "loopback, generate, compare with `meshd generate` token for token, and "
-                                   "tear everything down. Exit 0 only if the run passed.")
+                       description="Start a relay (or R), an orchestrator and N stage nodes (K replicas "
+                                   "each) on loopback, generate, compare with `meshd generate` token for "
+                                   "token, and tear everything down. Exit 0 only if the run passed.")
     p.add_argument("--stages", type=_stages, required=True, metavar="N")
     p.add_argument("--replicas", type=_replicas, default=1, metavar="K",
                    help="nodes per stage: stage-K, stage-K.2, ... (default 1)")
+    p.add_argument("--relays", type=_relays, default=1, metavar="R",
+                   help="relays: relay, relay-2, ...; every node holds them all, the first first (default 1)")
     model = p.add_mutually_exclusive_group()
     model.add_argument("--model", metavar="DIR", help="checkpoint (default: a `small` one in a temp dir)")
     model.add_argument("--stub", action="store_true", help="the tiny built-in model")
@@ -184,8 +212,9 @@ def add_parser(sub: Any) -> None:
                         "(root only)")
     p.add_argument("--fault", action="append", default=[], metavar="SPEC",
                    help="drop:A->B, isolate:X, loss:P, delay:MS, kill:X@token-T, restart:X@token-T, "
-                        "relay-down@SECONDS, nat:X (netns); with replicas, kill:stage-K / restart:stage-K "
-                        "hit the replica serving the request, stage-K.j names one")
+                        "relay-down@SECONDS (the first relay; relay-down:relay-2@SECONDS another), nat:X "
+                        "(netns); with replicas, kill:stage-K / restart:stage-K hit the replica serving the "
+                        "request, stage-K.j names one")
     p.add_argument("--startup-order", choices=["any", "master-first", "workers-first"], default="any")
     p.add_argument("--stop-criteria", choices=["all-done", "master-done"], default="master-done")
     p.add_argument("--timeout", type=float, default=60.0, metavar="S", help="for convergence and generation")
@@ -218,4 +247,11 @@ def _replicas(text: str) -> int:
     value = _positive_int(text)
     if value > 4:
         raise argparse.ArgumentTypeError("at most 4 replicas of a stage on one machine")
+    return value
+
+
+def _relays(text: str) -> int:
+    value = _positive_int(text)
+    if value > 8:
+        raise argparse.ArgumentTypeError("at most 8 relays on one machine")
     return value

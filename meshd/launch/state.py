@@ -59,6 +59,20 @@ def save_run(run: Run, run_dir: Path | str, *, owner_pid: int | None = None) -> 
     return write_atomically(run_path(run_dir, run.name), json.dumps(data, indent=1) + "\n")
 
 
+def logs_path(run_dir: Path | str, name: str) -> Path:
+    """Where a failed run's job output is kept: ``<run_dir>/<run>.logs/``."""
+    return run_path(run_dir, name).with_suffix(".logs")
+
+
+def save_logs(run_dir: Path | str, name: str, lines: dict[str, list[str]]) -> Path:
+    """Write each job's output (``lines``: job -> its lines) to ``<run>.logs/<job>.log``; returns the
+    directory."""
+    directory = logs_path(run_dir, name)
+    for job, job_lines in lines.items():
+        write_atomically(directory / f"{job}.log", "".join(f"{line}\n" for line in job_lines))
+    return directory
+
+
 def write_atomically(path: Path, text: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
