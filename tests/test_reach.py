@@ -37,6 +37,18 @@ async def _relay(nursery: trio.Nursery) -> tuple[str, trio.CancelScope]:
     return f"ws://{host}:{port}", scope
 
 
+async def _pair(nursery: trio.Nursery, lines: list[str], faults: list[str] | None = None):
+    """A relay, an orchestrator A, and a stage B seeded with A (``faults`` given to B with
+    ``{a}`` standing for A's address), converged."""
+    url, _ = await _relay(nursery)
+    opts = partial(NodeOptions, stages=1, profile="local", relay=url)
+    a = await start_node(nursery, opts(role="orchestrator"), lines)
+    specs = [spec.format(a=a.addr) for spec in faults or []]
+    b = await start_node(nursery, opts(stage=0, seeds=[a.addr], faults=Faults.parse(specs)), lines)
+    await wait_converged([a, b])
+    return a, b
+
+
 def _silent_port() -> int:
     """A loopback UDP port where nothing listens (bound, read, then closed)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
@@ -217,11 +229,7 @@ async def test_a_peer_list_reaching_a_node_that_has_joined_sends_nothing():
     lines: list[str] = []
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
-            url, _ = await _relay(nursery)
-            opts = partial(NodeOptions, stages=1, profile="local", relay=url)
-            a = await start_node(nursery, opts(role="orchestrator"), lines)
-            b = await start_node(nursery, opts(stage=0, seeds=[a.addr]), lines)
-            await wait_converged([a, b])
+            a, b = await _pair(nursery, lines)
             strangers = tuple(bytes([i]) * 32 for i in range(1, 9))
             await b.relays.clients[0]._incoming_send.send(Peers(strangers))  # as if the relay said it
             await trio.sleep(0.3)
@@ -236,12 +244,7 @@ async def test_delay_holds_what_a_node_sends_over_the_relay_too():
     lines: list[str] = []
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
-            url, _ = await _relay(nursery)
-            opts = partial(NodeOptions, stages=1, profile="local", relay=url)
-            a = await start_node(nursery, opts(role="orchestrator"), lines)
-            faults = Faults.parse([f"drop:{a.addr}", "delay:80"])  # C -> A goes over the relay, late
-            c = await start_node(nursery, opts(stage=0, seeds=[a.addr], faults=faults), lines)
-            await wait_converged([a, c])
+            a, c = await _pair(nursery, lines, ["drop:{a}", "delay:80"])  # C -> A over the relay, late
             got: list[tuple[float, bytes]] = []
 
             async def collect() -> None:
