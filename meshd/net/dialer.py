@@ -48,6 +48,7 @@ class Link:
     relay_failed_at: float = float("-inf")  # when a message over the relay last went unacked
     backoff: float = 0.0
     last_failure: str | None = None
+    direct_failure: str | None = None  # why the direct path last failed, a dial or a stream
 
     def direct_due(self) -> bool:
         return trio.current_time() >= self.direct_retry_at
@@ -103,7 +104,7 @@ class Dialer:
                 raise PathFailed(f"handshake with {addr} failed: {reason}") from None
             ch._proven(proven)  # a restarted peer's sessions start again before this stream carries any
             link.stream = stream
-            link.backoff = 0.0
+            link.backoff, link.direct_failure = 0.0, None
             ch._spawn(ch._read_dialled, node, stream, buf, proven.epoch)
             return stream
 

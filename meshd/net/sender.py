@@ -280,6 +280,9 @@ class Sender:
                 self._path_failed(peer, path, reason)
         if path is not None and not (tried and tried[-1].startswith(path)):
             tried.append(f"{path}: no ack before the deadline")
+        failure = peer.link.direct_failure
+        if failure and not any(t.startswith("direct") for t in tried):
+            tried.append(f"direct: {failure}")  # the dial that ran in the background meanwhile
         raise DeliveryError(
             f"could not deliver message {item.msg_id} ({len(item.data)} bytes) to {self._ch.describe(node)} "
             f"within {item.timeout:g}s; tried: {'; '.join(tried[-6:]) or 'nothing (no path available)'}"
@@ -347,6 +350,10 @@ class Sender:
             link.dialing, link.dialed = True, trio.Event()
             self._ch._spawn(self._probe_direct, node, peer)
         relay_failed = trio.current_time() - link.relay_failed_at < self._ch.config.ack_timeout
+        if relay_failed and link.dialing:
+            await link.dialed.wait()  # the relay just failed it: the dial under way is the hope
+            if link.stream is not None:
+                return "direct"
         if relay_failed and link.direct_due():
             return "direct"
         if link.dialing and link.path == "direct" and self._ch.datagram_path(node) != "relay":
@@ -383,7 +390,7 @@ class Sender:
     def _direct_failed(self, peer: _Peer, reason: str) -> None:
         """The direct path failed (a dial, or a stream): back off it; the relay carries on."""
         link = peer.link
-        link.last_failure = f"direct: {reason}"
+        link.last_failure, link.direct_failure = f"direct: {reason}", reason
         self.drop_stream(peer)
         self._dialer.back_off(link)
         if self._ch.relay_send is not None:
