@@ -127,6 +127,30 @@ async def test_frame_to_absent_peer_is_answered_peer_not_here():
         nursery.cancel_scope.cancel()
 
 
+async def test_a_frame_handler_gets_every_frame_in_order_and_survives_its_own_errors():
+    async with trio.open_nursery() as nursery:
+        _, port, _ = await start_relay(nursery)
+        got: list = []
+
+        async def handler(frame) -> None:
+            got.append(frame)
+            if len(got) == 3:
+                raise RuntimeError("a handler bug")
+
+        a = await start_client(nursery, port)
+        b = RelayClient(f"ws://{HOST}:{port}", Identity.generate(), config=FAST, on_frame=handler)
+        await nursery.start(b.run)
+        sent = [packet(a.identity.node_id, i.to_bytes(2, "big")) for i in range(10)]
+        for data in sent:
+            await a.send(b.identity.node_id, data)
+        await wait_until(lambda: len(got) == len(sent), "all frames handled")
+        assert got == [Recv(a.identity.node_id, data) for data in sent]
+        assert b.counters["handler_errors"] == 1 and b.connected
+        with pytest.raises(trio.WouldBlock):
+            b.received.receive_nowait()  # the handler had them all
+        nursery.cancel_scope.cancel()
+
+
 # --- clients that break the rules: refused, counted, and nobody else notices ---
 
 

@@ -3,22 +3,27 @@
 ``RelayClient.run`` connects, answers the relay's challenge, and reconnects
 with exponential backoff and jitter for as long as it runs.  Every network wait
 has a timeout, and every error names the relay URL and what was waited for.
+
+The connection is a :mod:`.wsconn` WebSocket: a send goes into the socket at
+once (no task or lock in between unless the socket's buffer is full), and the
+session's reader parses frames straight off the socket and puts each one on
+``received``.
 """
 
 from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable
+import ssl
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import trio
-from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection, open_websocket
 
 from ..identity import Identity, prefix
-from . import protocol, stun
+from . import protocol, stun, wsconn
 from .protocol import (
     CLOSE_REPLACED,
     MAX_FRAME,
@@ -29,6 +34,7 @@ from .protocol import (
     RelayProtocolError,
     Replaced,
 )
+from .wsconn import ConnectionClosed, HandshakeError, WebSocket, WriteStalled
 
 if TYPE_CHECKING:
     from ..keyring import Keyring
@@ -90,17 +96,25 @@ class RelayClient:
     With ``mesh_key`` its Auth carries a proof under every key of the ring (read at each
     connect, so a rotation shows), for a relay that admits members only.  Payloads are
     sent as given: sealing them is the node's business.
+
+    With ``on_frame``, the connection's reader hands each frame to it, in order, instead
+    of putting it on ``received``: that saves a task switch per frame on the relay path.
+    It must return promptly (hand long work to a task of its own): while it runs the
+    connection is not read, so the relay's pings wait too.  What it raises is counted
+    (``handler_errors``) and logged; the connection carries on.
     """
 
     def __init__(self, url: str, identity: Identity, *, config: ClientConfig | None = None,
-                 mesh_key: Keyring | None = None) -> None:
+                 mesh_key: Keyring | None = None,
+                 on_frame: Callable[[Incoming], Awaitable[None]] | None = None) -> None:
         self.url = url
+        self.on_frame = on_frame
         self.identity = identity
         self.mesh_key = mesh_key
         self.config = config or ClientConfig()
         self._host, self._port, self._path, self._tls = parse_relay_url(url)
         self._incoming_send, self.received = trio.open_memory_channel[Incoming](self.config.receive_queue)
-        self._ws: WebSocketConnection | None = None
+        self._ws: WebSocket | None = None
         self._session_scope: trio.CancelScope | None = None
         self._connected = trio.Event()
         self._last_rx = 0.0
@@ -110,7 +124,7 @@ class RelayClient:
         self.last_error: str | None = None
         self.counters = {
             "attempts": 0, "connects": 0, "sent": 0, "received": 0, "peer_not_here": 0,
-            "dropped_receive_full": 0, "ping_timeouts": 0, "send_errors": 0,
+            "dropped_receive_full": 0, "ping_timeouts": 0, "send_errors": 0, "handler_errors": 0,
         }
 
     @property
@@ -166,46 +180,67 @@ class RelayClient:
         cfg = self.config
         self._end_reason = None
         ended: RelayError | None = None
+        ws = await self._open()
         try:
-            async with open_websocket(
-                self._host, self._port, self._path, use_ssl=self._tls,
-                max_message_size=MAX_FRAME, connect_timeout=cfg.connect_timeout,
-                disconnect_timeout=cfg.close_timeout,
-            ) as ws:
-                await self._authenticate(ws)
-                self._last_rx = trio.current_time()
-                self._ws = ws
-                self.state = "connected"
-                self.counters["connects"] += 1
-                self._connected.set()
-                log.info("relay %s: connected as %s", self.url, self.identity.prefix)
-                on_connected()
-                try:
-                    async with trio.open_nursery() as nursery:
-                        self._session_scope = nursery.cancel_scope
-                        nursery.start_soon(self._keepalive, ws)
-                        await self._reader(ws)
-                        nursery.cancel_scope.cancel()
-                finally:
-                    self._ws = None
-                    self._session_scope = None
-                    self._connected = trio.Event()
-                    ended = self._ended(ws)
-                    self.state, self.last_error = "disconnected", str(ended)
-        except HandshakeError as exc:
-            if ended is None:
-                raise RelayError(f"cannot connect to relay {self.url}: {_handshake_text(exc, cfg)}") from exc
-            # else: the closing handshake timed out on a dead connection; we know why it ended.
-        except OSError as exc:
-            raise RelayError(f"connection to relay {self.url} failed: {exc}") from exc
+            await self._authenticate(ws)
+            self._last_rx = trio.current_time()
+            self._ws = ws
+            self.state = "connected"
+            self.counters["connects"] += 1
+            self._connected.set()
+            log.info("relay %s: connected as %s", self.url, self.identity.prefix)
+            on_connected()
+            try:
+                async with trio.open_nursery() as nursery:
+                    self._session_scope = nursery.cancel_scope
+                    nursery.start_soon(self._writer, ws)
+                    nursery.start_soon(self._keepalive, ws)
+                    await self._reader(ws)
+                    nursery.cancel_scope.cancel()
+            finally:
+                self._ws = None
+                self._session_scope = None
+                self._connected = trio.Event()
+                ended = self._ended(ws)
+                self.state, self.last_error = "disconnected", str(ended)
+        finally:
+            with trio.CancelScope(shield=True):
+                await ws.aclose(timeout=cfg.close_timeout)
         assert ended is not None
         raise ended
 
-    async def _authenticate(self, ws: WebSocketConnection) -> None:
+    async def _open(self) -> WebSocket:
+        """Dial the relay and upgrade to a WebSocket within connect_timeout."""
+        cfg = self.config
+        port = self._port
+        host = f"[{self._host}]:{port}" if ":" in self._host else f"{self._host}:{port}"
+        ws = None
+        try:
+            with trio.move_on_after(cfg.connect_timeout):
+                stream: trio.abc.Stream = await trio.open_tcp_stream(self._host, port)
+                try:
+                    if self._tls:
+                        stream = trio.SSLStream(stream, ssl.create_default_context(),
+                                                server_hostname=self._host, https_compatible=True)
+                        await stream.do_handshake()
+                    ws = await wsconn.connect(stream, host, self._path, max_message=MAX_FRAME)
+                finally:
+                    if ws is None:
+                        await trio.aclose_forcefully(stream)
+        except HandshakeError as exc:
+            raise RelayError(f"cannot connect to relay {self.url}: {exc}") from exc
+        except (OSError, trio.BrokenResourceError) as exc:
+            raise RelayError(f"connection to relay {self.url} failed: {exc}") from exc
+        if ws is None:
+            raise RelayError(f"cannot connect to relay {self.url}: "
+                             f"no WebSocket upgrade within {cfg.connect_timeout:g}s")
+        return ws
+
+    async def _authenticate(self, ws: WebSocket) -> None:
         t = self.config.auth_timeout
         try:
             with trio.move_on_after(t) as scope:
-                challenge = protocol.decode(await ws.get_message())  # type: ignore[arg-type]
+                challenge = protocol.decode(await ws.receive())  # type: ignore[arg-type]
                 if not isinstance(challenge, protocol.Challenge):
                     what = type(challenge).__name__
                     raise RelayError(f"relay {self.url} sent {what} instead of a challenge")
@@ -215,8 +250,9 @@ class RelayClient:
                 node_id = self.identity.node_id
                 message = protocol.auth_message(challenge.nonce, node_id)
                 proofs = tuple(self.mesh_key.macs(message)) if self.mesh_key is not None else ()
-                await ws.send_message(protocol.Auth(node_id, self.identity.sign(message), proofs).encode())
-                accepted = protocol.decode(await ws.get_message())  # type: ignore[arg-type]
+                ws.send_nowait(protocol.Auth(node_id, self.identity.sign(message), proofs).encode())
+                await ws.flush()
+                accepted = protocol.decode(await ws.receive())  # type: ignore[arg-type]
                 if not isinstance(accepted, protocol.Accepted):
                     what = type(accepted).__name__
                     raise RelayError(f"relay {self.url} sent {what} instead of accepting us")
@@ -234,7 +270,7 @@ class RelayClient:
         if scope.cancelled_caught:
             raise RelayError(f"relay {self.url}: no challenge/acceptance within {t:g}s")
 
-    def _ended(self, ws: WebSocketConnection) -> RelayError:
+    def _ended(self, ws: WebSocket) -> RelayError:
         reason = ws.closed
         if reason is not None and reason.code == CLOSE_REPLACED:
             return RelayReplaced(f"relay {self.url}: {reason.reason or protocol.REPLACED_REASON} "
@@ -243,10 +279,10 @@ class RelayClient:
             return RelayError(self._end_reason)
         return RelayError(f"relay {self.url} closed the connection ({_reason_text(reason)})")
 
-    async def _reader(self, ws: WebSocketConnection) -> None:
+    async def _reader(self, ws: WebSocket) -> None:
         while True:
             try:
-                data = await ws.get_message()
+                data = await ws.receive()
             except ConnectionClosed:
                 return
             self._last_rx = trio.current_time()
@@ -261,13 +297,32 @@ class RelayClient:
                 self.counters["received"] += 1
             elif isinstance(frame, PeerNotHere):
                 self.counters["peer_not_here"] += 1
+            handler = self.on_frame
+            if handler is not None:
+                try:
+                    await handler(frame)
+                except Exception:
+                    self.counters["handler_errors"] += 1
+                    log.exception("relay %s: handling a %s frame failed", self.url, type(frame).__name__)
+                continue
             try:
                 self._incoming_send.send_nowait(frame)
             except trio.WouldBlock:
-                # Never block here: trio-websocket answers pings from the same reader.
+                # Never block here: this task also answers the relay's pings and reads its Close.
                 self.counters["dropped_receive_full"] += 1
 
-    async def _keepalive(self, ws: WebSocketConnection) -> None:
+    async def _writer(self, ws: WebSocket) -> None:
+        """Write what the socket did not take at once (the senders wait for it in ``_send_frame``)."""
+        t = self.config.send_timeout
+        try:
+            await ws.run_writer(t)
+        except WriteStalled:
+            # Part of a frame may be in the socket: the stream is unusable, reconnect.
+            self.counters["send_errors"] += 1
+            self._end_reason = f"a send to relay {self.url} did not finish within {t:g}s"
+            self._drop_session()
+
+    async def _keepalive(self, ws: WebSocket) -> None:
         interval, timeout = self.config.ping_interval, self.config.ping_timeout
         while True:
             idle_until = self._last_rx + interval
@@ -295,7 +350,7 @@ class RelayClient:
     async def list_peers(self) -> None:
         """Ask the relay which nodes are connected; its answer comes on ``received`` as
         :class:`Peers`.  Raises RelayNotConnected or RelayError as ``send`` does."""
-        await self._send_frame(protocol.ListPeers().encode(), "a request for its peer list")
+        await self._send_frame(protocol.ListPeers().encode(), None)
 
     async def send(self, dst: bytes, payload: bytes) -> None:
         """Hand ``payload`` to the relay for ``dst``.  Delivery is not confirmed:
@@ -308,30 +363,39 @@ class RelayClient:
         if len(payload) > self._max_payload:
             raise ValueError(f"payload of {len(payload)} bytes exceeds the relay's "
                              f"{self._max_payload}-byte limit")
-        await self._send_frame(protocol.Send(dst, bytes(payload)).encode(), f"a frame to {prefix(dst)}")
+        await self._send_frame(protocol.Send(dst, bytes(payload)).encode(), dst)
         self.counters["sent"] += 1
 
-    async def _send_frame(self, frame: bytes, what: str) -> None:
-        """Write one frame (``what``, as errors name it) within the send timeout."""
+    async def _send_frame(self, frame: bytes, dst: bytes | None) -> None:
+        """Write one frame (to ``dst``, or a request to the relay itself) within the send timeout."""
         ws = self._ws
         if ws is None:
             self.counters["send_errors"] += 1
             raise RelayNotConnected(f"not connected to relay {self.url} ({self.state}; "
-                                    f"last error: {self.last_error or 'none'}); cannot send {what}")
-        t = self.config.send_timeout
-        try:
+                                    f"last error: {self.last_error or 'none'}); cannot send {_what(dst)}")
+        await trio.lowlevel.checkpoint_if_cancelled()  # a cancelled caller sends nothing
+        sent = ws.send_nowait(frame)
+        if sent and ws.queued_bytes:
+            # The socket's buffer is full: wait until it takes what is queued, as a blocking
+            # send would.
+            t = self.config.send_timeout
             with trio.move_on_after(t) as scope:
-                await ws.send_message(frame)
-        except ConnectionClosed as exc:
+                sent = await ws.flush()
+            if scope.cancelled_caught:
+                # What is queued may be cut off mid-frame: the stream is unusable, reconnect.
+                self.counters["send_errors"] += 1
+                self._end_reason = f"a send to relay {self.url} did not finish within {t:g}s"
+                self._drop_session()
+                raise RelayError(self._end_reason)
+        if not sent:
             self.counters["send_errors"] += 1
-            raise RelayNotConnected(f"relay {self.url} connection closed while sending {what} "
-                                    f"({_reason_text(exc.reason)})") from exc
-        if scope.cancelled_caught:
-            # A send cut off mid-message leaves the stream unusable: reconnect.
-            self.counters["send_errors"] += 1
-            self._end_reason = f"a send to relay {self.url} did not finish within {t:g}s"
-            self._drop_session()
-            raise RelayError(self._end_reason)
+            raise RelayNotConnected(f"relay {self.url} connection closed while sending {_what(dst)} "
+                                    f"({_reason_text(ws.closed)})")
+
+
+def _what(dst: bytes | None) -> str:
+    """What a send carried, as its errors say it."""
+    return f"a frame to {prefix(dst)}" if dst is not None else "a request for its peer list"
 
 
 def _reason_text(reason: object) -> str:
@@ -339,13 +403,6 @@ def _reason_text(reason: object) -> str:
         return "no close reason"
     code, text = getattr(reason, "code", "?"), getattr(reason, "reason", None)
     return f"{code} {text or getattr(reason, 'name', '')}".strip()
-
-
-def _handshake_text(exc: HandshakeError, cfg: ClientConfig) -> str:
-    if type(exc).__name__ == "ConnectionTimeout":
-        return f"no WebSocket upgrade within {cfg.connect_timeout:g}s"
-    cause = exc.__cause__ or exc.__context__
-    return str(cause or exc) or type(exc).__name__
 
 
 async def stun_query(

@@ -4,6 +4,12 @@ One TCP listener (WebSocket) and one UDP socket (STUN binding) on the same
 port number.  Each client proves it owns its NodeId by signing a fresh nonce;
 then its ``Send`` frames go to the destination's queue as ``Recv`` frames.
 
+The connections are :mod:`.wsconn`'s: each client's task reads its frames and
+forwards each one inline, written into the destination's socket at once when
+nothing is queued for it, so a frame crosses the relay in one task step
+(no queue or task hop per message); a writer task per client takes over only
+what a full socket buffer leaves behind.
+
 The relay vouches for the sender of every ``Recv``, so it forwards only
 payloads that the proven connection itself sent: a gossip packet, or a data
 channel frame (``RELAY_DATA`` followed by a packet), whose sender field is the
@@ -25,24 +31,21 @@ the others.
 
 from __future__ import annotations
 
-import contextvars
 import errno
 import logging
 import os
 import random
 import secrets
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn
 
 import trio
-from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest, WebSocketServer
 
 from .. import keyring as mesh_keyring
 from ..identity import prefix, verify
 from ..wire import RELAY_DATA, WireError, packet_sender
-from . import protocol, stun
+from . import protocol, stun, wsconn
 from .protocol import (
     CLOSE_AUTH_TIMEOUT,
     CLOSE_BAD_SIGNATURE,
@@ -51,7 +54,6 @@ from .protocol import (
     CLOSE_PING_TIMEOUT,
     CLOSE_REPLACED,
     CLOSE_SHUTTING_DOWN,
-    CLOSE_SLOW_READER,
     CLOSE_TOO_BIG,
     CLOSE_UNAUTHENTICATED,
     MAX_PAYLOAD,
@@ -61,6 +63,7 @@ from .protocol import (
     RelayProtocolError,
 )
 from .ratelimit import TokenBucket
+from .wsconn import ConnectionClosed, HandshakeError, WebSocket, WriteStalled
 
 log = logging.getLogger("meshd.relay")
 
@@ -90,11 +93,6 @@ class RelayConfig:
     # Bytes waiting for all destinations together: what a crowd of clients that stop reading
     # can make the relay hold, however many there are (32 of them at queue_bytes each).
     total_queue_bytes: int = 32 * 1024 * 1024
-    # Complete messages trio-websocket holds per connection before it stops reading the
-    # socket.  One: the reader takes each at once, and TCP pushes back on the sender.
-    # With max_frame as trio-websocket's max_message_size, a connection holds at most
-    # this many frames plus the one being assembled.
-    receive_messages: int = 1
 
     def __post_init__(self) -> None:
         if not 0 < self.max_payload <= MAX_PAYLOAD:
@@ -105,8 +103,6 @@ class RelayConfig:
             raise ValueError(f"queue_bytes must hold at least one full frame ({self.max_frame} bytes)")
         if self.total_queue_bytes < self.queue_bytes:
             raise ValueError("total_queue_bytes must be at least queue_bytes")
-        if self.receive_messages < 1:
-            raise ValueError("receive_messages must be at least 1")
 
     @property
     def max_frame(self) -> int:
@@ -120,15 +116,11 @@ class RelayBindError(OSError):
 @dataclass(eq=False)
 class _Client:
     node_id: bytes
-    ws: WebSocketConnection
+    ws: WebSocket  # its outbox holds the frames for this client the socket has not taken yet
     remote: str
     bucket: TokenBucket
     connected_at: float
     last_rx: float
-    # Encoded frames for this client, oldest first; its writer sends them in order.
-    outbox: deque[bytes] = field(default_factory=deque)
-    queued_bytes: int = 0  # in outbox, plus the frame the writer is sending
-    outbox_ready: trio.Event = field(default_factory=trio.Event)  # set when outbox gains a frame
     closed: bool = False  # the session ended: nothing more is queued for it
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     frames_in: int = 0
@@ -140,6 +132,11 @@ class _Client:
     @property
     def prefix(self) -> str:
         return prefix(self.node_id)
+
+    @property
+    def queued_bytes(self) -> int:
+        """Frames for this client not yet in its socket, counting the one being written."""
+        return self.ws.queued_bytes
 
 
 class Relay:
@@ -160,6 +157,8 @@ class Relay:
         if self.mesh_key_file is not None:
             self.mesh_key, self._mesh_key_stamp = _read_keyring(self.mesh_key_file)
         self._clients: dict[bytes, _Client] = {}
+        # While a reader forwards one read's frames: the destinations it holds (see _reader).
+        self._held: list[WebSocket] | None = None
         self.frames_forwarded = 0
         self.bytes_forwarded = 0
         self.peer_not_here = 0
@@ -220,13 +219,33 @@ class Relay:
 
     # --- connection lifecycle ---
 
-    async def handle(self, request: WebSocketRequest) -> None:
-        """trio-websocket handler: one call per upgraded connection."""
-        done = _handshake_done.get(None)
-        if done is not None:
-            done.append(True)
-        ws = await request.accept()
-        remote = _endpoint_text(ws.remote)
+    async def handle_connection(self, stream: trio.SocketStream) -> None:
+        """One accepted TCP connection, from the WebSocket upgrade to the close; the stream is
+        always closed.  A connection whose upgrade never completes (garbage on the port, a
+        port scanner) is counted as refused."""
+        remote = _stream_peer(stream)
+        ws = None
+        try:
+            with trio.move_on_after(self.config.handshake_timeout):
+                try:
+                    ws = await wsconn.accept(stream, max_message=self.config.max_frame,
+                                             on_queued=self._queued)
+                except HandshakeError as exc:
+                    log.debug("relay: %s: %s", remote, exc)
+            if ws is None:
+                self._count_refused("handshake-failed", remote, "no WebSocket upgrade (not a relay client)")
+                return
+            await self.handle(ws, remote)
+        finally:
+            if ws is not None:
+                with trio.CancelScope(shield=True):  # bounded: our Close, once, then the stream
+                    await ws.aclose(timeout=self.config.close_timeout)
+            else:
+                with trio.CancelScope(shield=True):
+                    await stream.aclose()
+
+    async def handle(self, ws: WebSocket, remote: str) -> None:
+        """One upgraded connection: authenticate it, then serve it until it closes."""
         try:
             node_id = await self._authenticate(ws, remote)
             if node_id is not None:
@@ -235,9 +254,9 @@ class Relay:
             if ws.closed is None:
                 # Cancelled: the relay is shutting down. Say so, so clients reconnect at once;
                 # the close frame goes out at once, the wait for the peer's reply is short.
-                with trio.CancelScope(shield=True) as scope:
-                    scope.deadline = trio.current_time() + min(self.config.close_timeout, SHUTDOWN_GRACE)
-                    await ws.aclose(CLOSE_SHUTTING_DOWN, "relay shutting down")
+                with trio.CancelScope(shield=True):
+                    await ws.aclose(CLOSE_SHUTTING_DOWN, "relay shutting down",
+                                    timeout=min(self.config.close_timeout, SHUTDOWN_GRACE))
 
     def _current_mesh_key(self) -> mesh_keyring.Keyring | None:
         """Our keyring, read again if its file changed since; a file that cannot be read now
@@ -262,14 +281,15 @@ class Relay:
                     self.mesh_key_file, ",".join(ring.ids))
         return ring
 
-    async def _authenticate(self, ws: WebSocketConnection, remote: str) -> bytes | None:
+    async def _authenticate(self, ws: WebSocket, remote: str) -> bytes | None:
         """The client's proven node id, or None once it has been refused."""
         ring = self._current_mesh_key()
         nonce = secrets.token_bytes(protocol.NONCE_BYTES)
         try:
             with trio.move_on_after(self.config.auth_timeout) as scope:
-                await ws.send_message(protocol.Challenge(nonce).encode())
-                data = await ws.get_message()
+                ws.send_nowait(protocol.Challenge(nonce).encode())
+                await ws.flush()
+                data = await ws.receive()
         except ConnectionClosed:
             if _closed_too_big(ws):
                 self._count_refused("oversized", remote, "frame over the size limit before authenticating")
@@ -303,7 +323,7 @@ class Relay:
                 return None
         return frame.node_id
 
-    async def _session(self, ws: WebSocketConnection, node_id: bytes, remote: str) -> None:
+    async def _session(self, ws: WebSocket, node_id: bytes, remote: str) -> None:
         now = trio.current_time()
         client = _Client(
             node_id=node_id, ws=ws, remote=remote, connected_at=now, last_rx=now,
@@ -314,9 +334,7 @@ class Relay:
         self.accepted += 1
         log.info("relay: %s connected from %s", client.prefix, remote)
         try:
-            try:
-                await ws.send_message(protocol.Accepted(self.config.max_payload).encode())
-            except ConnectionClosed:
+            if not ws.send_nowait(protocol.Accepted(self.config.max_payload).encode()):
                 return
             async with trio.open_nursery() as nursery:
                 client.scope = nursery.cancel_scope  # cancelling it ends every task of this client
@@ -332,30 +350,23 @@ class Relay:
         finally:
             # The writer has ended with the nursery: what is still queued will never be sent.
             client.closed = True
-            client.outbox.clear()
-            self.queued_bytes -= client.queued_bytes
-            client.queued_bytes = 0
+            ws.discard_queued()
             if self._clients.get(node_id) is client:
                 del self._clients[node_id]
             log.info("relay: %s disconnected (%s)", client.prefix, _close_text(ws))
 
     async def _replace(self, old: _Client) -> None:
-        with trio.move_on_after(self.config.close_timeout):
-            try:
-                await old.ws.send_message(protocol.Replaced().encode())
-            except ConnectionClosed:
-                pass
+        old.ws.send_nowait(protocol.Replaced().encode())  # goes before the Close frame
         await self._close(old, CLOSE_REPLACED, REPLACED_REASON)
 
     async def _close(self, client: _Client, code: int, reason: str) -> None:
-        with trio.move_on_after(self.config.close_timeout):
-            await client.ws.aclose(code, _close_reason(reason))  # a timeout still closes the TCP stream
+        # Bounded by close_timeout; the TCP stream is closed whatever happens.
+        await client.ws.aclose(code, _close_reason(reason), timeout=self.config.close_timeout)
         client.scope.cancel()
 
-    async def _refuse(self, ws: WebSocketConnection, remote: str, why: str, code: int, text: str) -> None:
+    async def _refuse(self, ws: WebSocket, remote: str, why: str, code: int, text: str) -> None:
         self._count_refused(why, remote, text)
-        with trio.move_on_after(self.config.close_timeout):
-            await ws.aclose(code, _close_reason(text))
+        await ws.aclose(code, _close_reason(text), timeout=self.config.close_timeout)
 
     def _count_refused(self, why: str, remote: str, text: str) -> None:
         self.refused[why] = self.refused.get(why, 0) + 1
@@ -364,30 +375,52 @@ class Relay:
     # --- per-client tasks ---
 
     async def _reader(self, client: _Client) -> None:
-        while True:
-            try:
-                data = await client.ws.get_message()
-            except ConnectionClosed:
-                if _closed_too_big(client.ws):
-                    text = f"{client.prefix} sent an oversized frame"
-                    self._count_refused("oversized", client.remote, text)
-                return
-            client.last_rx = trio.current_time()
-            try:
-                frame = protocol.decode(data)  # type: ignore[arg-type]
-                if isinstance(frame, protocol.ListPeers):
-                    self._list_peers(client)
-                    continue
-                if not isinstance(frame, protocol.Send):
-                    raise RelayProtocolError(f"a client may not send {type(frame).__name__} frames")
-                if len(frame.payload) > self.config.max_payload:
-                    limit = self.config.max_payload
-                    raise RelayProtocolError(f"payload over this relay's {limit}-byte limit")
-            except RelayProtocolError as exc:
-                self._count_refused("malformed", client.remote, f"{client.prefix}: {exc}")
-                await self._close(client, CLOSE_MALFORMED, f"malformed frame: {exc}")
-                return
-            self._forward(client, frame, len(data))
+        """Forward what ``client`` sends.  The frames of one read go out together: each
+        destination is held (see WebSocket.hold) until the read's last frame is forwarded, so
+        a burst costs one write per destination, not one per frame.  A read's last frame
+        holds nothing new: alone (one packet at a time), it goes out at once."""
+        ws = client.ws
+        held: list[WebSocket] = []
+        try:
+            while True:
+                try:
+                    data = ws.receive_nowait()
+                    if data is None:
+                        self._release(held)  # before waiting for anything
+                        data = await ws.receive()
+                except ConnectionClosed:
+                    if _closed_too_big(ws):
+                        text = f"{client.prefix} sent an oversized frame"
+                        self._count_refused("oversized", client.remote, text)
+                    return
+                client.last_rx = now = trio.current_time()
+                try:
+                    frame = protocol.decode(data)  # type: ignore[arg-type]
+                    if isinstance(frame, protocol.ListPeers):
+                        self._held = held if ws.more_buffered else None
+                        self._list_peers(client)
+                        continue
+                    if not isinstance(frame, protocol.Send):
+                        raise RelayProtocolError(f"a client may not send {type(frame).__name__} frames")
+                    if len(frame.payload) > self.config.max_payload:
+                        limit = self.config.max_payload
+                        raise RelayProtocolError(f"payload over this relay's {limit}-byte limit")
+                except RelayProtocolError as exc:
+                    self._release(held)
+                    self._count_refused("malformed", client.remote, f"{client.prefix}: {exc}")
+                    await self._close(client, CLOSE_MALFORMED, f"malformed frame: {exc}")
+                    return
+                self._held = held if ws.more_buffered else None
+                self._forward(client, frame, len(data), now)
+        finally:
+            self._release(held)
+
+    def _release(self, held: list[WebSocket]) -> None:
+        """Write what one read's frames left held for their destinations."""
+        self._held = None
+        for ws in held:
+            ws.release()
+        held.clear()
 
     def _list_peers(self, client: _Client) -> None:
         """Answer a ListPeers with a random sample of the other connected nodes.  It costs the
@@ -402,12 +435,12 @@ class Relay:
         self.peer_lists += 1
         self._enqueue(client, answer)
 
-    def _forward(self, client: _Client, frame: protocol.Send, size: int) -> None:
+    def _forward(self, client: _Client, frame: protocol.Send, size: int, now: float) -> None:
         client.frames_in += 1
         client.bytes_in += size
         if not self._sent_by(client, frame):
             return
-        if not client.bucket.take(size, trio.current_time()):
+        if not client.bucket.take(size, now):
             client.rate_limited += 1
             self.rate_limited += 1
             return
@@ -427,13 +460,14 @@ class Relay:
         payload claiming another sender would let one node speak for another.  Bad
         frames are dropped one by one; the connection stays (its other frames may be fine).
         """
-        payload = frame.payload
-        if payload[:1] == mesh_keyring.MAGIC:
+        payload: bytes | memoryview = frame.payload
+        head = payload[:1]
+        if head == mesh_keyring.MAGIC:
             return True  # sealed with the mesh key: the member that opens it checks the sender
-        if payload[:1] == RELAY_DATA:  # a data-channel frame: the prefix, then a packet
-            payload = payload[1:]
+        if head == RELAY_DATA:  # a data-channel frame: the prefix, then a packet (not copied)
+            payload = memoryview(payload)[1:]
         try:
-            sender = packet_sender(payload)
+            sender = packet_sender(payload)  # type: ignore[arg-type]  # it reads a view as well
         except WireError as exc:
             self.dropped_malformed += 1
             client.dropped += 1
@@ -448,7 +482,8 @@ class Relay:
         return True
 
     def _enqueue(self, client: _Client, data: bytes) -> bool:
-        """Queue ``data`` for ``client``'s writer; False (and counted) when a byte limit is reached."""
+        """Send ``data`` to ``client`` now, or queue it for its writer; False (and counted) when
+        a byte limit is reached.  Limits count every frame the socket has not taken yet."""
         size = len(data)
         if client.closed:
             client.dropped += 1
@@ -461,36 +496,32 @@ class Relay:
             client.dropped += 1
             self.dropped_relay_full += 1
             return False
-        client.outbox.append(data)
-        client.queued_bytes += size
-        self.queued_bytes += size
-        client.outbox_ready.set()
+        ws = client.ws
+        if self._held is not None and not ws.holding:  # the reader releases it after this read
+            ws.hold()
+            self._held.append(ws)
+        if not ws.send_nowait(data):  # closing, or its connection broke
+            client.dropped += 1
+            return False
+        client.frames_out += 1
         return True
 
+    def _queued(self, change: int) -> None:
+        """A connection's outbox grew by ``change`` bytes (or, negative, let go of them)."""
+        self.queued_bytes += change
+
     async def _writer(self, client: _Client) -> None:
-        # The only task that sends frames on this connection: trio-websocket copies a message
-        # into a wire frame before it waits for the stream, so one sender means one copy.
-        while True:
-            while not client.outbox:
-                client.outbox_ready = trio.Event()
-                await client.outbox_ready.wait()
-            data = client.outbox.popleft()
-            try:
-                with trio.move_on_after(self.config.send_timeout) as scope:
-                    try:
-                        await client.ws.send_message(data)
-                    except ConnectionClosed:
-                        return
-            finally:
-                client.queued_bytes -= len(data)
-                self.queued_bytes -= len(data)
-            if scope.cancelled_caught:
-                self.dead += 1
-                t = self.config.send_timeout
-                log.warning("relay: %s took no frame for %gs; dropping it", client.prefix, t)
-                await self._close(client, CLOSE_SLOW_READER, f"not reading: a send took over {t:g}s")
-                return
-            client.frames_out += 1
+        """Write what ``client``'s socket did not take at once; drop the client when its
+        socket takes nothing for send_timeout (its kernel buffers are full by then)."""
+        try:
+            await client.ws.run_writer(self.config.send_timeout)
+        except WriteStalled:
+            self.dead += 1
+            t = self.config.send_timeout
+            log.warning("relay: %s took no frame for %gs; dropping it", client.prefix, t)
+            # Part of a frame may be in its socket: no Close frame can follow it.
+            await client.ws.abort()
+            client.scope.cancel()
 
     async def _keepalive(self, client: _Client) -> None:
         interval, timeout = self.config.ping_interval, self.config.ping_timeout
@@ -552,52 +583,15 @@ def _unmapped(host: str, port: int) -> tuple[str, int]:
     return host, port
 
 
-def _closed_too_big(ws: WebSocketConnection) -> bool:
+def _closed_too_big(ws: WebSocket) -> bool:
     return ws.closed is not None and ws.closed.code == CLOSE_TOO_BIG
 
 
-def _close_text(ws: WebSocketConnection) -> str:
+def _close_text(ws: WebSocket) -> str:
     reason = ws.closed
     if reason is None:
         return "open"
-    return f"{reason.code} {reason.reason or reason.name}"
-
-
-def _endpoint_text(endpoint: object) -> str:
-    address, port = getattr(endpoint, "address", None), getattr(endpoint, "port", None)
-    if address is None:
-        return str(endpoint)
-    address = str(address)
-    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
-
-
-# Set per connection task by _Server; the handler appends to it once the upgrade succeeded.
-_handshake_done: contextvars.ContextVar[list[bool]] = contextvars.ContextVar("_handshake_done")
-
-
-class _Server(WebSocketServer):
-    """WebSocketServer that counts connections whose upgrade never completed
-    (garbage on the TCP port, a port scanner), and always closes the TCP stream."""
-
-    def __init__(self, relay: Relay, listeners: list[trio.SocketListener]) -> None:
-        config = relay.config
-        super().__init__(relay.handle, listeners, max_message_size=config.max_frame,
-                         message_queue_size=config.receive_messages,
-                         connect_timeout=config.handshake_timeout, disconnect_timeout=config.close_timeout)
-        self._relay = relay
-
-    async def _handle_connection(self, stream: trio.abc.Stream) -> None:
-        done: list[bool] = []
-        _handshake_done.set(done)  # each connection runs in its own task, with its own context
-        try:
-            await super()._handle_connection(stream)
-        finally:
-            if not done:
-                self._relay._count_refused("handshake-failed", _stream_peer(stream),
-                                           "no WebSocket upgrade (not a relay client)")
-            # trio-websocket leaves the stream open after its own 1009 close.
-            with trio.CancelScope(shield=True):
-                await stream.aclose()
+    return f"{reason.code} {reason.reason}".strip()
 
 
 def _stream_peer(stream: trio.abc.Stream) -> str:
@@ -655,9 +649,8 @@ async def serve_relay(
     tcp, udp = await _bind_same_port(host, port)
     bound = tcp.getsockname()[:2]
     with udp:
-        server = _Server(relay, [trio.SocketListener(tcp)])
         async with trio.open_nursery() as nursery:
-            await nursery.start(server.run)
+            await nursery.start(trio.serve_listeners, relay.handle_connection, [trio.SocketListener(tcp)])
             nursery.start_soon(relay.serve_stun, udp)
             log.info("relay: serving ws://%s:%d and STUN on udp %d", bound[0], bound[1], bound[1])
             task_status.started((bound[0], bound[1]))
