@@ -72,7 +72,8 @@ function drawPeers(data) {
     // Replicas of one stage: "stage-1 (replica 2/2)"; a draining node says so beside its state.
     const replica = p.replicas > 1 ? ` (replica ${p.replica}/${p.replicas})` : "";
     cell(tr, p.name + replica); cell(tr, p.prefix); cell(tr, p.state + (p.draining ? " · draining" : ""), p.state);
-    cell(tr, p.path_out, p.path_out); cell(tr, p.path_in, p.path_in); cell(tr, p.rtt_ms != null ? `${p.rtt_ms} (${p.rtt_path})` : null);
+    cell(tr, p.path_out, p.path_out); cell(tr, p.path_in, p.path_in); cell(tr, p.rtt_ms != null ? p.rtt_ms.toFixed(2) + (p.rtt_path === "relay" ? " r" : "") : null, p.rtt_path);
+    tr.lastChild.title = p.rtt_ms != null ? `measured on the ${p.rtt_path} path` : "";
     cell(tr, `${p.out_ok}/${p.out_fail}`); cell(tr, p.in_seen ? `${p.in_seen.direct || 0}/${p.in_seen.relay || 0}` : "–");
     cell(tr, p.last_seen_s);
     tr.title = p.last_failure || "";
