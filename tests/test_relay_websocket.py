@@ -177,9 +177,9 @@ async def test_messages_the_socket_cannot_take_at_once_arrive_whole_and_in_order
         async with trio.open_nursery() as nursery:
             server, client = await socket_pair(nursery)
             nursery.start_soon(client.run_writer, 5.0)
-            messages = [os.urandom(1) * 60_000 + i.to_bytes(4, "big") for i in range(100)]
+            messages = [os.urandom(1) * 60_000 + i.to_bytes(4, "big") for i in range(200)]
             for m in messages:
-                assert client.send_nowait(m)  # never waits: 6 MB is more than the socket holds
+                assert client.send_nowait(m)  # never waits: 12 MB is more than the socket holds
             assert client.queued_bytes > 0
             got = [await server.receive() for _ in messages]
             assert got == messages

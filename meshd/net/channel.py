@@ -298,7 +298,8 @@ class DataChannel:
 
     async def on_relay_payload(self, src: bytes, payload: bytes) -> None:
         """A relay frame whose first byte is RELAY_DATA."""
-        await self._serving.wait()  # the relay's loop may start before serve()
+        if not self._serving.is_set():  # a wait on a set event still costs a scheduler round
+            await self._serving.wait()  # the relay's loop may start before serve()
         await self._receiver.on_relay_payload(src, payload)
 
     async def dispatch(self, handler: Handler, *, inline: bool = False) -> None:

@@ -202,7 +202,7 @@ class WebSocket:
                     self._outbox_ready = trio.Event()
                     await self._outbox_ready.wait()
                 if not await self._write_next(stall_timeout):
-                    raise WriteStalled(f"the socket took nothing for {stall_timeout:g}s")
+                    raise WriteStalled(f"a frame did not go into the socket within {stall_timeout:g}s")
         finally:
             self._writer_running = False
 
@@ -250,9 +250,9 @@ class WebSocket:
     async def flush(self) -> bool:
         """Until everything queued is in the socket: written by the writer when it runs, else
         here (the caller bounds the wait).  False if the connection broke first."""
-        while self._outbox and not self._output_broken:
+        while (self._outbox or self._writing) and not self._output_broken:
             if self._writer_running or self._writing:
-                await self._drained.wait()
+                await self._drained.wait()  # set once the frame being written is in, and no more
             else:
                 await self._write_next(float("inf"))
         return not self._output_broken
