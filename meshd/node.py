@@ -174,7 +174,7 @@ class Node:
         self.mesh_key = options.mesh_key
         self._unsealed: dict[str, tuple[float, int]] = {}  # source -> (last logged, dropped since)
         self._join_watched = False  # a task watches the join under way
-        self.join_problem: str | None = None  # why we are not in the mesh yet, once it shows
+        self._join_said = False  # the log said no seed answers: our status says so too
         self._join_started = 0.0
         # Relay payloads held back by delay:/loss: faults, and when the last one is due.
         self._relay_held: trio.MemorySendChannel[tuple[float, bytes, bytes]] | None = None
@@ -436,7 +436,7 @@ class Node:
             return {"joined": True, "seeds": [], "attempts": 0, "waiting_s": None, "problem": None}
         waited = trio.current_time() - self._join_started
         problem = None
-        if self.join_problem is not None:  # said in the log already: say it as of now
+        if self._join_said:  # said in the log already: say it as of now
             problem = f"no answer from {', '.join(swim.seeds)} after {waited:.0f} s"
         return {"joined": False, "seeds": list(swim.seeds), "attempts": swim.join_attempts,
                 "waiting_s": round(waited, 1), "problem": problem}
@@ -464,20 +464,19 @@ class Node:
                     continue
                 waited = now - started
                 seeds = ", ".join(swim.seeds)
-                self.join_problem = f"no answer from {seeds} after {waited:.0f} s"
+                self._join_said = True
                 tail = ", asking the relays for members to join through" if self.relays is not None else ""
                 self.out(f"meshd join: no answer from {seeds} after {waited:.0f} s, retrying{tail}")
                 say_at = started + 2 * (say_at - started)
                 if self.relays is not None:
                     await self.relays.list_peers()
-            if self.join_problem is not None:
+            if self._join_said:
                 answered = [n for n in self._asked_via_relay if n in swim.members]
                 how = (f" through the relay (answered by {len(answered)} of the members asked there)"
                        if answered else "")
                 self.out(f"meshd join: joined{how} after {trio.current_time() - started:.1f} s")
         finally:
-            self.join_problem = None
-            self._join_watched = False
+            self._join_said = self._join_watched = False
 
     def _join_through_relay(self, url: str, nodes: tuple[bytes, ...]) -> None:
         """A relay's peer list, while no seed answers us: ask a few of them to let us in."""
@@ -880,8 +879,12 @@ class Node:
             self._relay_due = due  # in order, as a TCP stream delivers
             await self._relay_held.send((due, node, sealed))
             return
+        await self.relays.send(node, sealed, self._peer_relays(node))
+
+    def _peer_relays(self, node: bytes) -> tuple[str, ...]:
+        """The relays ``node``'s metadata lists (none while we know it only by id)."""
         m = self.swim.members.get(node) if self.swim is not None else None
-        await self.relays.send(node, sealed, m.meta.relay_urls if m is not None else ())
+        return m.meta.relay_urls if m is not None else ()
 
     async def _relay_held_loop(self, held: trio.MemoryReceiveChannel[tuple[float, bytes, bytes]]) -> None:
         """Send what ``delay:``/``loss:`` held back, each when due; a send that fails is lost, as
@@ -891,9 +894,8 @@ class Node:
         assert self.relays is not None
         async for due, node, sealed in held:
             await trio.sleep_until(due)
-            m = self.swim.members.get(node) if self.swim is not None else None
             try:
-                await self.relays.send(node, sealed, m.meta.relay_urls if m is not None else ())
+                await self.relays.send(node, sealed, self._peer_relays(node))
             except (RelayError, ValueError) as exc:
                 log.debug("held relay payload to %s lost: %s", node.hex()[:8], exc)
 
@@ -901,9 +903,7 @@ class Node:
         """Whether a relay we are connected to reaches ``node`` now."""
         if self.relays is None:
             return False
-        m = self.swim.members.get(node) if self.swim is not None else None
-        peer_relays = m.meta.relay_urls if m is not None else ()
-        return self.relays.route(node, peer_relays, trio.current_time()) is not None
+        return self.relays.route(node, self._peer_relays(node), trio.current_time()) is not None
 
     def _relay_moved(self, move: Move) -> None:
         """Say which relay carries a pair now, and why it moved (``meshd relay-move`` lines)."""

@@ -120,7 +120,8 @@ class _FakeProcess:
         return self.boot
 
 
-def test_a_relay_downed_by_the_fault_reads_stopped_and_the_run_goes_on(tmp_path: Path):
+def _two_relay_run(tmp_path: Path):
+    """A one-stage run with relays ``relay`` and ``relay-2``, every job started (fake processes)."""
     names = node_names(1)
     plan = RunPlan(1, "/m", ADDRS["relay"], {n: ADDRS[n] for n in names}, dict.fromkeys(names, "127.0.0.1:0"),
                    FaultPlan(), "/tmp/snaps", "/tmp/keys", extra_relays={"relay-2": "127.0.0.1:9004"})
@@ -128,6 +129,11 @@ def test_a_relay_downed_by_the_fault_reads_stopped_and_the_run_goes_on(tmp_path:
     driver = JobDriver(run, tmp_path, job_argvs(plan), {}, Progress(False), _FakeProcess)
     driver.observe()
     driver.wait_started(["relay", "relay-2", *names], 5)
+    return run, driver
+
+
+def test_a_relay_downed_by_the_fault_reads_stopped_and_the_run_goes_on(tmp_path: Path):
+    run, driver = _two_relay_run(tmp_path)
     assert [j.address for j in run.aux_jobs] == ["127.0.0.1:9000", "127.0.0.1:9004"]
     fired = []
     driver.down_later("relay", 0.0, lambda: fired.append(True)).join()
@@ -143,13 +149,7 @@ def test_a_relay_downed_by_the_fault_reads_stopped_and_the_run_goes_on(tmp_path:
 
 
 def test_a_relay_that_dies_on_its_own_fails_the_run_naming_it(tmp_path: Path):
-    names = node_names(1)
-    plan = RunPlan(1, "/m", ADDRS["relay"], {n: ADDRS[n] for n in names}, dict.fromkeys(names, "127.0.0.1:0"),
-                   FaultPlan(), "/tmp/snaps", "/tmp/keys", extra_relays={"relay-2": "127.0.0.1:9004"})
-    run = new_run("smoke-1", 1, now=time.time(), relay=2)
-    driver = JobDriver(run, tmp_path, job_argvs(plan), {}, Progress(False), _FakeProcess)
-    driver.observe()
-    driver.wait_started(["relay", "relay-2", *names], 5)
+    run, driver = _two_relay_run(tmp_path)
     driver.procs["relay-2"].signal(signal.SIGKILL)
     driver.poll()
     assert run.message == "relay-2: exited (-9)"
