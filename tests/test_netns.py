@@ -63,6 +63,15 @@ def test_netns_smoke_run_passes(stages):
     assert {p["path"] for p in out["paths"]} == {"direct"}
 
 
+def test_a_delay_holds_every_hop_of_the_first_token():
+    # Four hops (orchestrator, three stages, back) each held 50 ms: tc netem where the kernel
+    # has it, each node's own hold where it does not; either way the first token is late.
+    rc, out = netns_smoke("--stages", "3", "--stub", "--max-tokens", "4", "--fault", "delay:50")
+    assert rc == 0, out
+    assert out["matches_reference"]
+    assert out["timings"]["first_token_s"] >= 3 * 0.050, out["timings"]
+
+
 @pytest.mark.parametrize("fault, pair", [
     ("drop:stage-0->orchestrator", ("orchestrator", "stage-0")),
     ("drop:stage-2->stage-0", ("stage-0", "stage-2")),  # the feedback edge
