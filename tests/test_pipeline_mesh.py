@@ -103,6 +103,14 @@ async def test_feedback_edge_over_the_relay_still_matches(checkpoint, cut_any_he
     with trio.fail_after(90):
         async with trio.open_nursery() as nursery:
             nodes = await start_pipeline(nursery, checkpoint, 3, lines, feedback_drop=True)
+            last, entry = nodes[3], nodes[1]
+            while last.paths.out_path(entry.node_id) != "relay":  # its probes found direct lost
+                await trio.sleep(0.05)
+            # Two tokens: the feedback edge carries one message, its first; its trace names the
+            # relay it took (no stream to stage 0 yet, and the probes say direct is lost).
+            first = await nodes[0].app.generate(PROMPT, 2, 0.0, 0, 0)
+            feedback = [h for h in first["timings"]["hops"] if h["name"] == "stage-2->stage-0"]
+            assert [h["path"] for h in feedback] == ["relay"], first["timings"]["hops"]
             got = await nodes[0].app.generate(PROMPT, 10, 0.0, 0, 0, want_logits=True)
             want = reference(checkpoint, 10, 0.0, 0, 0)
             assert got["tokens"] == want["tokens"]

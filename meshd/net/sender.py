@@ -94,8 +94,18 @@ class Sender:
         return self._peer(node).link
 
     def path(self, node: bytes) -> str:
-        """The path our messages to ``node`` take now ("direct" until we know better)."""
+        """The path our next message to ``node`` takes, as ``_choose`` would pick it.
+
+        Before any message, or while a dial runs, that is "direct" unless the probes
+        already say our packets reach the peer only over the relay (``_choose`` then
+        goes there at once).
+        """
         peer = self._peers.get(node)
+        if peer is not None and peer.link.stream is not None:
+            return "direct"
+        if self._ch.relay_send is not None and self._ch.relay_reaches(node) and (
+                self._ch.datagram_path(node) == "relay"):
+            return "relay"
         return "direct" if peer is None else peer.link.path
 
     def view(self, node: bytes) -> dict[str, Any]:
