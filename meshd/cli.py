@@ -8,7 +8,7 @@ import os
 import sys
 
 from . import __version__
-from .argtypes import positive_float
+from .argtypes import positive_float, positive_int
 from .identity import Identity, IdentityError, load_node_ids, load_or_create
 from .net.faults import Faults, FaultSpecError
 from .net.udp import AddressError, BindError, parse_addr
@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     model = run.add_mutually_exclusive_group()
     model.add_argument("--model", metavar="DIR", help="checkpoint folder (config.json + model.safetensors)")
     model.add_argument("--stub", action="store_true", help="serve the tiny built-in model")
+    run.add_argument("--compute-threads", type=positive_int, metavar="N",
+                     help="threads for this node's matrix maths (default: one per core; nodes that "
+                          "share a host should split the cores, as smoke-run does)")
     run.add_argument("--dashboard", default="127.0.0.1:0", metavar="HOST:PORT|off",
                      help="HTTP API and dashboard (default %(default)s; the URL is printed)")
     run.add_argument("--relay", action="append", metavar="URL",
@@ -165,6 +168,10 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         except (ConfigError, CheckpointError, OSError, ValueError) as exc:
             print(f"meshd: error: --model {model_dir}: {exc}", file=sys.stderr)
             return 2
+    if args.compute_threads is not None:
+        from .pipeline.threads import set_compute_threads
+
+        set_compute_threads(args.compute_threads)
     try:
         faults = Faults.parse(args.fault)
     except FaultSpecError as exc:

@@ -65,6 +65,24 @@ def test_every_node_is_seeded_through_all_the_others_and_carries_only_its_faults
     assert argvs["stage-1"][:4] == ["run", "--role", "stage", "--stage"] and argvs["stage-1"][4] == "1"
 
 
+def test_the_stages_split_the_hosts_cores_and_the_orchestrator_keeps_the_default(monkeypatch):
+    from meshd.pipeline import threads
+
+    names = node_names(3)
+    plan = RunPlan(3, "/m", ADDRS["relay"], dict.fromkeys(names, "127.0.0.1:9"), dict.fromkeys(names, "x"),
+                   FaultPlan(), "/tmp/snaps", "/tmp/keys")
+
+    def given(argvs, name):
+        argv = argvs[name]
+        return argv[argv.index("--compute-threads") + 1] if "--compute-threads" in argv else None
+
+    for cores, each in ((2, "1"), (8, "2"), (16, "5")):
+        monkeypatch.setattr(threads, "host_cores", lambda cores=cores: cores)
+        argvs = job_argvs(plan)
+        assert [given(argvs, f"stage-{k}") for k in range(3)] == [each] * 3
+        assert given(argvs, "orchestrator") is None
+
+
 def test_with_two_relays_every_node_holds_both_the_first_first_and_each_relay_has_the_mesh_key():
     names = node_names(2)
     addrs = {n: ADDRS[n] for n in names}

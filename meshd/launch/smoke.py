@@ -23,6 +23,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from ..argtypes import positive_int
 from ..keyring import generate_file
 from . import checks
 from .drive import Driven, Generation, converge_and_generate, dashboard, open_netns, place_jobs, prepare_model
@@ -206,7 +207,7 @@ def add_parser(sub: Any) -> None:
     model.add_argument("--model", metavar="DIR", help="checkpoint (default: a `small` one in a temp dir)")
     model.add_argument("--stub", action="store_true", help="the tiny built-in model")
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
-    p.add_argument("--max-tokens", type=_positive_int, default=32, metavar="K")
+    p.add_argument("--max-tokens", type=positive_int, default=32, metavar="K")
     p.add_argument("--provider", choices=["local", "netns"], default="local",
                    help="local: loopback processes; netns: a namespace per node, faults as nftables/tc "
                         "(root only)")
@@ -226,32 +227,22 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=lambda args, parser: run_smoke(args))
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
-    return value
-
-
 def _stages(text: str) -> int:
-    value = _positive_int(text)
+    value = positive_int(text)
     if value > 16:
         raise argparse.ArgumentTypeError("at most 16 stages on one machine")
     return value
 
 
 def _replicas(text: str) -> int:
-    value = _positive_int(text)
+    value = positive_int(text)
     if value > 4:
         raise argparse.ArgumentTypeError("at most 4 replicas of a stage on one machine")
     return value
 
 
 def _relays(text: str) -> int:
-    value = _positive_int(text)
+    value = positive_int(text)
     if value > 8:
         raise argparse.ArgumentTypeError("at most 8 relays on one machine")
     return value
