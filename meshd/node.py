@@ -41,6 +41,8 @@ from .wire import (
     Nack,
     Packet,
     Ping,
+    Punch,
+    PunchAck,
     PushPull,
     WireError,
     encode,
@@ -61,7 +63,7 @@ PATH_SUMMARY_CHECK_S = 0.5
 PATH_SUMMARY_REFRESH_S = 5.0
 
 # What failure detection needs, sent bare even past an unproven address's budget.
-PROBES = (Ping, Ack, Nack)
+PROBES = (Ping, Ack, Nack, Punch, PunchAck)  # one small packet each, at the protocol's own pace
 
 # Push-pull answers held for addresses that have not proven themselves yet.
 MAX_HELD_ANSWERS = 64
@@ -213,8 +215,9 @@ class Node:
             host, port = sock.getsockname()[:2]
             self.addr = opts.advertise or format_addr(host, port)
             self.candidates = [self.addr]
+            nat = ""
             if self.relays is not None:
-                reflexive = await self._stun()
+                reflexive, nat = await self._stun()
                 if reflexive is not None and reflexive not in self.candidates:
                     self.candidates.append(reflexive)
             meta = Meta(
@@ -229,6 +232,7 @@ class Node:
                 dh=self.data.public_key,
                 checkpoint=opts.checkpoint,
                 keyring=tuple(self.mesh_key.ids) if self.mesh_key is not None else (),
+                nat=nat,
             )
             now = trio.current_time()
             self.swim = swim = Swim(
@@ -301,19 +305,33 @@ class Node:
             self.out(f"meshd rejoin trying {len(addrs)} remembered members from {self.options.state_file}")
             self.core.join(addrs, now)
 
-    async def _stun(self) -> str | None:
-        """Our address as a relay sees this gossip socket (the first STUN answer), or None."""
+    async def _stun(self) -> tuple[str | None, str]:
+        """Our address as the relays' STUN sees this gossip socket (the first answer), and what
+        that says of our NAT (``Meta.nat``): the same mapping seen by two of them is one a
+        peer can punch; a different one per server is a symmetric NAT's; our own address, none."""
         from .relay.client import RelayError, parse_relay_url, stun_query
 
-        for url in self.options.relays:
+        seen: list[str] = []
+        for url in dict.fromkeys(self.options.relays):
             host, port, _path, _tls = parse_relay_url(url)
             try:
                 ip, mapped = await stun_query(host, port, timeout=1.0, sock=self._sock)
             except (RelayError, OSError) as exc:
                 log.warning("no reflexive address from the relay's STUN at %s:%d: %s", host, port, exc)
                 continue
-            return format_addr(ip, mapped)
-        return None
+            seen.append(format_addr(ip, mapped))
+            if len(seen) == 2:
+                break
+        if not seen:
+            return None, ""
+        if all(a == self.addr for a in seen):
+            kind = "none"
+        elif len(seen) < 2:
+            kind = ""  # one server cannot tell an endpoint-independent mapping from a symmetric one
+        else:
+            kind = "endpoint-independent" if seen[0] == seen[1] else "symmetric"
+        self.out(f"meshd nat kind={kind or 'unknown'} mapped={','.join(seen)}")
+        return seen[0], kind
 
     async def leave(self) -> None:
         """Tell the cluster we are going, so peers mark us left, not dead."""
@@ -683,6 +701,9 @@ class Node:
             if ev.kind is EventKind.PATH:
                 self._path_changed(ev.node, ev.detail["direct"], ev.detail["rtt"], ev.at)
                 continue
+            if ev.kind is EventKind.PUNCHED:
+                self._punched(ev.node, ev.detail["addr"], ev.detail["seen"])
+                continue
             if not ev.membership:
                 continue
             m = self.core.members.get(ev.node)
@@ -712,6 +733,9 @@ class Node:
 
     def _path_changed(self, node: bytes, direct: bool, rtt: float, now: float) -> None:
         reason = "direct ping unanswered within the probe timeout; the relayed ping was answered"
+        if not direct and (why := self.core.punch.status(node)):
+            reason += f"; {why}"
+        self.paths.set_punched(node, self.core.punch.address(node))
         if self.paths.probe_verdict(node, direct, now, reason):
             m = self.core.members.get(node)
             name = m.name if m is not None else "?"
@@ -720,6 +744,14 @@ class Node:
             # The RTT of the path that answered, from its own ping's send.
             self.out(f"meshd path {self.core.me.name}->{name} prefix={node.hex()[:8]} "
                      f"out={path} rtt_ms={rtt * 1000:.1f}{detail}")
+
+    def _punched(self, node: bytes, addr: str, seen: str) -> None:
+        """A punch through ``node``'s NAT was answered at ``addr``: its probes go there now."""
+        m = self.core.members.get(node)
+        self.paths.set_punched(node, addr)
+        self.guard.verified(addr)
+        self.out(f"meshd punched {self.core.me.name}->{m.name if m is not None else '?'} "
+                 f"prefix={node.hex()[:8]} addr={addr} seen_as={seen}")
 
     def _print_stage_map(self) -> None:
         live = [m for m in self.core.members.values() if m.state in (State.ALIVE, State.SUSPECT)]

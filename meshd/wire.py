@@ -24,8 +24,9 @@ import msgpack
 # 2: DataChunk.ack_now; 3: HeadInput, HeadPart; 4: stream handshake; 5: its epochs;
 # 6: Meta.epoch and Meta.checkpoint, names keyed by (name, owner) with a signature field;
 # 7: signed facts (Alive, Suspect, Dead, MemberState, PathSummary), Meta.dh and Meta.keyring,
-# the handshake's key exchange and mesh-key proof, KeyringChange
-PROTOCOL_VERSION = 8
+# the handshake's key exchange and mesh-key proof, KeyringChange; 8: Meta.relays, relay peer lists;
+# 9: Meta.nat, Punch, PunchAck, CallMeMaybe, PathEntry.punched
+PROTOCOL_VERSION = 9
 
 # A UDP datagram carries at most 65507 bytes of payload; we stay below it.
 MAX_PACKET_BYTES = 60_000
@@ -209,6 +210,18 @@ def _plain(value: Any) -> Any:
     return value
 
 
+# What a node learned of its own NAT from two STUN servers: "none" (they saw our own
+# address), "endpoint-independent" (one public mapping, whoever we send to: punchable) or
+# "symmetric" (a mapping per destination: what a peer learns of it is no use to another).
+NAT_KINDS = ("", "none", "endpoint-independent", "symmetric")
+
+
+def _nat_kind(value: Any) -> str:
+    if value not in NAT_KINDS:
+        raise WireError("expected a NAT kind: none, endpoint-independent or symmetric")
+    return value
+
+
 # --- records nested inside messages ---
 
 
@@ -229,10 +242,11 @@ class Meta(_Record):
     dh: bytes = b""  # this process's X25519 public key: data-channel keys with it derive from it
     keyring: tuple[str, ...] = ()  # ids of the mesh keys it holds, the one it sends with first
     relays: tuple[str, ...] = ()  # every relay it holds, its home relay (relay_url) first
+    nat: str = ""  # its NAT's mapping as two STUN servers saw it (NAT_KINDS); "" if not known
 
     _fields_ = (_str, _optional(_stage), _optional(_stage), _tuple_of(_str, MAX_ADDRS),
                 _optional(_str), _str, _counter, _counter, _str, _bool, _dh_key,
-                _tuple_of(_key_id, MAX_KEYRING), _tuple_of(_str, MAX_RELAYS))
+                _tuple_of(_key_id, MAX_KEYRING), _tuple_of(_str, MAX_RELAYS), _nat_kind)
 
     @property
     def relay_urls(self) -> tuple[str, ...]:
@@ -516,7 +530,8 @@ class PathEntry(_Record):
     reason: str
     since_ms: int
     relay: str = ""
-    _fields_ = (_node_id, _path_name, _uint, _uint, _reason, _uint, _relay_url)
+    punched: bool = False  # a direct path through the peer's NAT, opened by hole punching
+    _fields_ = (_node_id, _path_name, _uint, _uint, _reason, _uint, _relay_url, _bool)
 
 
 @dataclass(frozen=True, slots=True)
@@ -563,12 +578,47 @@ class KeyringChange(Message):
     _fields_ = (_node_id, _counter, _keyring_op, _key_id, _mesh_key, _claim_signature)
 
 
+# --- hole punching (see meshd.swim.punch) ---
+
+
+@dataclass(frozen=True, slots=True)
+class Punch(Message):
+    """Sent to each address ``target`` may be reached at, when our direct pings go
+    unanswered; it opens our NAT towards that address, and the one that answers is the path."""
+
+    TAG = 22
+    nonce: int
+    target: bytes
+    _fields_ = (_uint, _node_id)
+
+
+@dataclass(frozen=True, slots=True)
+class PunchAck(Message):
+    """The answer to ``Punch``, sent to the address it came from; ``seen`` is that address
+    as the answering end saw it (the sender's mapping on this path)."""
+
+    TAG = 23
+    nonce: int
+    seen: str
+    _fields_ = (_uint, _str)
+
+
+@dataclass(frozen=True, slots=True)
+class CallMeMaybe(Message):
+    """Over the relay: our direct pings to you go unanswered; punch towards ``addrs`` (ours),
+    so your NAT lets our packets in."""
+
+    TAG = 24
+    addrs: tuple[str, ...]
+    _fields_ = (_tuple_of(_str, MAX_ADDRS),)
+
+
 # Tags 12-15, 17 and 18 are taken (they carried pipeline messages, which now travel as
 # data-channel payloads with their own table: meshd.pipeline.messages); never reuse them.
 MESSAGE_TYPES: dict[int, type[Message]] = {
     cls.TAG: cls
     for cls in (Ping, PingReq, Ack, Nack, Alive, Suspect, Dead, PushPull, NameClaim, DataChunk, DataAck,
-                PathSummary, StreamChallenge, StreamProof, KeyringChange)
+                PathSummary, StreamChallenge, StreamProof, KeyringChange, Punch, PunchAck, CallMeMaybe)
 }
 
 

@@ -189,7 +189,7 @@ async def test_the_same_datagrams_through_the_relay_change_nothing(mesh):
 
 def test_a_path_summary_forged_for_the_orchestrator_is_never_shown(mesh):
     orch, stage1 = mesh.id("orchestrator"), mesh.id("stage-1")
-    forged_entry = [stage1, "none", 0, 99, "forged by a stranger", 0, ""]
+    forged_entry = [stage1, "none", 0, 99, "forged by a stranger", 0, "", False]
     stranger = Identity.generate()
     before = snapshot_counter(mesh.snapshot("stage-0"), "rx_bad_signature")
     # At 2^64-1 it is refused outright; at 2^62, unsigned or signed by somebody else, too.

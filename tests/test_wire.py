@@ -88,6 +88,9 @@ EXAMPLES: dict[int, wire.Message] = {
                                            dh=b"\x0a" * wire.DH_KEY_BYTES, mesh_proof=b"\x0b" * 20),
     wire.KeyringChange.TAG: wire.KeyringChange(issuer=NODE_B, clock=3, op="install", key_id="0a1b2c3d",
                                                key=b"\x0c" * 32, sig=b"\x0d" * wire.SIGNATURE_BYTES),
+    wire.Punch.TAG: wire.Punch(nonce=2**62 + 1, target=NODE_B),
+    wire.PunchAck.TAG: wire.PunchAck(nonce=7, seen="203.0.113.9:40123"),
+    wire.CallMeMaybe.TAG: wire.CallMeMaybe(addrs=("10.0.0.2:7946", "203.0.113.9:40123")),
 }
 
 
@@ -501,6 +504,10 @@ def _alive(meta: list, sig: bytes = b"") -> list:
         [wire.PushPull.TAG, [False, False, [], [["n", NODE_A, 1, False, b""]] * (wire.MAX_PUSHPULL_NAMES + 1)
                              ]],
         [wire.PushPull.TAG, [False, False, None, []]],
+        [wire.Alive.TAG, [1, NODE_A, "a", [*wire.Meta().to_body()[:-1], "cone"], b""]],  # no such NAT kind
+        [wire.Punch.TAG, [1, b"short"]],
+        [wire.PunchAck.TAG, [1, "a" * (wire.MAX_STR + 1)]],
+        [wire.CallMeMaybe.TAG, [["a"] * (wire.MAX_ADDRS + 1)]],
     ],
 )
 def test_wrong_field_types_refused(message):
@@ -516,7 +523,7 @@ def test_boundary_values_accepted():
         [wire.Alive.TAG, [1, NODE_A, "a", ["stage", 0, None, ["a"] * wire.MAX_ADDRS, None, "", 0,
                                           wire.COUNTER_MAX, "f" * wire.MAX_STR, True, b"d" * 32,
                                           ["k" * wire.MAX_KEY_ID_CHARS] * wire.MAX_KEYRING,
-                                          ["ws://r:1"] * wire.MAX_RELAYS], b"s" * 64]],
+                                          ["ws://r:1"] * wire.MAX_RELAYS, "symmetric"], b"s" * 64]],
         [wire.PushPull.TAG, [False, False, [[NODE_A, "a", 0, 3, wire.Meta().to_body(), b""]],
                              [["n", NODE_A, 1, False, b""]] * (wire.MAX_PUSHPULL_NAMES - 1)
                              + [["n", NODE_A, 1, False, b"s" * 64]]]],

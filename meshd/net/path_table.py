@@ -37,6 +37,7 @@ class Outbound:
     direct_failures: int = 0  # probes whose direct ping went unanswered
     relay_ok: int = 0  # probes answered only over the relay
     last_failure: str | None = None
+    punched: str | None = None  # the address a punch through its NAT opened (direct goes there)
 
 
 @dataclass
@@ -95,6 +96,15 @@ class PathTable:
         out.path, out.since = new, now
         return True
 
+    def set_punched(self, node: bytes, addr: str | None) -> None:
+        """Our direct packets to ``node`` go to ``addr``, opened by hole punching (None: its own)."""
+        self._peer(node).out.punched = addr
+
+    def punched(self, node: bytes | None) -> bool:
+        """Our direct path to ``node`` is one hole punching opened, and in use."""
+        peer = self.peers.get(node) if node is not None else None
+        return peer is not None and peer.out.path == DIRECT and peer.out.punched is not None
+
     def unreachable(self, node: bytes, now: float, reason: str) -> None:
         out = self._peer(node).out
         out.last_failure = reason
@@ -113,6 +123,7 @@ class PathTable:
         return {
             "peer": prefix(node),
             "path_out": out.path,
+            "punched": out.punched if out.path == DIRECT else None,
             "path_out_since_s": round(now - out.since, 3) if out.since else None,
             "path_in": inn.path,
             "out_attempts": out.attempts,
@@ -140,7 +151,8 @@ class PathTable:
             carrier = relay if out.path == RELAY and relay and len(relay) <= MAX_RELAY_URL_CHARS else ""
             entries.append(PathEntry(node, out.path, 0 if rtt is None else max(0, round(rtt * 1e6)),
                                      out.direct_failures, reason,
-                                     max(0, round((now - out.since) * 1000)) if out.since else 0, carrier))
+                                     max(0, round((now - out.since) * 1000)) if out.since else 0, carrier,
+                                     out.path == DIRECT and out.punched is not None))
         entries.sort(key=lambda e: e.path == DIRECT)  # stable: keeps the callers' order within
         summary = PathSummary(me, version, tuple(entries))
         while entries and encoded_size(summary) > MAX_SUMMARY_BYTES:

@@ -19,7 +19,7 @@ import heapq
 import random
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..identity import prefix
 from ..swim import Config, Event, EventKind, State, Swim
@@ -50,6 +50,43 @@ class RelayPath:
 
 
 @dataclass
+class SimNat:
+    """A NAT in front of one node, as home routers do it (and the netns testbed's ``nat:X``).
+
+    Its packets leave from ``public_ip`` and a port: one port whoever they go to
+    (endpoint-independent mapping), or a new one per destination (``symmetric``).
+    A packet from outside gets in only to a port mapped towards its sender, within
+    ``timeout`` of the last packet out on that mapping (address-and-port-dependent
+    filtering); the node's own address does not route from outside.
+    """
+
+    public_ip: str
+    symmetric: bool = False
+    timeout: float = 30.0
+    ports: dict[str, int] = field(default_factory=dict)  # remote addr ("*": any) -> public port
+    allowed: dict[tuple[int, str], float] = field(default_factory=dict)  # (port, remote) -> until
+    next_port: int = 40000
+
+    def out(self, remote: str, now: float) -> str:
+        """The source address a packet to ``remote`` leaves with; opens the way back."""
+        key = remote if self.symmetric else "*"
+        port = self.ports.get(key)
+        if port is None:
+            port = self.ports[key] = self.next_port
+            self.next_port += 1
+        self.allowed[(port, remote)] = now + self.timeout
+        return f"{self.public_ip}:{port}"
+
+    def lets_in(self, port: int, remote: str, now: float) -> bool:
+        """Whether a packet from ``remote`` to ``port`` gets in; one that does keeps the mapping
+        open, as Linux's conntrack counts packets either way."""
+        if self.allowed.get((port, remote), -1.0) < now:
+            return False
+        self.allowed[(port, remote)] = now + self.timeout
+        return True
+
+
+@dataclass
 class SimNode:
     index: int
     id: bytes
@@ -60,6 +97,7 @@ class SimNode:
     scheduled: float | None = None
     tx_packets: int = 0
     tx_bytes: int = 0
+    nat: SimNat | None = None
 
     @property
     def prefix(self) -> str:
@@ -108,6 +146,7 @@ class MemNet:
         self.relay: RelayPath | None = None
         self.faults: dict[tuple[str, str], LinkFault] = {}
         self.log: list[Observed] = []
+        self._nat_ips: dict[str, SimNode] = {}  # a NAT's public ip -> the node behind it
         self.counters: Counter[str] = Counter()
         self._heap: list[tuple] = []
         self._seq = 0
@@ -148,6 +187,17 @@ class MemNet:
         node.up = True
         node.swim.join(seeds, self.now)
         self._after(node)
+
+    def put_behind_nat(self, node: SimNode, *, symmetric: bool = False) -> SimNat:
+        """Put ``node`` behind a NAT of its own (see SimNat) from now on."""
+        ip = f"198.51.{node.index // 256 % 256}.{node.index % 256}"
+        node.nat = SimNat(ip, symmetric)
+        self._nat_ips[ip] = node
+        return node.nat
+
+    def stun(self, node: SimNode, server: str = "192.0.2.1:3478") -> str:
+        """``node``'s address as a STUN server at ``server`` sees it (its mapping towards it)."""
+        return node.nat.out(server, self.now) if node.nat is not None else node.addr
 
     def fault(self, src: SimNode, dst: SimNode) -> LinkFault:
         """The (mutable) fault on packets from ``src`` to ``dst``."""
@@ -202,7 +252,7 @@ class MemNet:
         for ev in swim.events():
             self.log.append(Observed(self.now, node.id, ev))
         for out in swim.outbox():
-            self._transmit(node, out.addr, out.packet, out.reliable, out.via)
+            self._transmit(node, out.addr, out.packet, out.reliable, out.via, out.node)
         # A deadline a delivery moved into the past fires now; scheduling the raw
         # value would never match the queued entry and stall the node.
         deadline = max(swim.next_deadline(), self.now)
@@ -210,7 +260,8 @@ class MemNet:
             node.scheduled = deadline
             self._push((deadline, self._next(), _TIMER, node.addr, None, "", False))
 
-    def _transmit(self, src: SimNode, addr: str, packet, reliable: bool, via: str | None = None) -> None:
+    def _transmit(self, src: SimNode, addr: str, packet, reliable: bool, via: str | None = None,
+                  node: bytes | None = None) -> None:
         limit = MAX_STREAM_BYTES if reliable else MAX_PACKET_BYTES
         if self.decode:
             try:
@@ -234,11 +285,27 @@ class MemNet:
                 while relay.loss and self.rng.random() < relay.loss:
                     delay += relay.rto
             self.counters["relayed"] += 1
-            self._push((self.now + delay, self._next(), _RELAYED, addr, payload, src.addr, reliable))
+            # The relay forwards by node id: whatever address the sender wrote, it reaches the node.
+            to = self.by_id[node].addr if node in self.by_id else addr
+            self._push((self.now + delay, self._next(), _RELAYED, to, payload, src.addr, reliable))
             return
         fault = self.faults.get((src.addr, addr), self.default_fault)
         if fault.drop or (fault.loss and self.rng.random() < fault.loss):
             self.counters["lost"] += 1
+            return
+        source, dest = src.addr, addr
+        if src.nat is not None:
+            source = src.nat.out(addr, self.now)
+        host, _, port = addr.rpartition(":")
+        behind = self._nat_ips.get(host)
+        if behind is not None:  # to a NAT's public address: in only where a mapping allows
+            nat = behind.nat
+            if nat is None or not nat.lets_in(int(port), source, self.now):
+                self.counters["nat_filtered"] += 1
+                return
+            dest = behind.addr
+        elif (dst := self.nodes.get(addr)) is not None and dst.nat is not None and dst is not src:
+            self.counters["nat_unroutable"] += 1  # its private address, from outside
             return
         copies = 2 if fault.duplicate and self.rng.random() < fault.duplicate else 1
         for _ in range(copies):
@@ -246,7 +313,7 @@ class MemNet:
                 delay = self.latency + fault.delay + self.rng.random() * self.jitter
             else:
                 delay = self.sample_latency(self.rng) + fault.delay
-            self._push((self.now + delay, self._next(), _DELIVER, addr, payload, src.addr, reliable))
+            self._push((self.now + delay, self._next(), _DELIVER, dest, payload, source, reliable))
 
     def _push(self, entry: tuple) -> None:
         heapq.heappush(self._heap, entry)

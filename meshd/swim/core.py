@@ -31,6 +31,7 @@ from ..wire import (
     PACKET_OVERHEAD,
     Ack,
     Alive,
+    CallMeMaybe,
     Dead,
     KeyringChange,
     MemberState,
@@ -42,6 +43,8 @@ from ..wire import (
     PathSummary,
     Ping,
     PingReq,
+    Punch,
+    PunchAck,
     PushPull,
     Suspect,
     UnsupportedVersion,
@@ -54,6 +57,7 @@ from .awareness import Awareness
 from .broadcast import BroadcastQueue
 from .config import Config
 from .facts import Facts, Unsigned, accusation_data, alive_data, claim_data, keyring_change_data, paths_data
+from .punch import Punching, Send
 from .registry import Registry
 from .state import Event, EventKind, Member, Outgoing, State
 from .suspicion import Suspicion
@@ -171,6 +175,8 @@ class Swim:
         # Addresses that answered a direct ping we sent there (see ``answered_addrs``);
         # a dict as an ordered set, bounded for drivers that never ask.
         self._answered: dict[str, None] = {}
+        self.punch = Punching(rng)  # members reached through their NAT (see punch.py)
+        self._now = now  # the time of the call being handled, for what _send records
 
         # Stagger the first timers so nodes started together do not tick in step.
         self._next_probe = now + rng.uniform(0, config.probe_interval)
@@ -363,6 +369,7 @@ class Swim:
         return packet.sender
 
     def receive(self, packet: Packet, addr: str, now: float, via: str | None = None) -> None:
+        self._now = now
         sender = packet.sender
         if sender == self.id:
             return
@@ -442,7 +449,8 @@ class Swim:
                 self.members[probe.target].rtt = rtt
                 if len(self._answered) < 1024:
                     # It received our direct ping at its address, whichever path the ack took.
-                    self._answered[self.members[probe.target].addr] = None
+                    target = self.members[probe.target]
+                    self._answered[self.punch.address(target.id) or target.addr] = None
             elif relayed and from_target:
                 self.members[probe.target].relay_rtt = rtt
             if from_target:
@@ -452,6 +460,9 @@ class Swim:
                 # fact, not a failure of the member.
                 self._direct_ok[probe.target] = direct
                 self._emit(EventKind.PATH, probe.target, now, direct=direct, rtt=rtt)
+            if from_target and not direct:
+                # Its NAT may let us in once both ends punch (each round paced by punch.py).
+                self._punch_sends(self.punch.direct_failed(self.members[probe.target], self.me, now))
             if direct or probe.relay_seq is None or msg.seq == probe.relay_seq:
                 self._probe = None
             # else: a helper vouched for the member; keep listening for the relayed
@@ -554,6 +565,41 @@ class Swim:
         self.broadcasts.queue(("keyring", msg.issuer), msg, urgent=True)
         self._emit(EventKind.KEYRING, msg.issuer, now, change=msg)
 
+    def _handle_punch(self, msg: Punch, sender: bytes, addr: str, now: float) -> None:
+        m = self.members.get(sender)
+        if msg.target != self.id or m is None or not m.state.live or self._rx_via == "relay":
+            # Only a member's punch, sent to us directly, is answered: no reflector for strangers.
+            self.counters["rx_punch_refused"] += 1
+            return
+        if not msg.nonce:
+            self.counters["rx_punch_keepalives"] += 1
+            return  # a keepalive: its arrival was the point
+        self._out.append(Outgoing(addr, sender, self._packet([PunchAck(msg.nonce, addr)]), via="direct"))
+        self.counters["tx_punch_acks"] += 1
+        self._punch_sends(self.punch.punched_by(m, self.me, addr, now))
+
+    def _handle_punch_ack(self, msg: PunchAck, sender: bytes, addr: str, now: float) -> None:
+        m = self.members.get(sender)
+        if m is None or self._rx_via == "relay" or not self.punch.answered(m, msg.nonce, addr, now):
+            return
+        # The ack echoes a nonce only the address we punched saw: it is the member's.
+        if len(self._answered) < 1024:
+            self._answered[addr] = None
+        self.counters["punched"] += 1
+        self._emit(EventKind.PUNCHED, sender, now, addr=addr, seen=msg.seen)
+        self.probe_soon(sender, now)  # the next probe goes there: the verdict follows
+
+    def _handle_call_me_maybe(self, msg: CallMeMaybe, sender: bytes, addr: str, now: float) -> None:
+        m = self.members.get(sender)
+        if m is None or not m.state.live or self._rx_via != "relay":
+            return  # the relay vouches for who asks; a datagram could claim anyone
+        self._punch_sends(self.punch.called(m, self.me, msg.addrs, now))
+
+    def _punch_sends(self, sends: list[Send]) -> None:
+        for send in sends:
+            self._out.append(Outgoing(send.addr, send.node, self._packet(list(send.msgs)), via=send.via))
+            self.counters["tx_punches" if send.via == "direct" else "tx_call_me_maybe"] += 1
+
     _handlers: ClassVar[dict[type[Message], Callable[[Swim, Any, bytes, str, float], None]]] = {
         Ping: _handle_ping,
         PingReq: _handle_ping_req,
@@ -566,6 +612,9 @@ class Swim:
         PushPull: _handle_push_pull,
         PathSummary: _handle_path_summary,
         KeyringChange: _handle_keyring_change,
+        Punch: _handle_punch,
+        PunchAck: _handle_punch_ack,
+        CallMeMaybe: _handle_call_me_maybe,
     }
 
     # -------------------------------------------------------- state changes
@@ -746,9 +795,10 @@ class Swim:
                 t = s.deadline
         for r in self._relays.values():
             t = min(t, r.nack_at, r.expire_at)
-        return t
+        return min(t, self.punch.next_deadline())
 
     def tick(self, now: float) -> None:
+        self._now = now
         if self.leaving:
             if now >= self._next_gossip:
                 self._gossip(now)
@@ -784,6 +834,13 @@ class Swim:
                 del self._relays[seq]
             elif now >= r.expire_at:
                 del self._relays[seq]
+        for send in self.punch.due(self.members, now):
+            if send.msgs and isinstance(send.msgs[0], Punch) and not send.msgs[0].nonce:
+                # A keepalive goes alone: one small packet, no gossip riding on it.
+                self._out.append(Outgoing(send.addr, send.node, self._packet(list(send.msgs)), via="direct"))
+                self.counters["tx_punch_keepalives"] += 1
+            else:
+                self._punch_sends([send])
 
     def _start_probe(self, now: float) -> None:
         cfg = self.config
@@ -1008,6 +1065,11 @@ class Swim:
         return out
 
     def _send(self, addr: str, node: bytes | None, msgs: list[Message], via: str | None = None) -> None:
+        if via != "relay" and node is not None and (punched := self.punch.address(node)) is not None:
+            m = self.members.get(node)
+            if m is not None and addr == m.addr:
+                addr = punched  # its advertised address does not route; this one answered
+            self.punch.sent(node, addr, self._now)
         budget = self.config.gossip_budget - PACKET_OVERHEAD - sum(encoded_size(m) for m in msgs)
         msgs = msgs + self._take_broadcasts(budget)
         self._out.append(Outgoing(addr, node, self._packet(msgs), via=via))
@@ -1111,6 +1173,7 @@ class Swim:
             self._recent_dead.pop(m.id, None)
         else:
             self._recent_dead[m.id] = m.state_change
+            self.punch.forget(m.id)
         idx = self._live_index.get(m.id)
         if live and idx is None:
             self._live_index[m.id] = len(self._live)

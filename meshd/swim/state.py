@@ -66,6 +66,7 @@ class EventKind(enum.Enum):
     RESTART = "restart"  # a member's new process (a new epoch): detail {"epoch"}
     PATH = "path"  # a probe told us which path reaches a member: detail {"direct": bool, "rtt"}
     KEYRING = "keyring"  # a member changed the mesh keyring: detail {"change": KeyringChange}
+    PUNCHED = "punched"  # a punch through a member's NAT was answered: detail {"addr", "seen"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,4 +78,4 @@ class Event:
 
     @property
     def membership(self) -> bool:
-        return self.kind not in (EventKind.NAME, EventKind.PATH)
+        return self.kind not in (EventKind.NAME, EventKind.PATH, EventKind.PUNCHED)

@@ -1,0 +1,178 @@
+"""Hole punching through NATs, on the in-memory network's NAT model (meshd.sim.memnet.SimNat).
+
+A node behind a NAT gossips its own address and the mapping a STUN server saw.
+Its own address does not route, so the others' direct pings fail; once they
+punch, their direct pings go to the mapping and are answered there.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+from meshd.sim.memnet import MemNet, RelayPath
+from meshd.swim import Config, EventKind
+from meshd.swim.punch import Punching
+from meshd.swim.state import Member, State
+from meshd.wire import CallMeMaybe, Meta, Packet, Punch, PunchAck, encode
+
+RELAY = ("ws://relay:3340",)
+
+
+def mesh(n: int, nat: dict[int, str], seed: int = 1) -> MemNet:
+    """``n`` nodes sharing a relay; ``nat`` puts node i behind an "eim" or "symmetric" NAT."""
+    net = MemNet(seed=seed)
+    net.relay = RelayPath()
+    nodes = []
+    for i in range(n):
+        seeds = [nodes[0].addr] if nodes else None
+        node = net.add_node(Meta(role="stage", stage=i, stages=n, relays=RELAY), seeds=None)
+        if i in nat:
+            net.put_behind_nat(node, symmetric=nat[i] == "symmetric")
+            # As the node does at start: its mapping from two STUN servers, and what they say.
+            first, second = net.stun(node, "192.0.2.1:3478"), net.stun(node, "192.0.2.2:3478")
+            kind = "endpoint-independent" if first == second else "symmetric"
+            node.swim.set_meta(replace(node.swim.me.meta, addrs=(node.addr, first), nat=kind), net.now)
+        else:
+            node.swim.set_meta(replace(node.swim.me.meta, addrs=(node.addr,)), net.now)
+        if seeds:
+            node.swim.join(seeds, net.now)
+        net.flush(node)
+        nodes.append(node)
+    return net
+
+
+def direct_ok(net: MemNet, a: int, b: int) -> bool:
+    nodes = list(net.nodes.values())
+    return nodes[a].swim._direct_ok.get(nodes[b].id, True)  # the core records changes only
+
+
+def test_every_pair_with_a_node_behind_an_endpoint_independent_nat_ends_punched():
+    net = mesh(4, {3: "eim"})
+    net.run_until_converged(60)
+    net.run_periods(30)
+    nodes = list(net.nodes.values())
+    natted = nodes[3]
+    mapping = natted.swim.me.meta.addrs[1]
+    for node in nodes[:3]:
+        assert node.swim.punch.address(natted.id) == mapping, node.swim.punch.peers
+        assert direct_ok(net, node.index, 3)  # its probes go to the mapping and are answered there
+        assert direct_ok(net, 3, node.index)
+    punched = net.events(EventKind.PUNCHED, natted)
+    assert {o.observer for o in punched} == {n.id for n in nodes[:3]}
+    assert all(o.event.detail["addr"] == mapping for o in punched)
+    # Nobody was suspected on the way: a path down is not a member down.
+    assert not net.events(EventKind.SUSPECT)
+    assert net.counters["nat_unroutable"] > 0  # the private address really was tried, and lost
+
+
+def test_two_nodes_behind_their_own_nats_punch_each_other():
+    net = mesh(4, {2: "eim", 3: "eim"})
+    net.run_until_converged(60)
+    net.run_periods(30)
+    nodes = list(net.nodes.values())
+    a, b = nodes[2], nodes[3]
+    assert a.swim.punch.address(b.id) == b.swim.me.meta.addrs[1]
+    assert b.swim.punch.address(a.id) == a.swim.me.meta.addrs[1]
+    assert direct_ok(net, 2, 3) and direct_ok(net, 3, 2)
+    assert not net.events(EventKind.SUSPECT)
+
+
+def test_a_symmetric_nat_keeps_its_pairs_on_the_relay_and_says_why():
+    net = mesh(4, {3: "symmetric"})
+    net.run_until_converged(60)
+    net.run_periods(30)
+    nodes = list(net.nodes.values())
+    natted = nodes[3]
+    assert natted.swim.me.meta.nat == "symmetric"
+    for node in nodes[:3]:
+        assert node.swim.punch.address(natted.id) is None
+        assert not direct_ok(net, node.index, 3)  # the relay carries it
+        assert "symmetric NAT" in node.swim.punch.status(natted.id)
+        assert node.swim.members[natted.id].state is State.ALIVE
+    assert not net.events(EventKind.PUNCHED)
+    assert sum(n.swim.counters["tx_punches"] for n in nodes) == 0
+
+
+def test_a_punched_pair_stays_open_with_at_most_one_keepalive_per_25_seconds():
+    # Two nodes, probing each other every period, send no keepalive at all; with the probe
+    # interval far apart (a big mesh probes each member rarely), the keepalives keep the
+    # mapping open, one small packet per KEEPALIVE_S.
+    config = replace(Config(), probe_interval=60.0, probe_timeout=3.0, gossip_interval=3600.0,
+                     push_pull_interval=3600.0)
+    net = MemNet(seed=3, config=config)
+    net.relay = RelayPath()
+    a = net.add_node(Meta(role="stage", stage=0, relays=RELAY))
+    b = net.add_node(Meta(role="stage", stage=1, relays=RELAY))
+    net.put_behind_nat(b)
+    b.swim.set_meta(replace(b.swim.me.meta, addrs=(b.addr, net.stun(b))), net.now)
+    b.swim.join([a.addr], net.now)
+    net.flush(b)
+    net.run_for(120)
+    assert a.swim.punch.address(b.id) is not None
+    start = a.swim.counters["tx_punch_keepalives"]
+    t0 = net.now
+    net.run_for(600)
+    keepalives = a.swim.counters["tx_punch_keepalives"] - start
+    assert 0 < keepalives <= (net.now - t0) / 25 + 1
+    assert a.swim.punch.address(b.id) is not None  # the mapping never lapsed
+    assert a.swim.members[b.id].state is State.ALIVE and not net.events(EventKind.SUSPECT)
+
+
+# --- what a stranger or a lying member can make of it ---
+
+def member(node: bytes, addrs: tuple[str, ...], nat: str = "") -> Member:
+    return Member(node, addrs[0], Meta(addrs=addrs, nat=nat), 0, State.ALIVE, 0.0)
+
+
+def test_an_answer_counts_only_with_our_nonce_from_an_address_named_for_the_member():
+    me = member(b"a" * 32, ("10.0.0.1:7946",))
+    peer = member(b"b" * 32, ("10.1.0.2:7946", "198.51.0.2:40000"))
+    punching = Punching(random.Random(0))
+    sends = punching.direct_failed(peer, me, 0.0)
+    punch = next(s.msgs[0] for s in sends if isinstance(s.msgs[0], Punch))
+    assert {s.addr for s in sends if s.via == "direct"} == {"198.51.0.2:40000"}
+    assert any(isinstance(s.msgs[0], CallMeMaybe) and s.via == "relay" for s in sends)
+    assert not punching.answered(peer, punch.nonce + 1, "198.51.0.2:40000", 0.1)  # a guessed nonce
+    assert not punching.answered(peer, punch.nonce, "203.0.113.66:1", 0.1)  # an address nobody named
+    assert not punching.answered(peer, 0, "198.51.0.2:40000", 0.1)  # a keepalive's nonce
+    assert punching.address(peer.id) is None
+    assert punching.answered(peer, punch.nonce, "198.51.0.2:40000", 0.1)
+    assert punching.address(peer.id) == "198.51.0.2:40000"
+
+
+def test_a_members_calls_cannot_make_us_punch_faster_than_our_own_rounds():
+    me = member(b"a" * 32, ("10.0.0.1:7946", "198.51.0.1:40000"))
+    peer = member(b"b" * 32, ("10.1.0.2:7946",))
+    punching = Punching(random.Random(0))
+    calls = 0
+    now = 0.0
+    for step in range(600):  # a call every 0.1 s for a minute, each naming a new address
+        now = step * 0.1
+        calls += len(punching.called(peer, me, (f"203.0.113.{step % 250}:{1000 + step}",), now))
+        calls += len(punching.due({peer.id: peer}, now))
+    # One round of 5 punches per address it keeps (4 at most), then a retry after 30 s.
+    assert calls <= 2 * 5 * 4
+
+
+def nodes_of(net: MemNet):
+    return list(net.nodes.values())
+
+
+def test_strangers_punches_and_unrelayed_calls_get_nothing():
+    net = mesh(3, {2: "eim"})
+    net.run_until_converged(60)
+    a, _, natted = nodes_of(net)
+    stranger = b"s" * 32
+    before = len(a.swim.outbox())
+    # A stranger's punch: no answer (no reflector), counted.
+    a.swim.receive_datagram(encode(Packet(stranger, (Punch(5, a.id),))), "203.0.113.5:1", net.now)
+    assert a.swim.counters["rx_punch_refused"] == 1
+    # A member's call-me-maybe that came as a datagram, not over the relay: ignored.
+    a.swim.receive_datagram(encode(Packet(natted.id, (CallMeMaybe(("203.0.113.5:1",)),))),
+                            "203.0.113.5:1", net.now)
+    # An unasked PunchAck does not redirect anything.
+    a.swim.receive_datagram(encode(Packet(natted.id, (PunchAck(12345, "x:1"),))), "203.0.113.5:1", net.now)
+    out = a.swim.outbox()
+    assert before == 0 and not [o for o in out if o.addr.startswith("203.0.113.5")]
+    assert a.swim.punch.address(natted.id) != "203.0.113.5:1"
