@@ -195,6 +195,8 @@ class Node:
             relay_send=self._relay_send if self.relays is not None else None,
             relay_reaches=self._relay_reaches,
             datagram_path=self.paths.out_path,
+            punched_addr=self._punched_addr,
+            datagram_send=self._send_datagram,
             sign=identity.sign,
             faults=options.faults,
             keyring=self.mesh_key,
@@ -558,6 +560,12 @@ class Node:
             if opened is None:
                 continue  # not a member's: it earns no budget and gets no answer
             self.guard.received(source, len(data), now)
+            if opened[:1] == RELAY_DATA:  # data-channel chunks or acks through a punched NAT
+                try:
+                    await self.data.on_datagram(source, opened)
+                except Exception:
+                    self.handler_error("data datagram", source)
+                continue
             sender = self._receive(opened, source, now)
             if sender is not None:
                 self.paths.received(sender, "direct", now)
@@ -851,6 +859,21 @@ class Node:
             log.debug("relay send to %s: %s", node.hex()[:8], exc)
         else:
             swim.counters["tx_relay_bytes"] += len(data)
+
+    def _punched_addr(self, node: bytes) -> str | None:
+        """Where our datagrams to ``node`` go through its NAT, while probes say they arrive."""
+        return self.core.punch.address(node) if self.paths.punched(node) else None
+
+    async def _send_datagram(self, addr: str, data: bytes) -> None:
+        """A data-channel datagram to ``addr`` on the gossip socket, under our faults as gossip is."""
+        faults = self.options.faults
+        if faults.direct_out_lost(addr):
+            self.core.counters["tx_fault_dropped"] += 1
+            return
+        if faults.delay_s and self._nursery is not None:
+            self._nursery.start_soon(self._send_later, data, addr, faults.delay_s)
+            return
+        await self._sendto(data, addr)
 
     async def _send_later(self, data: bytes, addr: str, delay: float) -> None:
         await trio.sleep(delay)

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from meshd.sim.memnet import MemNet, RelayPath
 from meshd.swim import Config, EventKind
-from meshd.swim.punch import Punching
+from meshd.swim.punch import GAP_S, MAX_OBSERVED, RETRY_MAX_S, RETRY_S, TRIES, Punching
 from meshd.swim.state import Member, State
 from meshd.wire import CallMeMaybe, Meta, Packet, Punch, PunchAck, encode
 
@@ -151,8 +151,13 @@ def test_a_members_calls_cannot_make_us_punch_faster_than_our_own_rounds():
         now = step * 0.1
         calls += len(punching.called(peer, me, (f"203.0.113.{step % 250}:{1000 + step}",), now))
         calls += len(punching.due({peer.id: peer}, now))
-    # One round of 5 punches per address it keeps (4 at most), then a retry after 30 s.
-    assert calls <= 2 * 5 * 4
+    # Rounds only as our own retries space them (2.5 s, doubling): five in a minute, each
+    # TRIES punches to its own address and the (at most MAX_OBSERVED) addresses it named.
+    rounds, t, wait = 0, 0.0, RETRY_S
+    while t < 60:
+        rounds, t, wait = rounds + 1, t + TRIES * GAP_S + wait, min(2 * wait, RETRY_MAX_S)
+    assert calls <= rounds * TRIES * (MAX_OBSERVED + 1)
+    assert rounds * TRIES * (MAX_OBSERVED + 1) < 600 * TRIES  # far below one round per call
 
 
 def nodes_of(net: MemNet):
@@ -176,3 +181,88 @@ def test_strangers_punches_and_unrelayed_calls_get_nothing():
     out = a.swim.outbox()
     assert before == 0 and not [o for o in out if o.addr.startswith("203.0.113.5")]
     assert a.swim.punch.address(natted.id) != "203.0.113.5:1"
+
+
+# --- the whole node on loopback: an address that does not route, a mapping that does ---
+
+async def _free_port() -> int:
+    import trio
+
+    sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_DGRAM)
+    await sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    return port
+
+
+async def test_a_node_behind_an_address_that_does_not_route_is_punched_and_takes_data_as_datagrams():
+    # ``--advertise`` names a port where nothing listens, as a NAT'd node's own address is
+    # unreachable; the relay's STUN sees its real socket, the mapping a peer can punch.  Its
+    # pings there are answered, and data smaller than 1 MiB goes as datagrams to it.
+    import hashlib
+
+    import trio
+
+    from meshd.node import NodeOptions
+    from meshd.relay.server import serve_relay
+    from meshd.testing.inprocess import start_node, wait_converged
+
+    lines: list[str] = []
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            host, port = await nursery.start(serve_relay, "127.0.0.1", 0)
+            opts = dict(profile="local", relay=f"ws://{host}:{port}", stages=2)
+            orch = await start_node(nursery, NodeOptions(role="orchestrator", **opts), lines)
+            hidden = await start_node(nursery, NodeOptions(
+                stage=1, seeds=[orch.addr], advertise=f"127.0.0.1:{await _free_port()}", **opts), lines)
+            peer = await start_node(nursery, NodeOptions(stage=0, seeds=[orch.addr], **opts), lines)
+            await wait_converged([orch, hidden, peer])
+            mapping = hidden.candidates[1]
+            node = hidden.node_id
+            while peer.core.punch.address(node) != mapping or not peer.paths.punched(node):
+                await trio.sleep(0.05)
+            assert any(line.startswith(f"meshd punched stage-0->stage-1 prefix={hidden.node_id.hex()[:8]} "
+                                       f"addr={mapping}") for line in lines)
+            got: list[tuple[bytes, bytes]] = []
+            sizes = [10, 64 * 1024 + 7, 1024 * 1024, 1024 * 1024 + 1]
+            payloads = [bytes(range(256)) * (n // 256) + b"x" * (n % 256) for n in sizes]
+
+            async def collect():
+                async for src, data in hidden.data.received:
+                    got.append((src, data))
+                    if len(got) == len(sizes):
+                        return
+
+            paths = []
+            async with trio.open_nursery() as inner:
+                inner.start_soon(collect)
+                for data in payloads:
+                    paths.append(await peer.send(hidden.node_id, data, timeout=30))
+            # Up to 1 MiB as datagrams through the mapping; more over the relay.
+            assert paths == ["punched", "punched", "punched", "relay"]
+            digest = [hashlib.sha256(d).digest() for d in payloads]
+            assert [hashlib.sha256(d).digest() for _, d in got] == digest
+            assert not [line for line in lines if "member suspect" in line or "member dead" in line]
+            nursery.cancel_scope.cancel()
+
+
+async def test_an_ack_datagram_from_anywhere_but_the_punched_address_counts_for_nothing():
+    # Acks are not sealed: one that does not come from the address our punch opened for its
+    # sender is dropped, so a stranger cannot make us think a message arrived.
+    from meshd.identity import Identity
+    from meshd.net.channel import DataChannel
+    from meshd.wire import RELAY_DATA, DataAck
+
+    victim = Identity.generate()
+    claimed = Identity.generate().node_id
+    channel = DataChannel(victim.node_id, addr_of=lambda n: None, describe=lambda n: n.hex()[:8],
+                          relay_send=None, punched_addr=lambda n: "198.51.100.7:40000",
+                          datagram_send=None, sign=victim.sign)
+    seen = []
+    channel._sender.on_ack = lambda node, ack: seen.append((node, ack))  # type: ignore[method-assign]
+    forged = RELAY_DATA + encode(Packet(claimed, (DataAck(1, 1),)))
+    channel._serving.set()  # as serve() does; acks need none of its tasks
+    await channel.on_datagram("203.0.113.9:1", forged)
+    assert seen == [] and channel.counters["bad_frames"] == 1
+    await channel.on_datagram("198.51.100.7:40000", forged)  # the guard is the address, nothing else
+    assert seen == [(claimed, DataAck(1, 1))]

@@ -145,12 +145,20 @@ def test_a_peer_keeps_a_few_sessions_and_the_channel_a_bounded_number_in_all():
     assert r.claimed_total <= 8 * (10 + 64 * 1024)
 
 
-def test_chunks_that_overlap_or_split_a_message_into_crumbs_are_refused():
+def test_a_message_resent_with_another_cut_is_assembled_from_the_new_cut_alone():
+    # A stream's piece, then the whole message again over punched datagrams, cut finer:
+    # the first overlapping piece starts the assembly afresh, and only the new cut counts.
     r = Reassembler()
-    r.accept(A, DataChunk(S, 1, 10, 0, b"abcdef"))
-    with pytest.raises(ChunkError, match="overlap"):
-        r.accept(A, DataChunk(S, 1, 10, 2, b"cdefgh"))
+    assert r.accept(A, DataChunk(S, 1, 10, 0, b"abcdef")) == (False, [])
+    assert r.accept(A, DataChunk(S, 1, 10, 2, b"cdefgh")) == (False, [])
+    assert r.recut == 1
+    assert r.accept(A, DataChunk(S, 1, 10, 0, b"ab")) == (False, [])
+    assert r.accept(A, DataChunk(S, 1, 10, 8, b"ij")) == (True, [b"abcdefghij"])
     assert r.held(A) == 0
+
+
+def test_a_message_split_into_crumbs_is_refused():
+    r = Reassembler()
     with pytest.raises(ChunkError, match="more pieces"):
         for offset in range(0, 4096):
             r.accept(A, DataChunk(S, 2, 4096, offset, b"z"))

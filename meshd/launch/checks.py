@@ -95,6 +95,8 @@ def paths(snaps: dict[str, Snapshot], prefixes: dict[str, str]) -> tuple[list[di
               "datagrams": m["path_out"], "data": m.get("data_out"),
               # Which relay, for a relayed direction: the one that carried its last frame.
               "relay": m.get("relay_via") if _uses_relay(m) else None,
+              # The address a punch through its NAT opened, where datagrams (and data) go now.
+              "punched": m.get("punched"),
               "rtt_ms": m.get("rtt_ms"), "why": m.get("last_failure"), "relay_ok": m.get("relay_ok"),
               "direct_failures": m.get("direct_failures")}
              for (a, b), m in sorted(table.items())]
@@ -117,7 +119,7 @@ def _side(a: str, b: str, m: Member) -> str:
     """One direction in a line: ``stage-2→stage-0: relay (why)`` or ``…: direct, 0.4 ms``."""
     if not _uses_relay(m):
         rtt = f", {m['rtt_ms']:.1f} ms" if m.get("rtt_ms") is not None else ""
-        return f"{a}→{b}: direct{rtt}"
+        return f"{a}→{b}: direct{' (punched)' if m.get('punched') else ''}{rtt}"
     why = m.get("data_last_failure") if m.get("data_out") == "relay" else None
     why = why or m.get("last_failure")
     layer = "" if m["path_out"] == "relay" else " (data; datagrams direct)"

@@ -20,7 +20,13 @@ Faults (all silent, as a real network is):
                  gets loss as an nftables rule (a random share of what arrives is dropped)
                  and delay from each node itself (``--fault delay:MS`` on every node, as the
                  local provider does: its direct sends, data streams included, held that long);
-- ``nat:X``      X behind a masquerading router: X dials out, nobody dials X.
+- ``nat:X``      X behind a masquerading router, as most home routers: one public port for X's
+                 socket whoever it sends to (endpoint-independent mapping), and in only what
+                 answers what X sent (address-and-port-dependent filtering). The router's
+                 outside leg drops what is addressed to the router itself, so a peer's punch
+                 that beats X's own packet leaves no conntrack entry to clash with X's mapping;
+- ``nat-symmetric:X``  the same with ``masquerade random``: a new public port per destination,
+                 so the mapping a STUN server sees is no use to anyone else.
 
 Every namespace goes in ``teardown`` (their links, routes and rules with them); the host veth
 goes with its peer in the switch namespace.
@@ -45,7 +51,7 @@ GOSSIP_PORT = 7946
 RELAY_PORT = 3478
 DASHBOARD_PORT = 8080
 _DROP = re.compile(r"^drop:(?P<a>[\w.-]+)->(?P<b>[\w.-]+)$")
-_NETWORK = ("drop:", "isolate:", "loss:", "delay:", "nat:")
+_NETWORK = ("drop:", "isolate:", "loss:", "delay:", "nat:", "nat-symmetric:")
 
 
 class NetnsError(Exception):
@@ -147,7 +153,8 @@ class NetnsProvider:
 
     def setup(self, specs: list[str]) -> None:
         """Build the switch, the host leg and one namespace per job, then apply ``specs``."""
-        nats = [s[4:] for s in specs if s.startswith("nat:")]
+        nats = [s.split(":", 1)[1] for s in specs if s.startswith(("nat:", "nat-symmetric:"))]
+        symmetric = {s.split(":", 1)[1] for s in specs if s.startswith("nat-symmetric:")}
         self._check_names(specs)
         self._netns(self.switch)
         _sh("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
@@ -161,7 +168,7 @@ class NetnsProvider:
             ns = self.ns[name]
             self._netns(ns)
             if name in nats:
-                self._behind_nat(name, i, nats.index(name))
+                self._behind_nat(name, i, nats.index(name), symmetric=name in symmetric)
                 continue
             _sh("ip", "link", "add", "eth0", "netns", ns, "type", "veth", "peer", "name", f"p{i}",
                 "netns", self.switch)
@@ -177,7 +184,7 @@ class NetnsProvider:
             _sh("ip", "route", "add", inside, "via", router_ip, "dev", self.host_if)
         self._faults(specs)
 
-    def _behind_nat(self, name: str, i: int, j: int) -> None:
+    def _behind_nat(self, name: str, i: int, j: int, *, symmetric: bool = False) -> None:
         router = f"{self.prefix}nat-{name}"
         self._netns(router)
         self.nat[name] = router
@@ -197,11 +204,16 @@ class NetnsProvider:
         _sh("ip", "-n", self.ns[name], "link", "set", "eth0", "up")
         _sh("ip", "-n", self.ns[name], "route", "add", "default", "via", inside_router)
         self._in(router, "sh", "-c", "echo 1 > /proc/sys/net/ipv4/ip_forward")
+        masquerade = "masquerade random" if symmetric else "masquerade"
         self._in(router, "nft", "-f", "-", input=f"""
 table ip nat {{
-  chain post {{ type nat hook postrouting priority 100; oifname "out" masquerade; }}
+  chain post {{ type nat hook postrouting priority 100; oifname "out" {masquerade}; }}
 }}
 table inet f {{
+  chain input {{
+    type filter hook input priority 0;
+    iifname "out" drop
+  }}
   chain forward {{
     type filter hook forward priority 0;
     ct state established,related accept
@@ -217,7 +229,7 @@ table inet f {{
         for spec in specs:
             if m := _DROP.match(spec):
                 who = [m["a"], m["b"]]
-            elif spec.startswith(("isolate:", "nat:")):
+            elif spec.startswith(("isolate:", "nat:", "nat-symmetric:")):
                 who = [spec.split(":", 1)[1]]
             elif spec.startswith("loss:"):
                 try:
@@ -236,7 +248,8 @@ table inet f {{
                     raise ValueError(f"--fault {spec}: delay must be a number of milliseconds")
                 continue
             else:
-                raise ValueError(f"--fault {spec!r}: expected drop:A->B, isolate:X, loss:P, delay:MS, nat:X")
+                raise ValueError(f"--fault {spec!r}: expected drop:A->B, isolate:X, loss:P, delay:MS, nat:X, "
+                                 "nat-symmetric:X")
             for n in who:
                 if n not in self.names:
                     raise ValueError(f"--fault {spec}: no node named {n!r} "

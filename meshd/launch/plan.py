@@ -101,8 +101,8 @@ def plan_faults(specs: list[str], addrs: dict[str, str], max_tokens: int | None 
             if not is_relay_job(who):
                 raise ValueError(f"--fault {spec}: {who} is not a relay (relay-down stops a relay job)")
             plan.relay_downs.append(RelayDown(spec, who, float(m["s"])))
-        elif spec.startswith("nat:"):
-            raise ValueError(f"--fault {spec}: nat needs --provider netns")
+        elif spec.startswith(("nat:", "nat-symmetric:")):
+            raise ValueError(f"--fault {spec}: {spec.split(':')[0]} needs --provider netns")
         else:
             raise ValueError(f"--fault {spec!r}: expected {_EXPECTED}")
     return plan

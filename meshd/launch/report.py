@@ -136,7 +136,10 @@ def summary(result: dict[str, Any]) -> str:
     relay_job = {url: job for job, url in relays.items()} if len(relays) > 1 else {}
     relayed = [_relayed(p, relay_job) for p in result.get("paths", []) if p["path"] != "direct"]
     if result.get("paths"):
+        punched = [f"{p['from']}→{p['to']}" for p in result["paths"]
+                   if p["path"] == "direct" and p.get("punched")]
         lines.append(f"paths: {len(result['paths']) - len(relayed)} direct"
+                     + (f" ({len(punched)} punched: {', '.join(punched)})" if punched else "")
                      + (f", via relay: {', '.join(relayed)}" if relayed else ""))
     if "tokens" in result:
         t = result["timings"]

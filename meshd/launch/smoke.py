@@ -214,8 +214,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--fault", action="append", default=[], metavar="SPEC",
                    help="drop:A->B, isolate:X, loss:P, delay:MS, kill:X@token-T, restart:X@token-T, "
                         "relay-down@SECONDS (the first relay; relay-down:relay-2@SECONDS another), nat:X "
-                        "(netns); with replicas, kill:stage-K / restart:stage-K hit the replica serving the "
-                        "request, stage-K.j names one")
+                        "and nat-symmetric:X (netns); with replicas, kill:stage-K / restart:stage-K hit "
+                        "the replica serving the request, stage-K.j names one")
     p.add_argument("--startup-order", choices=["any", "master-first", "workers-first"], default="any")
     p.add_argument("--stop-criteria", choices=["all-done", "master-done"], default="master-done")
     p.add_argument("--timeout", type=float, default=60.0, metavar="S", help="for convergence and generation")

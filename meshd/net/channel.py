@@ -63,6 +63,7 @@ class ChannelConfig:
     direct_backoff: float = 2.0  # first wait before dialling a failed peer again
     direct_backoff_max: float = 30.0
     relay_rate: float = 6 * 1024 * 1024  # bytes/s we put on the relay (below its limit)
+    punched_rate: float = 16 * 1024 * 1024  # bytes/s of datagrams to a peer behind a punched NAT
     receive_queue: int = 256
     # How long a receiver may hold an ack so that a burst's acks share a frame.
     # Writers never wait on acks, so this costs no latency; a chunk marked
@@ -95,6 +96,8 @@ class DataChannel:
         relay_send: Callable[[bytes, bytes], Awaitable[None]] | None,
         relay_reaches: Callable[[bytes], bool] | None = None,
         datagram_path: Callable[[bytes], str] | None = None,
+        punched_addr: Callable[[bytes], str | None] | None = None,
+        datagram_send: Callable[[str, bytes], Awaitable[None]] | None = None,
         sign: Callable[[bytes], bytes],
         faults: Faults | None = None,
         config: ChannelConfig | None = None,
@@ -116,6 +119,11 @@ class DataChannel:
         # The path our datagrams to the peer take (its probes' verdict): "relay" means a direct
         # dial is likely to time out, so data goes over the relay at once while it is tried.
         self.datagram_path = datagram_path or (lambda node: "direct")
+        # Where a punch through the peer's NAT opened a way for our datagrams (None: nowhere), and
+        # how a datagram goes out on the gossip socket: the path for data a stream cannot carry
+        # to a peer behind a NAT (see Sender._choose).
+        self.punched_addr = punched_addr or (lambda node: None)
+        self.datagram_send = datagram_send
         self.faults = faults or Faults()
         self.config = config or ChannelConfig()
         self.epoch = random.getrandbits(63) if epoch is None else epoch
@@ -295,6 +303,12 @@ class DataChannel:
         return self.keys.current(node, self._epochs.get(node))
 
     # ------------------------------------------------------------- receiving
+
+    async def on_datagram(self, source: str, payload: bytes) -> None:
+        """A datagram on the gossip socket, from ``source``, whose first byte is RELAY_DATA."""
+        if not self._serving.is_set():
+            await self._serving.wait()
+        await self._receiver.on_datagram(source, payload)
 
     async def on_relay_payload(self, src: bytes, payload: bytes) -> None:
         """A relay frame whose first byte is RELAY_DATA."""

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 # The relay may take this much ahead of its rate at once; past it, we keep to the rate.
 RELAY_BURST_S = 0.25
+PUNCHED_BURST_S = 0.004  # at the punched rate, about 64 KiB: one prefill's activations at once
 
 
 class PathFailed(Exception):
@@ -46,6 +47,7 @@ class Link:
     dialing: bool = False  # a background dial of the direct path is under way
     dialed: trio.Event = field(default_factory=trio.Event)  # set when that dial ends, either way
     relay_failed_at: float = float("-inf")  # when a message over the relay last went unacked
+    punched_failed_at: float = float("-inf")  # when one over punched datagrams last went unacked
     backoff: float = 0.0
     last_failure: str | None = None
     direct_failure: str | None = None  # why the direct path last failed, a dial or a stream
@@ -69,6 +71,7 @@ class Dialer:
     def __init__(self, channel: DataChannel) -> None:
         self._ch = channel
         self._relay_budget_at = 0.0
+        self._punched_budget_at = 0.0
 
     def back_off(self, link: Link) -> None:
         """The direct path to ``link``'s peer failed: wait longer before dialling it again."""
@@ -142,6 +145,24 @@ class Dialer:
                 await relay_send(node, RELAY_DATA + data)
             except Exception as exc:  # RelayError, RelayNotConnected
                 raise PathFailed(str(exc)) from None
+
+    async def punched(self, node: bytes, addr: str, frames: Iterable[bytes]) -> None:
+        """Send encoded packets to ``node`` as datagrams on the gossip socket, to ``addr``, the
+        address a punch through its NAT opened; each packet one datagram, paced."""
+        send = self._ch.datagram_send
+        if send is None:
+            raise PathFailed("no datagram socket")
+        for data in frames:
+            now = trio.current_time()
+            rate = self._ch.config.punched_rate
+            self._punched_budget_at = max(self._punched_budget_at, now) + len(data) / rate
+            ahead = self._punched_budget_at - now
+            if ahead > PUNCHED_BURST_S:  # a burst the peer's socket buffer holds, then the rate
+                await trio.sleep(ahead - PUNCHED_BURST_S)
+            try:
+                await send(addr, RELAY_DATA + data)
+            except OSError as exc:
+                raise PathFailed(f"datagram to {addr} failed: {exc.strerror or exc}") from None
 
     async def _pace(self, n: int) -> None:
         """Stay under the relay's per-client rate, so no chunk is dropped there."""

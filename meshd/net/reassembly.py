@@ -1,7 +1,11 @@
 """Exactly-once, in-order delivery of chunked data messages, sans-IO.
 
 Chunks of one message may arrive over different paths (a direct stream that
-broke halfway, then the relay), twice, or out of order.  Each sender numbers
+broke halfway, then the relay), twice, or out of order.  Streams and the relay
+cut a message at the same offsets; datagrams through a punched NAT cut it
+finer.  A sender always resends a whole message over one path, so a piece that
+overlaps what we hold at other offsets starts the message's assembly afresh
+with that path's pieces (what the old path left is dropped).  Each sender numbers
 its messages 1, 2, 3, ...; the receiver keeps, per sender, the next id it
 will deliver, the messages it is still assembling, and the complete ones that
 wait for an earlier id.  A message is acknowledged as soon as it is whole, and
@@ -19,6 +23,7 @@ progress for ``idle_expiry`` seconds is dropped with everything it holds.
 
 from __future__ import annotations
 
+import bisect
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -34,7 +39,27 @@ class _Assembly:
     total: int
     claim: int
     pieces: dict[int, bytes] = field(default_factory=dict)  # offset -> chunk
+    offsets: list[int] = field(default_factory=list)  # the pieces' offsets, sorted
     have: int = 0
+
+    def overlaps(self, offset: int, size: int) -> bool:
+        """A piece at ``offset`` (not one we hold) would overlap a piece we hold."""
+        i = bisect.bisect_left(self.offsets, offset)
+        if i > 0:
+            before = self.offsets[i - 1]
+            if before + len(self.pieces[before]) > offset:
+                return True
+        return i < len(self.offsets) and self.offsets[i] < offset + size
+
+    def add(self, offset: int, piece: bytes) -> None:
+        bisect.insort(self.offsets, offset)
+        self.pieces[offset] = piece
+        self.have += len(piece)
+
+    def clear(self) -> None:
+        self.pieces.clear()
+        self.offsets.clear()
+        self.have = 0
 
 
 @dataclass
@@ -84,6 +109,7 @@ class Reassembler:
         self.claimed_total = 0
         self.duplicates = 0
         self.expired = 0
+        self.recut = 0  # assemblies started afresh: a resend over a path that cuts differently
 
     def held(self, sender: bytes) -> int:
         """Bytes claimed by ``sender``'s unfinished and undelivered messages."""
@@ -112,15 +138,16 @@ class Reassembler:
             asm = state.assembling[msg_id] = self._claim(sender, state, msg_id, chunk.total)
         elif asm.total != chunk.total:
             raise ChunkError(f"message {msg_id} changed its size from {asm.total} to {chunk.total}")
-        if chunk.offset in asm.pieces:
-            # Every sender cuts a message at the same offsets, whatever the path.
-            self.duplicates += 1
+        if chunk.offset in asm.pieces and len(asm.pieces[chunk.offset]) == len(chunk.chunk):
+            self.duplicates += 1  # the same cut, again
         else:
+            if chunk.offset in asm.pieces or asm.overlaps(chunk.offset, len(chunk.chunk)):
+                asm.clear()  # the whole message again, cut for another path: its pieces only
+                self.recut += 1
             if len(asm.pieces) >= _max_pieces(asm.total):
                 self._drop(sender, state, msg_id)
                 raise ChunkError(f"message {msg_id} comes in more pieces than {asm.total} bytes need")
-            asm.pieces[chunk.offset] = chunk.chunk
-            asm.have += len(chunk.chunk)
+            asm.add(chunk.offset, chunk.chunk)
         if asm.have < asm.total:
             return False, []
         del state.assembling[msg_id]

@@ -18,7 +18,17 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from ..wire import MAX_FRAME_BYTES, RELAY_DATA, DataAck, DataChunk, Packet, WireError, decode, encode
+from ..wire import (
+    MAX_FRAME_BYTES,
+    MAX_PACKET_BYTES,
+    RELAY_DATA,
+    DataAck,
+    DataChunk,
+    Packet,
+    WireError,
+    decode,
+    encode,
+)
 from .framing import RECV_BYTES, next_frame, prefixed, write_frame
 from .reassembly import ChunkError
 
@@ -32,7 +42,10 @@ MAX_BACKLOG = 1024  # messages from one sender waiting for its handler before it
 
 Handler = Callable[[bytes, bytes], Awaitable[None]]
 # Where acks are owed: the peer, and the stream they go back on (None: the relay).
-_AckRoute = tuple[bytes, trio.SocketStream | None]
+# Where acks go: back on the stream the data came on, over the relay (None), or as a datagram
+# to the address the data came from (a str: a peer sending through a punched NAT).
+_AckRoute = tuple[bytes, trio.SocketStream | str | None]
+ACKS_PER_DATAGRAM = 48  # an ack datagram stays within one small IP packet
 
 
 class Receiver:
@@ -112,6 +125,30 @@ class Receiver:
                 return urgent, True
             urgent = self._take(packet, acks, ready) or urgent
 
+    async def on_datagram(self, source: str, payload: bytes) -> None:
+        """Chunks and acks as datagrams on the gossip socket (a peer behind a NAT we punched,
+        or that punched ours).  A chunk proves its sender: it opens only with our pair key.
+        An ack does not, so only one from the address our punch opened for its sender counts."""
+        try:
+            packet = decode(payload[1:], MAX_PACKET_BYTES)
+        except WireError:
+            self._ch.counters["bad_frames"] += 1
+            return
+        if packet.sender == self._ch.id:
+            return
+        if self._ch.punched_addr(packet.sender) != source:
+            kept = tuple(m for m in packet.messages if not isinstance(m, DataAck))
+            if len(kept) != len(packet.messages):
+                self._ch.counters["bad_frames"] += 1
+            packet = Packet(packet.sender, kept)
+        acks: list[DataAck] = []
+        ready: list[tuple[bytes, bytes]] = []
+        urgent = self._take(packet, acks, ready)
+        self._queue(ready)
+        if acks:
+            await self._owe_acks(packet.sender, acks, source, urgent)
+        await self._hand_over(ready)
+
     async def on_relay_payload(self, src: bytes, payload: bytes) -> None:
         """A relay frame whose first byte is RELAY_DATA."""
         try:
@@ -162,7 +199,7 @@ class Receiver:
     # ------------------------------------------------------------- acks
 
     async def _owe_acks(
-        self, node: bytes, acks: list[DataAck], stream: trio.SocketStream | None, now: bool
+        self, node: bytes, acks: list[DataAck], stream: trio.SocketStream | str | None, now: bool
     ) -> None:
         """Acknowledge within ``ack_delay`` (so a burst's acks share a frame), or at once."""
         route = (node, stream)
@@ -182,12 +219,17 @@ class Receiver:
         if acks:
             await self._send_acks(route[0], acks, route[1])
 
-    async def _send_acks(self, node: bytes, acks: list[DataAck], stream: trio.SocketStream | None) -> None:
+    async def _send_acks(self, node: bytes, acks: list[DataAck],
+                         stream: trio.SocketStream | str | None) -> None:
         ch = self._ch
-        for start in range(0, len(acks), ACKS_PER_PACKET):
-            data = encode(Packet(ch.id, tuple(acks[start:start + ACKS_PER_PACKET])))
+        per = ACKS_PER_DATAGRAM if isinstance(stream, str) else ACKS_PER_PACKET
+        for start in range(0, len(acks), per):
+            data = encode(Packet(ch.id, tuple(acks[start:start + per])))
             try:
-                if stream is not None:
+                if isinstance(stream, str):
+                    if ch.datagram_send is not None:
+                        await ch.datagram_send(stream, RELAY_DATA + data)
+                elif stream is not None:
                     await write_frame(ch._sender.link(node).stream_lock, stream, prefixed(data))
                 elif ch.relay_send is not None and not ch.faults.relay_blocked():
                     await ch.relay_send(node, RELAY_DATA + data)

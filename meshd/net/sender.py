@@ -33,6 +33,11 @@ if TYPE_CHECKING:
 # path line up with those already received.  It fits one relay frame, sealed.
 CHUNK_BYTES = 63 * 1024
 WINDOW = 256  # messages written ahead of the oldest unacked one
+# Through a punched NAT, chunks go as datagrams: each one small enough for one IP packet
+# anywhere, and no message larger than this goes that way (the stream or the relay takes it).
+PUNCHED_CHUNK_BYTES = 1024
+PUNCHED_MAX_BYTES = 1024 * 1024
+PUNCHED_RETRY_S = 10.0  # after a message over punched datagrams went unacked
 NO_KEY_WAIT_S = 0.2  # how often a message waits to learn the key of the peer's new process
 
 
@@ -103,6 +108,8 @@ class Sender:
         peer = self._peers.get(node)
         if peer is not None and peer.link.stream is not None:
             return "direct"
+        if self._punched_ok(peer.link if peer is not None else None, node):
+            return "punched"
         if self._ch.relay_send is not None and self._ch.relay_reaches(node) and (
                 self._ch.datagram_path(node) == "relay"):
             return "relay"
@@ -190,12 +197,12 @@ class Sender:
                 await self._write_frames(peer, stream, [rest])
                 path: str | None = "direct"
             else:
-                path = await self._choose(node, peer)
+                path = await self._choose(node, peer, len(item.data))
                 stream = peer.link.stream
                 if path == "direct" and stream is not None:
                     await self._write_frames(peer, stream, self._framed(node, item))
-                elif path == "relay":
-                    await self._dialer.relay(node, self._frames(node, item))
+                elif path in ("relay", "punched"):
+                    await self._write_datagrams(node, path, item)
                 else:
                     path = None
         except PathFailed:
@@ -265,7 +272,7 @@ class Sender:
                 if item.written is not None:
                     path = item.written  # on the wire: wait for its ack
                 else:
-                    path = await self._choose(node, peer)
+                    path = await self._choose(node, peer, len(item.data))
                     if tried:
                         self._ch.counters["resent"] += 1
                     try:
@@ -311,7 +318,7 @@ class Sender:
                 await self._write_frames(peer, stream, self._framed(node, ahead))
             else:
                 session = ahead.session
-                await self._dialer.relay(node, self._frames(node, ahead))
+                await self._write_datagrams(node, path, ahead)
             if ahead.session == session:  # not renumbered while we wrote
                 ahead.written = path
 
@@ -343,8 +350,26 @@ class Sender:
             old.set()
         peer.next_id = len(peer.queue) + 1
 
-    async def _choose(self, node: bytes, peer: _Peer) -> str:
-        """The path for the next write to ``node``.
+    async def _write_datagrams(self, node: bytes, path: str, item: Outgoing) -> None:
+        """``item`` over the relay, or as datagrams through the peer's punched NAT (one too large
+        for that goes over the relay)."""
+        addr = self._ch.punched_addr(node) if path == "punched" else None
+        if addr is not None and len(item.data) <= PUNCHED_MAX_BYTES:
+            await self._dialer.punched(node, addr, self._frames(node, item, PUNCHED_CHUNK_BYTES))
+        elif path == "punched" and self._ch.relay_send is None:
+            raise PathFailed("its punched address went, and there is no relay")
+        else:
+            await self._dialer.relay(node, self._frames(node, item))
+
+    def _punched_ok(self, link: Link | None, node: bytes) -> bool:
+        """Whether data to ``node`` may go as datagrams through its punched NAT: a punch opened
+        it, and nothing sent that way went unacked lately."""
+        if self._ch.datagram_send is None or self._ch.punched_addr(node) is None:
+            return False
+        return link is None or trio.current_time() - link.punched_failed_at >= PUNCHED_RETRY_S
+
+    async def _choose(self, node: bytes, peer: _Peer, size: int = 0) -> str:
+        """The path for the next write to ``node`` (of a message of ``size`` bytes).
 
         The direct stream once it is up.  Without one, a direct dial runs in the background
         and the relay carries the message: at once if the direct path is known to fail (our
@@ -354,6 +379,13 @@ class Sender:
         waited for.
         """
         link = peer.link
+        if link.stream is None and size <= PUNCHED_MAX_BYTES and self._punched_ok(link, node):
+            # Its NAT lets our datagrams in: they carry it while a dial is tried (a NAT that
+            # lets a dial in is rare; a stream, when one comes up, is taken from then on).
+            if link.direct_due() and not link.dialing:
+                link.dialing, link.dialed = True, trio.Event()
+                self._ch._spawn(self._probe_direct, node, peer)
+            return "punched"
         if link.stream is not None or self._ch.relay_send is None or not self._ch.relay_reaches(node):
             return "direct"
         if link.direct_due() and not link.dialing:
@@ -393,6 +425,9 @@ class Sender:
                 item.written = None
         if path == "direct":
             self._direct_failed(peer, reason)
+        elif path == "punched":
+            peer.link.punched_failed_at = trio.current_time()
+            peer.link.last_failure = f"{path}: {reason}"
         else:
             peer.link.relay_failed_at = trio.current_time()
             peer.link.last_failure = f"{path}: {reason}"
@@ -435,7 +470,7 @@ class Sender:
             if not whole and peer.link.stream is stream:
                 self.drop_stream(peer)  # it may hold half a frame: nothing after it would parse
 
-    def _frames(self, node: bytes, item: Outgoing) -> Iterator[bytes]:
+    def _frames(self, node: bytes, item: Outgoing, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
         """``item`` as encoded packets of one chunk each, all in the session it has now, every
         chunk sealed for ``node``'s current process.
 
@@ -445,13 +480,13 @@ class Sender:
         keys = self._ch.pair_keys(node)
         if keys is None:
             raise NoPeerKey("no data key for its current process yet (its X25519 key is not known)")
-        return self._sealed(keys, item)
+        return self._sealed(keys, item, chunk_bytes)
 
-    def _sealed(self, keys: PairKeys, item: Outgoing) -> Iterator[bytes]:
+    def _sealed(self, keys: PairKeys, item: Outgoing, chunk_bytes: int) -> Iterator[bytes]:
         session, msg_id, total = item.session, item.msg_id, len(item.data)
         view = memoryview(item.data)
-        for offset in range(0, max(total, 1), CHUNK_BYTES):
-            chunk = keys.seal(session, msg_id, total, offset, view[offset:offset + CHUNK_BYTES])
+        for offset in range(0, max(total, 1), chunk_bytes):
+            chunk = keys.seal(session, msg_id, total, offset, view[offset:offset + chunk_bytes])
             msg = DataChunk(session, msg_id, total, offset, chunk, item.urgent)
             yield encode(Packet(self._ch.id, (msg,)), MAX_FRAME_BYTES)
 

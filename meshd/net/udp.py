@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 
 import trio
 
 MAX_DATAGRAM = 65_535
+RECEIVE_BUFFER_BYTES = 4 * 1024 * 1024
 
 
 class AddressError(ValueError):
@@ -40,6 +42,10 @@ async def open_udp(bind: str) -> trio.socket.SocketType:
     host, port = parse_addr(bind, allow_port_zero=True)
     family = trio.socket.AF_INET6 if ":" in host else trio.socket.AF_INET
     sock = trio.socket.socket(family, trio.socket.SOCK_DGRAM)
+    # Room for a burst of data datagrams to a peer behind a punched NAT (a prefill's
+    # activations); the kernel caps it at net.core.rmem_max, which is also fine.
+    with contextlib.suppress(OSError):
+        sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_RCVBUF, RECEIVE_BUFFER_BYTES)
     try:
         await sock.bind((host, port))
     except OSError as exc:

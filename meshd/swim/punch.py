@@ -15,12 +15,14 @@ the relay.  Then, as Tailscale's disco and iroh do:
    its probes included, so the probe verdict says direct again.
 
 A round sends ``TRIES`` punches ``GAP_S`` apart; one that nothing answers is
-tried again after ``RETRY_S``.  A NAT forgets a mapping nobody uses (30 s for
-UDP on Linux): a punched address that carried nothing for ``KEEPALIVE_S`` gets
-one small ``Punch``, counted.  A member whose NAT maps per destination
-(``Meta.nat == "symmetric"``) is not punched: the mapping we would learn is not
-the one its packets to us use, so the pair stays on the relay, and
-``status`` says why.
+tried again after ``RETRY_S``, doubling up to ``RETRY_MAX_S``.  The end that was
+asked (a call, or a punch that got in) punches the asker's own address too:
+that is the one it gossips, and the one that works when only our side has a NAT.
+A NAT forgets a mapping nobody uses (30 s for UDP on Linux): a punched address
+that carried nothing for ``KEEPALIVE_S`` gets one small ``Punch``, counted.  A
+member whose NAT maps per destination (``Meta.nat == "symmetric"``) is not
+punched: the mapping we would learn is not the one its packets to us use, so
+the pair stays on the relay, and ``status`` says why.
 
 Only members are punched or answered, and an answer counts only with the
 nonce of a round we started, sent to one of the member's addresses: a stranger
@@ -37,7 +39,8 @@ from .state import Member
 
 TRIES = 5  # punches per address in one round
 GAP_S = 0.2  # between a round's punches
-RETRY_S = 30.0  # after a round nothing answered
+RETRY_S = 2.5  # after a round nothing answered; doubling each time
+RETRY_MAX_S = 30.0
 KEEPALIVE_S = 20.0  # a punched address that carried nothing this long gets a punch (NATs forget at 30 s)
 MAX_OBSERVED = 4  # peer-reflexive addresses kept per member
 
@@ -52,6 +55,7 @@ class _Peer:
     last_sent: float = 0.0  # anything we sent to the punched address
     rounds_failed: int = 0
     status: str = ""  # why it is not punched, for the path reason
+    asked: bool = False  # the round under way answers the peer's call: its own address too
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +110,7 @@ class Punching:
         if me.meta.nat == "symmetric":
             peer.status = "not punched: we are behind a symmetric NAT (a mapping per destination)"
             return []
-        if not self._targets(m, peer):
+        if not self._targets(m, peer, False):
             return []  # no NAT in the way, nothing to try: a filter, a host down
         if now < peer.next_at and peer.rounds_failed:
             return []  # the last round failed: wait for the next
@@ -119,7 +123,7 @@ class Punching:
             return []  # a member's call cannot make us punch faster than our own rounds would
         for addr in addrs[:MAX_ADDRS]:
             self._observe(peer, addr)
-        return self._start(m, me, peer, now, call=False)
+        return self._start(m, me, peer, now, call=False, asked=True)
 
     def punched_by(self, m: Member, me: Member, source: str, now: float) -> list[Send]:
         """``m``'s punch reached us from ``source``: its NAT's mapping towards us.  Punch back,
@@ -128,15 +132,18 @@ class Punching:
         self._observe(peer, source)
         if peer.punched is not None or peer.nonce or me.meta.nat == "symmetric" or m.meta.nat == "symmetric":
             return []
-        return self._start(m, me, peer, now, call=False)
+        return self._start(m, me, peer, now, call=False, asked=True)
 
     def answered(self, m: Member, nonce: int, source: str, now: float) -> bool:
         """A ``PunchAck`` from ``m`` at ``source``; True if it opened the path (a new address)."""
         peer = self.peers.get(m.id)
         if peer is None or not nonce or nonce != peer.nonce:
             return False
-        if source not in self._targets(m, peer):
+        if source not in self._targets(m, peer, True):
             return False  # never an address nobody named for it
+        if source == m.addr:  # its own address answers: nothing in the way, nothing to redirect
+            peer.nonce, peer.tries_left, peer.next_at, peer.status = 0, 0, float("inf"), ""
+            return False
         new = peer.punched != source
         peer.punched, peer.last_sent = source, now
         peer.nonce, peer.tries_left, peer.next_at = 0, 0, float("inf")
@@ -172,8 +179,8 @@ class Punching:
                 out += self._punches(m, peer, now)
             elif peer.nonce:  # the round ended unanswered
                 peer.nonce, peer.rounds_failed = 0, peer.rounds_failed + 1
-                peer.next_at = now + RETRY_S
-                peer.status = (f"not punched: no answer from {', '.join(self._targets(m, peer))} "
+                peer.next_at = now + min(RETRY_MAX_S, RETRY_S * 2 ** (peer.rounds_failed - 1))
+                peer.status = (f"not punched: no answer from {', '.join(self._targets(m, peer, peer.asked))} "
                                f"({peer.rounds_failed} round{'s' if peer.rounds_failed > 1 else ''})")
             else:
                 peer.next_at = float("inf")  # the retry is the next probe failure's to start
@@ -181,9 +188,11 @@ class Punching:
 
     # ------------------------------------------------------------ rounds
 
-    def _start(self, m: Member, me: Member, peer: _Peer, now: float, *, call: bool) -> list[Send]:
-        if not self._targets(m, peer):
+    def _start(self, m: Member, me: Member, peer: _Peer, now: float, *, call: bool,
+               asked: bool = False) -> list[Send]:
+        if not self._targets(m, peer, asked):
             return []
+        peer.asked = asked
         peer.nonce = self.rng.getrandbits(63) | 1
         peer.tries_left = TRIES
         out = self._punches(m, peer, now)
@@ -195,13 +204,15 @@ class Punching:
     def _punches(self, m: Member, peer: _Peer, now: float) -> list[Send]:
         peer.tries_left -= 1
         peer.next_at = now + GAP_S
-        return [Send(addr, m.id, (Punch(peer.nonce, m.id),), "direct") for addr in self._targets(m, peer)]
+        targets = self._targets(m, peer, peer.asked)
+        return [Send(addr, m.id, (Punch(peer.nonce, m.id),), "direct") for addr in targets]
 
     @staticmethod
-    def _targets(m: Member, peer: _Peer) -> list[str]:
-        """Where ``m`` may be reached: the addresses it gossips, then where its punches came from."""
-        out = [a for a in m.meta.addrs[:MAX_ADDRS] if a != m.addr]
-        out += [a for a in peer.observed if a not in out and a != m.addr]
+    def _targets(m: Member, peer: _Peer, own: bool) -> list[str]:
+        """Where ``m`` may be reached: the addresses it gossips, then where its punches came from;
+        its own (advertised) address only with ``own``, since our probes tried that one."""
+        out = [a for a in m.meta.addrs[:MAX_ADDRS] if own or a != m.addr]
+        out += [a for a in peer.observed if a not in out and (own or a != m.addr)]
         return out
 
     @staticmethod
