@@ -742,7 +742,7 @@ class Node:
     def _path_changed(self, node: bytes, direct: bool, rtt: float, now: float) -> None:
         reason = "direct ping unanswered within the probe timeout; the relayed ping was answered"
         if not direct and (why := self.core.punch.status(node)):
-            reason += f"; {why}"
+            reason = f"{why}; {reason}"  # first: a gossiped summary keeps only the start
         self.paths.set_punched(node, self.core.punch.address(node))
         if self.paths.probe_verdict(node, direct, now, reason):
             m = self.core.members.get(node)

@@ -88,7 +88,7 @@ def test_a_symmetric_nat_keeps_its_pairs_on_the_relay_and_says_why():
     for node in nodes[:3]:
         assert node.swim.punch.address(natted.id) is None
         assert not direct_ok(net, node.index, 3)  # the relay carries it
-        assert "symmetric NAT" in node.swim.punch.status(natted.id)
+        assert node.swim.punch.status(natted.id) == "behind a symmetric NAT: not punched"
         assert node.swim.members[natted.id].state is State.ALIVE
     assert not net.events(EventKind.PUNCHED)
     assert sum(n.swim.counters["tx_punches"] for n in nodes) == 0
@@ -139,6 +139,22 @@ def test_an_answer_counts_only_with_our_nonce_from_an_address_named_for_the_memb
     assert punching.address(peer.id) is None
     assert punching.answered(peer, punch.nonce, "198.51.0.2:40000", 0.1)
     assert punching.address(peer.id) == "198.51.0.2:40000"
+
+
+def test_a_round_nothing_answered_is_tried_again_at_the_first_failing_probe_after_the_wait():
+    # (Its punches may reach a peer that has not heard of us yet, and be refused.)
+    me = member(b"a" * 32, ("10.0.0.1:7946",))
+    peer = member(b"b" * 32, ("10.1.0.2:7946", "198.51.0.2:40000"))
+    punching = Punching(random.Random(0))
+    assert punching.direct_failed(peer, me, 0.0)
+    now = 0.0
+    while now < TRIES * GAP_S + 0.1:
+        now += GAP_S
+        punching.due({peer.id: peer}, now)
+    assert punching.status(peer.id) == "no answer to 1 punch round"
+    assert punching.direct_failed(peer, me, now) == []  # too soon
+    again = punching.direct_failed(peer, me, now + RETRY_S)
+    assert {s.addr for s in again if s.via == "direct"} == {"198.51.0.2:40000"}
 
 
 def test_a_members_calls_cannot_make_us_punch_faster_than_our_own_rounds():

@@ -50,11 +50,12 @@ class _Peer:
     observed: list[str] = field(default_factory=list)  # where its punches came from, newest last
     nonce: int = 0  # of the round under way, 0 if none
     tries_left: int = 0
-    next_at: float = float("inf")  # the next punch of the round, or the next round
+    next_at: float = float("inf")  # the next punch of the round under way
+    retry_at: float = 0.0  # no new round before this (the last one went unanswered)
     punched: str | None = None  # the address that answered
     last_sent: float = 0.0  # anything we sent to the punched address
     rounds_failed: int = 0
-    status: str = ""  # why it is not punched, for the path reason
+    status: str = ""  # why it is not punched, for the path reason (short: summaries keep 48 characters)
     asked: bool = False  # the round under way answers the peer's call: its own address too
 
 
@@ -74,7 +75,6 @@ class Punching:
     def __init__(self, rng: random.Random) -> None:
         self.rng = rng
         self.peers: dict[bytes, _Peer] = {}
-        self.keepalives = 0
 
     # ------------------------------------------------------------ views
 
@@ -104,22 +104,21 @@ class Punching:
         if peer.nonce:
             return []  # a round is under way
         if m.meta.nat == "symmetric":
-            peer.status = (f"not punched: {m.name or m.prefix} is behind a symmetric NAT "
-                           "(a mapping per destination)")
+            peer.status = "behind a symmetric NAT: not punched"
             return []
         if me.meta.nat == "symmetric":
-            peer.status = "not punched: we are behind a symmetric NAT (a mapping per destination)"
+            peer.status = "we are behind a symmetric NAT: not punched"
             return []
         if not self._targets(m, peer, False):
             return []  # no NAT in the way, nothing to try: a filter, a host down
-        if now < peer.next_at and peer.rounds_failed:
-            return []  # the last round failed: wait for the next
+        if now < peer.retry_at:
+            return []  # the last round went unanswered: wait
         return self._start(m, me, peer, now, call=True)
 
     def called(self, m: Member, me: Member, addrs: tuple[str, ...], now: float) -> list[Send]:
         """``m`` asked us over the relay to punch towards ``addrs``."""
         peer = self.peers.setdefault(m.id, _Peer())
-        if me.meta.nat == "symmetric" or peer.nonce or (peer.rounds_failed and now < peer.next_at):
+        if me.meta.nat == "symmetric" or peer.nonce or now < peer.retry_at:
             return []  # a member's call cannot make us punch faster than our own rounds would
         for addr in addrs[:MAX_ADDRS]:
             self._observe(peer, addr)
@@ -147,7 +146,7 @@ class Punching:
         new = peer.punched != source
         peer.punched, peer.last_sent = source, now
         peer.nonce, peer.tries_left, peer.next_at = 0, 0, float("inf")
-        peer.rounds_failed, peer.status = 0, ""
+        peer.rounds_failed, peer.retry_at, peer.status = 0, 0.0, ""
         return new
 
     def sent(self, node: bytes, addr: str, now: float) -> None:
@@ -170,20 +169,17 @@ class Punching:
             if m is None or not m.state.live:
                 continue
             if peer.punched is not None and now >= peer.last_sent + KEEPALIVE_S:
-                self.keepalives += 1
                 peer.last_sent = now
                 out.append(Send(peer.punched, node, (Punch(0, node),), "direct"))
-            if now < peer.next_at:
+            if now < peer.next_at or not peer.nonce:
                 continue
-            if peer.nonce and peer.tries_left > 0:
+            if peer.tries_left > 0:
                 out += self._punches(m, peer, now)
-            elif peer.nonce:  # the round ended unanswered
-                peer.nonce, peer.rounds_failed = 0, peer.rounds_failed + 1
-                peer.next_at = now + min(RETRY_MAX_S, RETRY_S * 2 ** (peer.rounds_failed - 1))
-                peer.status = (f"not punched: no answer from {', '.join(self._targets(m, peer, peer.asked))} "
-                               f"({peer.rounds_failed} round{'s' if peer.rounds_failed > 1 else ''})")
-            else:
-                peer.next_at = float("inf")  # the retry is the next probe failure's to start
+            else:  # the round ended unanswered: the next probe that fails after retry_at tries again
+                peer.nonce, peer.rounds_failed, peer.next_at = 0, peer.rounds_failed + 1, float("inf")
+                peer.retry_at = now + min(RETRY_MAX_S, RETRY_S * 2 ** (peer.rounds_failed - 1))
+                rounds = peer.rounds_failed
+                peer.status = f"no answer to {rounds} punch round{'s' if rounds > 1 else ''}"
         return out
 
     # ------------------------------------------------------------ rounds
