@@ -74,18 +74,20 @@ class Driven:
     again_after: list[str] = dataclasses.field(default_factory=list)  # those faults' specs
 
 
-def prepare_model(model: str | None, stub: bool, tmp: Path, progress: Progress) -> str:
-    """The checkpoint to serve: the given one, the stub, or a small one written to ``tmp``."""
+def prepare_model(model: str | None, stub: bool, tmp: Path, progress: Progress, stages: int = 1) -> str:
+    """The checkpoint to serve: the given one, the stub, or one written to ``tmp``: the
+    ``small`` preset, or ``deep`` for more stages than ``small`` has layers."""
     if stub:
         from ..pipeline.stub import stub_checkpoint
 
         return str(stub_checkpoint())
     if model is None:
-        from ..pipeline.checkpoint import init_checkpoint
+        from ..pipeline.checkpoint import PRESETS, init_checkpoint
 
-        progress.update("writing a small checkpoint")
+        preset = "small" if stages <= PRESETS["small"]["num_hidden_layers"] else "deep"
+        progress.update(f"writing a {preset} checkpoint")
         model = str(tmp / "model")
-        init_checkpoint(model, "small", seed=0)
+        init_checkpoint(model, preset, seed=0)
     return model
 
 

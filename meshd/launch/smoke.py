@@ -121,7 +121,7 @@ def _run(args: argparse.Namespace, session: _Session, outcome: Outcome, progress
 def _plan(args: argparse.Namespace, session: _Session, outcome: Outcome, progress: Progress) -> RunPlan:
     names = node_names(args.stages, args.replicas)
     relays = relay_job_names(args.relays)
-    model = prepare_model(args.model, args.stub, session.tmp, progress)
+    model = prepare_model(args.model, args.stub, session.tmp, progress, args.stages)
     if args.provider == "netns":
         session.provider = open_netns(relays, names, progress)  # torn down even if building it fails
     placement = place_jobs(session.provider, args.fault, names, relays, args.max_tokens)
@@ -204,7 +204,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--relays", type=_relays, default=1, metavar="R",
                    help="relays: relay, relay-2, ...; every node holds them all, the first first (default 1)")
     model = p.add_mutually_exclusive_group()
-    model.add_argument("--model", metavar="DIR", help="checkpoint (default: a `small` one in a temp dir)")
+    model.add_argument("--model", metavar="DIR",
+                       help="checkpoint (default: a `small` one in a temp dir, `deep` past 6 stages)")
     model.add_argument("--stub", action="store_true", help="the tiny built-in model")
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
     p.add_argument("--max-tokens", type=positive_int, default=32, metavar="K")

@@ -199,8 +199,12 @@ PRESETS: dict[str, dict] = {
     "small": dict(hidden_size=288, intermediate_size=768, num_hidden_layers=6, num_attention_heads=6,
                   num_key_value_heads=6, vocab_size=32000, max_position_embeddings=256,
                   rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_ids=(2,)),
+    # Deep and narrow, for wide meshes: 16 layers, so up to 16 stages, each cheap to run.
+    "deep": dict(hidden_size=128, intermediate_size=344, num_hidden_layers=16, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=32000, max_position_embeddings=256,
+                 rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_ids=(2,)),
 }
-_BYTE_OFFSET = {"tiny": 0, "small": 3}
+_BYTE_OFFSET = {"tiny": 0, "small": 3, "deep": 3}
 
 
 def random_weights(config: LlamaConfig, seed: int = 0) -> dict[str, np.ndarray]:

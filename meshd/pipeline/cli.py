@@ -17,9 +17,9 @@ def add_parser(sub) -> None:
         description="Write config.json, model.safetensors and a byte tokenizer spec with seeded random "
         "weights. The same seed gives the same bytes.")
     init.add_argument("--out", required=True, metavar="DIR", help="directory to write (created if missing)")
-    init.add_argument("--preset", choices=["tiny", "small"], default="tiny",
-                      help="tiny: 4 layers, dim 64, for tests; small: stories15M's shapes "
-                      "(default %(default)s)")
+    init.add_argument("--preset", choices=["tiny", "small", "deep"], default="tiny",
+                      help="tiny: 4 layers, dim 64, for tests; small: stories15M's shapes (6 layers); "
+                      "deep: 16 layers, dim 128, for meshes of up to 16 stages (default %(default)s)")
     init.add_argument("--seed", type=int, default=0, metavar="N", help="weights seed (default %(default)s)")
     init.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                       help="stored dtype (default %(default)s)")
