@@ -48,6 +48,9 @@ def peer_view(m: dict, *, me: bool = False) -> dict:
         "relay_url": m.get("relay_url"),
         "path_out": None if me else m.get("path_out", "direct"),
         "path_in": None if me else m.get("path_in", "none"),
+        # Where our direct packets go when a punch through its NAT opened the way (None: its own).
+        "punched": None if me else m.get("punched"),
+        "nat": m.get("nat"),  # its NAT as the relays' STUN saw it
         "rtt_ms": None if me else m.get("rtt_ms"),
         "rtt_path": None if me else m.get("rtt_path"),  # the path that round trip was measured on
         "out_ok": None if me else m.get("path_checks", 0),
@@ -97,7 +100,8 @@ def _direction(frm: dict, to: dict, edge: dict) -> str:
     fails = edge.get("direct_failures") or 0
     times = f" ×{fails}" if fails else ""
     if path == "direct":
-        return f"{head}: direct" + (f", {rtt:.1f} ms direct" if rtt is not None else "")
+        way = "direct (punched)" if edge.get("punched") else "direct"
+        return f"{head}: {way}" + (f", {rtt:.1f} ms direct" if rtt is not None else "")
     since = edge.get("since_s")
     for_ = f", for {since:.0f} s" if since is not None else ""
     if path == "relay":
@@ -131,7 +135,7 @@ def topology(snap: dict) -> dict:
         return {"from": a["id"], "to": b["id"], "from_name": _name(a), "to_name": _name(b),
                 "path": e["path"], "ok": ok, "rtt_ms": e["rtt_ms"],
                 "direct_failures": e["direct_failures"], "reason": e["reason"], "since_s": e["since_s"],
-                "relay": e["relay"]}
+                "relay": e["relay"], "punched": e["punched"]}
 
     order = sorted(live, key=lambda v: _sort_key(_name(v)))
     edges = [edge(a, b) for a in order for b in order if a["id"] != b["id"]]

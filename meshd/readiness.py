@@ -195,8 +195,9 @@ def _check_edge_names(rows: list[dict], names: dict, why: list[str]) -> None:
 
 def path(snap: dict, frm: str, to: str) -> dict:
     """The path from node ``frm`` to node ``to`` (full ids): ``{"path", "rtt_ms", "direct_failures",
-    "reason", "since_s", "relay"}``; ``path`` is ``direct``, ``relay``, ``none`` or ``unknown``, and
-    ``relay`` the relay that carries it (None when unknown or not the relay).
+    "reason", "since_s", "relay", "punched"}``; ``path`` is ``direct``, ``relay``, ``none`` or
+    ``unknown``, ``relay`` the relay that carries it (None when unknown or not the relay), and
+    ``punched`` whether a direct path goes through the peer's NAT, opened by hole punching.
 
     Our own outbound paths come from our own path table (fresher than our
     summary); every other node's from the summary it gossiped.
@@ -206,13 +207,15 @@ def path(snap: dict, frm: str, to: str) -> dict:
         way = m.get("path_out", "direct")
         return {"path": way, "rtt_ms": m.get("rtt_ms"), "direct_failures": m.get("direct_failures", 0),
                 "reason": m.get("last_failure") if way != "direct" else None,
-                "since_s": m.get("path_out_since_s"), "relay": m.get("relay_via") if way == "relay" else None}
+                "since_s": m.get("path_out_since_s"), "relay": m.get("relay_via") if way == "relay" else None,
+                "punched": bool(m.get("punched"))}
     entries = (snap.get("path_summaries") or {}).get(frm, {}).get("entries", [])
     x = next((e for e in entries if e.get("to") == to), None)
     if x is None:
         return {"path": "unknown", "rtt_ms": None, "direct_failures": 0, "reason": None, "since_s": None,
-                "relay": None}
-    return {k: x.get(k) for k in ("path", "rtt_ms", "direct_failures", "reason", "since_s", "relay")}
+                "relay": None, "punched": False}
+    out = {k: x.get(k) for k in ("path", "rtt_ms", "direct_failures", "reason", "since_s", "relay")}
+    return {**out, "punched": bool(x.get("punched"))}
 
 
 def _hops(orchestrator: dict, rows: list[dict]) -> list[tuple[dict, dict]]:

@@ -35,6 +35,8 @@ def member_view(m: Member, now: float) -> dict:
         "checkpoint": m.meta.checkpoint,
         "draining": m.meta.draining,
         "keyring": list(m.meta.keyring),  # ids of the mesh keys it holds, the one it seals with first
+        "addrs": list(m.meta.addrs),  # where it may be reached: its own address, then its STUN mapping
+        "nat": m.meta.nat or None,  # as two relays' STUN saw it: none, endpoint-independent, symmetric
         # The round trip over the path our probes take to it now, and which path that is.
         "rtt_ms": None if m.rtt is None else round(m.rtt * 1000, 3),
         "rtt_path": "direct",
@@ -99,6 +101,7 @@ def path_summaries(swim: Swim, now: float) -> dict:
                          "rtt_ms": round(e.rtt_us / 1000, 3) if e.rtt_us else None,
                          "direct_failures": e.direct_failures, "reason": e.reason or None,
                          "relay": e.relay or None,
+                         "punched": e.punched,
                          # since the summary was made, plus how long ago we took it in
                          "since_s": round(e.since_ms / 1000 + now - at, 3) if e.since_ms else None}
                         for e in summary.entries],

@@ -87,18 +87,21 @@ def test_a_kernel_one_way_drop_passes_and_reports_the_pair(fault, pair):
     assert f"{a}→{b}: relay" in out["asymmetric"][0]["detail"]
 
 
-def test_an_orchestrator_behind_nat_dials_out_and_is_reached_over_the_relay():
+def test_an_orchestrator_behind_nat_dials_out_and_is_reached_through_a_punch():
     rc, out = netns_smoke("--stages", "3", "--fault", "nat:orchestrator")
     assert rc == 0, out
     assert out["matches_reference"]
     assert out["testbed"]["nat"] == {"orchestrator": out["testbed"]["nat"]["orchestrator"]}
     paths = {(p["from"], p["to"]): p for p in out["paths"]}
     for k in range(3):
-        # Out of the NAT: direct. Into it: nobody can dial, so the relay carries it.
+        # Out of the NAT: direct. Into it: nobody can dial its own address, but a punch
+        # through its NAT opens a way to its mapping.
         assert paths[("orchestrator", f"stage-{k}")]["path"] == "direct"
-        assert paths[(f"stage-{k}", "orchestrator")]["path"] == "relay"
-    assert {(x["from"], x["to"]) for x in out["asymmetric"]} == {("orchestrator", f"stage-{k}")
-                                                                  for k in range(3)}
+        into = paths[(f"stage-{k}", "orchestrator")]
+        assert into["path"] == "direct" and into["punched"], into
+    # The tokens, as datagrams through its NAT.
+    assert [p["data"] for p in _into(out, "orchestrator") if p["data"]] == ["punched"]
+    assert out["asymmetric"] == []
 
 
 def test_a_replica_behind_nat_serves_its_stage():
@@ -108,8 +111,59 @@ def test_a_replica_behind_nat_serves_its_stage():
     # The switch, the relay, the orchestrator, six stage nodes and the NAT router.
     assert len(out["testbed"]["namespaces"]) == 1 + 1 + 1 + 6 + 1
     paths = {(p["from"], p["to"]): p for p in out["paths"]}
-    assert paths[("orchestrator", "stage-1.2")]["path"] == "relay"  # nobody dials into the NAT
+    assert paths[("orchestrator", "stage-1.2")]["punched"]  # nobody dials into the NAT: punched
     assert paths[("stage-1.2", "orchestrator")]["path"] == "direct"
+
+
+def _into(out: dict, job: str) -> list[dict]:
+    return [p for p in out["paths"] if p["to"] == job]
+
+
+def test_every_pair_with_a_stage_behind_nat_ends_punched_datagrams_and_data():
+    rc, out = netns_smoke("--stages", "5", "--relays", "2", "--fault", "nat:stage-2")
+    assert rc == 0, out
+    assert out["matches_reference"] and out["asymmetric"] == []
+    # Two relays' STUN saw one mapping: a NAT a peer can punch through. Nobody else has one.
+    assert out["nat"]["stage-2"] == "endpoint-independent"
+    assert {job for job, kind in out["nat"].items() if kind != "none"} == {"stage-2"}
+    into = _into(out, "stage-2")
+    assert len(into) == 5 and all(p["path"] == "direct" and p["punched"] for p in into), into
+    assert [p["data"] for p in into if p["from"] == "stage-1"] == ["punched"]
+
+
+def test_two_stages_behind_their_own_nats_punch_each_other():
+    rc, out = netns_smoke("--stages", "5", "--relays", "2", "--fault", "nat:stage-1",
+                          "--fault", "nat:stage-2")
+    assert rc == 0, out
+    assert out["matches_reference"] and out["asymmetric"] == []
+    paths = {(p["from"], p["to"]): p for p in out["paths"]}
+    for a, b in (("stage-1", "stage-2"), ("stage-2", "stage-1")):
+        assert paths[(a, b)]["path"] == "direct" and paths[(a, b)]["punched"], paths[(a, b)]
+    assert paths[("stage-1", "stage-2")]["data"] == "punched"
+
+
+def test_a_symmetric_nat_keeps_its_pairs_on_the_relay_and_says_why():
+    rc, out = netns_smoke("--stages", "5", "--relays", "2", "--fault", "nat-symmetric:stage-2")
+    assert rc == 0, out
+    assert out["matches_reference"]
+    assert out["nat"]["stage-2"] == "symmetric"  # two relays' STUN saw two mappings
+    into = _into(out, "stage-2")
+    assert len(into) == 5 and all(p["path"] == "relay" and not p["punched"] for p in into), into
+    assert all(p["why"].startswith("behind a symmetric NAT: not punched") for p in into), into
+    details = " ".join(a["detail"] for a in out["asymmetric"])
+    assert "→stage-2: relay, because behind a symmetric NAT: not punched" in details
+
+
+def test_ten_stages_two_behind_nat_and_a_one_way_firewall_pass():
+    rc, out = netns_smoke("--stages", "10", "--relays", "2", "--fault", "nat:stage-3",
+                          "--fault", "nat:stage-7", "--fault", "drop:stage-5->stage-6", timeout=300)
+    assert rc == 0, out
+    assert out["matches_reference"]
+    paths = {(p["from"], p["to"]): p for p in out["paths"]}
+    assert paths[("stage-5", "stage-6")]["path"] == "relay"  # a filter, not a NAT: nothing to punch
+    for job in ("stage-3", "stage-7"):
+        assert all(p["punched"] for p in _into(out, job)), _into(out, job)
+    assert paths[("stage-6", "stage-7")]["data"] == "punched"
 
 
 def test_a_killed_serving_replica_fails_over_with_a_replica_behind_nat():

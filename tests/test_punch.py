@@ -150,7 +150,7 @@ def test_a_round_nothing_answered_is_tried_again_at_the_first_failing_probe_afte
     now = 0.0
     while now < TRIES * GAP_S + 0.1:
         now += GAP_S
-        punching.due({peer.id: peer}, now)
+        punching.due({peer.id: peer}, me, now, lambda node: False)
     assert punching.status(peer.id) == "no answer to 1 punch round"
     assert punching.direct_failed(peer, me, now) == []  # too soon
     again = punching.direct_failed(peer, me, now + RETRY_S)
@@ -166,7 +166,7 @@ def test_a_members_calls_cannot_make_us_punch_faster_than_our_own_rounds():
     for step in range(600):  # a call every 0.1 s for a minute, each naming a new address
         now = step * 0.1
         calls += len(punching.called(peer, me, (f"203.0.113.{step % 250}:{1000 + step}",), now))
-        calls += len(punching.due({peer.id: peer}, now))
+        calls += len(punching.due({peer.id: peer}, me, now, lambda node: True))
     # Rounds only as our own retries space them (2.5 s, doubling): five in a minute, each
     # TRIES punches to its own address and the (at most MAX_OBSERVED) addresses it named.
     rounds, t, wait = 0, 0.0, RETRY_S
@@ -180,22 +180,28 @@ def nodes_of(net: MemNet):
     return list(net.nodes.values())
 
 
-def test_strangers_punches_and_unrelayed_calls_get_nothing():
+def test_a_strangers_punch_gets_one_small_answer_and_unrelayed_calls_get_nothing():
     net = mesh(3, {2: "eim"})
     net.run_until_converged(60)
     a, _, natted = nodes_of(net)
     stranger = b"s" * 32
-    before = len(a.swim.outbox())
-    # A stranger's punch: no answer (no reflector), counted.
-    a.swim.receive_datagram(encode(Packet(stranger, (Punch(5, a.id),))), "203.0.113.5:1", net.now)
+    assert a.swim.outbox() == []
+    # A stranger's punch is answered as a ping is: one packet no larger than it, no round of ours.
+    punch = encode(Packet(stranger, (Punch(5, a.id),)))
+    a.swim.receive_datagram(punch, "203.0.113.5:1", net.now)
+    [answer] = a.swim.outbox()
+    assert answer.addr == "203.0.113.5:1" and [type(m) for m in answer.packet.messages] == [PunchAck]
+    assert len(encode(answer.packet)) <= len(punch) + 32  # the address it echoes, at most
+    assert a.swim.punch.peers.get(stranger) is None
+    # A punch through the relay, or for somebody else, gets nothing.
+    a.swim.receive_datagram(encode(Packet(stranger, (Punch(6, natted.id),))), "203.0.113.5:1", net.now)
     assert a.swim.counters["rx_punch_refused"] == 1
     # A member's call-me-maybe that came as a datagram, not over the relay: ignored.
     a.swim.receive_datagram(encode(Packet(natted.id, (CallMeMaybe(("203.0.113.5:1",)),))),
                             "203.0.113.5:1", net.now)
     # An unasked PunchAck does not redirect anything.
     a.swim.receive_datagram(encode(Packet(natted.id, (PunchAck(12345, "x:1"),))), "203.0.113.5:1", net.now)
-    out = a.swim.outbox()
-    assert before == 0 and not [o for o in out if o.addr.startswith("203.0.113.5")]
+    assert not [o for o in a.swim.outbox() if o.addr.startswith("203.0.113.5")]
     assert a.swim.punch.address(natted.id) != "203.0.113.5:1"
 
 

@@ -72,7 +72,9 @@ function drawPeers(data) {
     // Replicas of one stage: "stage-1 (replica 2/2)"; a draining node says so beside its state.
     const replica = p.replicas > 1 ? ` (replica ${p.replica}/${p.replicas})` : "";
     cell(tr, p.name + replica); cell(tr, p.prefix); cell(tr, p.state + (p.draining ? " · draining" : ""), p.state);
-    cell(tr, p.path_out, p.path_out); cell(tr, p.path_in, p.path_in); cell(tr, p.rtt_ms != null ? p.rtt_ms.toFixed(2) + (p.rtt_path === "relay" ? " r" : "") : null, p.rtt_path);
+    cell(tr, p.punched ? `${p.path_out} (punched)` : p.path_out, p.path_out);
+    if (p.punched) tr.lastChild.title = `through its NAT, at ${p.punched}`;
+    cell(tr, p.path_in, p.path_in); cell(tr, p.rtt_ms != null ? p.rtt_ms.toFixed(2) + (p.rtt_path === "relay" ? " r" : "") : null, p.rtt_path);
     tr.lastChild.title = p.rtt_ms != null ? `measured on the ${p.rtt_path} path` : "";
     cell(tr, `${p.out_ok}/${p.out_fail}`); cell(tr, p.in_seen ? `${p.in_seen.direct || 0}/${p.in_seen.relay || 0}` : "–");
     cell(tr, p.last_seen_s);

@@ -57,6 +57,7 @@ class Generated:
     # The generation run again once a relay-down came after the first had ended: its
     # ``after``, ``tokens``, ``matches_reference``, ``first_token_s`` and ``tokens_per_s``.
     again: dict[str, Any] | None = None
+    nat: dict[str, str | None] | None = None  # node job -> its NAT as the relays' STUN saw it
 
 
 @dataclass
@@ -113,6 +114,8 @@ class Outcome:
             })
             if g.again is not None:
                 out["again"] = g.again
+            if g.nat is not None:
+                out["nat"] = g.nat
         out["failovers"] = self.failovers
         out["disruptions"] = self.disruptions
         out["relay_moves"] = self.relay_moves

@@ -186,6 +186,7 @@ def _check(plan: RunPlan, args: argparse.Namespace, driven: Driven, prefixes: di
         matches_reference=ref.matches and (again is None or again["matches_reference"]),
         stage_map=prefixes, paths=paths, asymmetric=asymmetric, converge_s=driven.converge_s,
         first_token_s=gen.first_token_s, tokens_per_s=_rate(gen), again=again,
+        nat={job: snap["self"].get("nat") for job, snap in sorted(driven.final.items())},
     )
 
 

@@ -566,17 +566,19 @@ class Swim:
         self._emit(EventKind.KEYRING, msg.issuer, now, change=msg)
 
     def _handle_punch(self, msg: Punch, sender: bytes, addr: str, now: float) -> None:
-        m = self.members.get(sender)
-        if msg.target != self.id or m is None or not m.state.live or self._rx_via == "relay":
-            # Only a member's punch, sent to us directly, is answered: no reflector for strangers.
+        if msg.target != self.id or self._rx_via == "relay":
             self.counters["rx_punch_refused"] += 1
             return
         if not msg.nonce:
             self.counters["rx_punch_keepalives"] += 1
             return  # a keepalive: its arrival was the point
+        # Answered as a ping is, one small packet for one (a member whose news has not reached
+        # us yet punches too); only a member's punch makes us punch back.
         self._out.append(Outgoing(addr, sender, self._packet([PunchAck(msg.nonce, addr)]), via="direct"))
         self.counters["tx_punch_acks"] += 1
-        self._punch_sends(self.punch.punched_by(m, self.me, addr, now))
+        m = self.members.get(sender)
+        if m is not None and m.state.live:
+            self._punch_sends(self.punch.punched_by(m, self.me, addr, now))
 
     def _handle_punch_ack(self, msg: PunchAck, sender: bytes, addr: str, now: float) -> None:
         m = self.members.get(sender)
@@ -594,6 +596,10 @@ class Swim:
         if m is None or not m.state.live or self._rx_via != "relay":
             return  # the relay vouches for who asks; a datagram could claim anyone
         self._punch_sends(self.punch.called(m, self.me, msg.addrs, now))
+
+    def _direct_failing(self, node: bytes) -> bool:
+        """Our last probe of ``node`` found its direct path down (only the relayed ping answered)."""
+        return not self._direct_ok.get(node, True)
 
     def _punch_sends(self, sends: list[Send]) -> None:
         for send in sends:
@@ -834,7 +840,7 @@ class Swim:
                 del self._relays[seq]
             elif now >= r.expire_at:
                 del self._relays[seq]
-        for send in self.punch.due(self.members, now):
+        for send in self.punch.due(self.members, self.me, now, self._direct_failing):
             if send.msgs and isinstance(send.msgs[0], Punch) and not send.msgs[0].nonce:
                 # A keepalive goes alone: one small packet, no gossip riding on it.
                 self._out.append(Outgoing(send.addr, send.node, self._packet(list(send.msgs)), via="direct"))

@@ -32,6 +32,7 @@ cannot point our packets for a member at an address of its choosing.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..wire import MAX_ADDRS, CallMeMaybe, Punch
@@ -92,6 +93,8 @@ class Punching:
         t = float("inf")
         for peer in self.peers.values():
             t = min(t, peer.next_at, peer.last_sent + KEEPALIVE_S if peer.punched else t)
+            if not peer.nonce and peer.punched is None and peer.rounds_failed:
+                t = min(t, peer.retry_at)
         return t
 
     # ------------------------------------------------------------ what happened
@@ -161,8 +164,10 @@ class Punching:
 
     # ------------------------------------------------------------ time
 
-    def due(self, members: dict[bytes, Member], now: float) -> list[Send]:
-        """The punches and keepalives due at ``now``."""
+    def due(self, members: dict[bytes, Member], me: Member, now: float,
+            failing: Callable[[bytes], bool]) -> list[Send]:
+        """The punches and keepalives due at ``now``, and the next round for a member whose direct
+        path is still ``failing`` once the wait after an unanswered round is over."""
         out: list[Send] = []
         for node, peer in list(self.peers.items()):
             m = members.get(node)
@@ -171,6 +176,14 @@ class Punching:
             if peer.punched is not None and now >= peer.last_sent + KEEPALIVE_S:
                 peer.last_sent = now
                 out.append(Send(peer.punched, node, (Punch(0, node),), "direct"))
+            if not peer.nonce and peer.punched is None and peer.rounds_failed and now >= peer.retry_at:
+                if not failing(node):
+                    peer.rounds_failed, peer.status = 0, ""  # direct works again: nothing to retry
+                    continue
+                out += self.direct_failed(m, me, now)
+                if not peer.nonce:  # nothing to try now (a NAT kind learned since): not before long
+                    peer.retry_at = now + RETRY_MAX_S
+                continue
             if now < peer.next_at or not peer.nonce:
                 continue
             if peer.tries_left > 0:
