@@ -66,7 +66,7 @@ def main() -> None:
     first = statistics.median((b["first_token_s"] - a["first_token_s"]) * 1000 for a, b in rows)
     print(f"\nmedians of {args.runs} pairs, netns, {args.stages} stages, {args.tokens} tokens, 2 relays")
     print(f"  no NAT:                {tps_plain:7.1f} tokens/s")
-    print(f"  {args.kind}:{args.nat}: {tps_nat:7.1f} tokens/s")
+    print(f"  {args.kind + ':' + args.nat:22} {tps_nat:7.1f} tokens/s")
     print(f"  NAT / no NAT, tokens/s:   {ratio:.2f} (median of pairs)")
     print(f"  NAT - no NAT, first token: {first:+.1f} ms (median of pairs)")
 
