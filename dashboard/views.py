@@ -179,10 +179,16 @@ def problems(snap: dict, topo: dict | None = None) -> list[dict[str, Any]]:
                     "check": f"is a meshd node listening at {seeds}, and do our UDP packets reach it? "
                              "With a relay both hold (--relay), we join through it"})
     for a in topo["asymmetric"]:
+        check = (f"a firewall or NAT rule dropping {a['a']}'s packets to {a['b']} "
+                 f"(UDP and TCP on {a['b']}'s port); {a['b']}→{a['a']} works, so it is "
+                 f"one-way: look at {a['b']}'s input rules or {a['a']}'s egress")
+        if "symmetric NAT" in a["detail"]:
+            check = (f"{a['b']} is behind a symmetric NAT (a new public port for each peer it sends to), "
+                     f"which no punch gets through, so the relay carries {a['a']}→{a['b']}; a NAT that "
+                     f"keeps one mapping per socket (most home routers; masquerade without 'random') "
+                     f"or a forwarded UDP and TCP port lets it be reached directly")
         out.append({"kind": "asymmetric", "where": f"{a['a']}→{a['b']}", "detail": a["detail"],
-                    "check": f"a firewall or NAT rule dropping {a['a']}'s packets to {a['b']} "
-                             f"(UDP and TCP on {a['b']}'s port); {a['b']}→{a['a']} works, so it is "
-                             f"one-way: look at {a['b']}'s input rules or {a['a']}'s egress"})
+                    "check": check})
     for e in topo["edges"]:
         if e["path"] == "none":
             out.append({"kind": "no-path", "where": f"{e['from_name']}→{e['to_name']}",

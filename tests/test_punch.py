@@ -288,3 +288,45 @@ async def test_an_ack_datagram_from_anywhere_but_the_punched_address_counts_for_
     assert seen == [] and channel.counters["bad_frames"] == 1
     await channel.on_datagram("198.51.100.7:40000", forged)  # the guard is the address, nothing else
     assert seen == [(claimed, DataAck(1, 1))]
+
+
+async def test_doctor_says_a_symmetric_nat_keeps_a_pair_on_the_relay(capsys):
+    # The node says its NAT maps per destination (as two relays' STUN would find): nobody
+    # punches it, and doctor names that as the reason, with what to change.
+    import json
+
+    import trio
+
+    from meshd.cli import main
+    from meshd.node import NodeOptions
+    from meshd.relay.server import serve_relay
+    from meshd.testing.inprocess import start_node, wait_converged
+
+    lines: list[str] = []
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            host, port = await nursery.start(serve_relay, "127.0.0.1", 0)
+            opts = dict(profile="local", relay=f"ws://{host}:{port}", stages=2)
+            orch = await start_node(nursery, NodeOptions(role="orchestrator", **opts), lines)
+            hidden = await start_node(nursery, NodeOptions(
+                stage=1, seeds=[orch.addr], advertise=f"127.0.0.1:{await _free_port()}", **opts), lines)
+            hidden.core.set_meta(replace(hidden.core.me.meta, nat="symmetric"), trio.current_time())
+            peer = await start_node(nursery, NodeOptions(stage=0, seeds=[orch.addr], dashboard="127.0.0.1:0",
+                                                         **opts), lines)
+            await wait_converged([orch, hidden, peer])
+            while not (peer.paths.view(hidden.node_id, 0.0)["last_failure"] or "").startswith(
+                    "behind a symmetric NAT: not punched"):
+                await trio.sleep(0.05)
+            mine: list[dict] = []
+            while not mine:  # until stage-1's own summary (its way back) has reached us too
+                await trio.sleep(0.2)
+                capsys.readouterr()
+                code = await trio.to_thread.run_sync(main, ["doctor", peer.dashboard_url, "--json"])
+                report = json.loads(capsys.readouterr().out)
+                assert code == 1
+                mine = [p for p in report["problems"] if p["where"] == "stage-0→stage-1"]
+            assert "behind a symmetric NAT: not punched" in mine[0]["detail"], report["problems"]
+            assert "stage-1 is behind a symmetric NAT" in mine[0]["check"]
+            assert peer.core.punch.address(hidden.node_id) is None
+            assert peer.core.counters["tx_punches"] == 0
+            nursery.cancel_scope.cancel()
