@@ -17,11 +17,27 @@ MAX_BODY_BYTES = 1 << 20
 
 
 class BadRequest(ValueError):
-    """A body or field the endpoint cannot take; the message says which and why (a 400)."""
+    """A body or field the endpoint cannot take; the message says which and why (a 400), and
+    ``param`` names the field, if one."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def error(status: int, message: str, **extra: Any) -> JSONResponse:
     return JSONResponse({"error": message, **extra}, status_code=status)
+
+
+_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 503: "service_unavailable"}
+
+
+def openai_error(status: int, message: str, *, param: str | None = None, **extra: Any) -> JSONResponse:
+    """An error in OpenAI's shape, as its clients read it (``/v1/...``): ``{"error": {"message",
+    "type", "param", "code"}}``; ``extra`` goes beside ``error`` (``missing``, for a 503)."""
+    kind = _ERROR_TYPES.get(status, "server_error")
+    body = {"message": message, "type": kind, "param": param, "code": None}
+    return JSONResponse({"error": body, **extra}, status_code=status)
 
 
 async def json_body(request: Request) -> dict:
@@ -43,11 +59,11 @@ def field(body: dict, name: str, kind: type, default: Any, *, low: float | None 
     if kind is float and type(value) is int:
         value = float(value)
     if type(value) is not kind:
-        raise BadRequest(f"{name!r} must be {kind.__name__}")
+        raise BadRequest(f"{name!r} must be {kind.__name__}", name)
     if kind in (int, float):
         number = cast(float, value)
         if kind is float and not math.isfinite(number):
-            raise BadRequest(f"{name!r} must be finite")
+            raise BadRequest(f"{name!r} must be finite", name)
         if (low is not None and number < low) or (high is not None and number > high):
-            raise BadRequest(f"{name!r} must be within [{low}, {high}]")
+            raise BadRequest(f"{name!r} must be within [{low}, {high}]", name)
     return value

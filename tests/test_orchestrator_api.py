@@ -70,10 +70,17 @@ async def test_bad_bodies_get_400_with_a_message(checkpoint, body, message):
             orch = await _mesh(nursery, checkpoint, 1, lines)
             await orch.app.wait_ready(10)
             async with httpx.AsyncClient(base_url=orch.dashboard_url, timeout=30) as client:
-                for path in ("/api/generate", "/v1/completions"):
-                    r = await client.post(path, content=body, headers={"content-type": "application/json"})
-                    assert r.status_code == 400, r.text
-                    assert message in r.json()["error"]
+                headers = {"content-type": "application/json"}
+                r = await client.post("/api/generate", content=body, headers=headers)
+                assert r.status_code == 400, r.text
+                assert message in r.json()["error"]
+                # The same in OpenAI's shape on /v1, naming the field where there is one.
+                r = await client.post("/v1/completions", content=body, headers=headers)
+                assert r.status_code == 400, r.text
+                error = r.json()["error"]
+                assert message in error["message"] and error["type"] == "invalid_request_error"
+                if message.startswith("'"):
+                    assert error["param"] == message.split("'")[1]
             nursery.cancel_scope.cancel()
 
 

@@ -3,6 +3,7 @@ the orchestrator, the `--json` object's shape and the summary."""
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from pathlib import Path
@@ -282,3 +283,20 @@ def test_the_summary_names_the_relay_down_the_move_and_the_generation_after_it()
     assert "relay-down: stopped relay (ws://127.0.0.1:9000) after 2s" in lines
     assert ("relay move: stage-1→stage-2 from ws://127.0.0.1:9000 (relay) to ws://127.0.0.1:9004 (relay-2): "
             "relay closed") in lines
+
+
+def test_an_error_in_the_stream_in_openais_shape_fails_the_run_naming_the_stage():
+    import httpx
+
+    from meshd.launch.drive import _stream_meshd
+    from meshd.launch.failure import RunFailed
+
+    error = {"error": {"message": "lost: stage-1 (peer 2b91108e dead)", "type": "service_unavailable",
+                       "param": None, "code": None}}
+    body = f'data: {{"meshd": {{"token": 5, "index": 0}}}}\n\ndata: {json.dumps(error)}\n\ndata: [DONE]\n\n'
+    seen = []
+    with pytest.raises(RunFailed) as exc:
+        for extra in _stream_meshd(httpx.Response(200, content=body.encode()), {"2b91108e": "stage-1.2"}):
+            seen.append(extra)
+    assert seen == [{"token": 5, "index": 0}]
+    assert exc.value.failure.status == "lost: stage-1.2 (peer 2b91108e dead)"

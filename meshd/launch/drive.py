@@ -301,8 +301,10 @@ def _stream_meshd(r: httpx.Response, prefixes: dict[str, str]) -> Iterator[dict[
         if not line.startswith("data: ") or line == "data: [DONE]":
             continue
         chunk: dict[str, Any] = json.loads(line[6:])
-        if "error" in chunk:
-            raise RunFailed(orchestrator_failure(chunk["error"], prefixes))
+        if "error" in chunk:  # OpenAI's shape: {"error": {"message", "type", ...}}
+            failure = chunk["error"]
+            message = failure.get("message", "") if isinstance(failure, dict) else str(failure)
+            raise RunFailed(orchestrator_failure(message, prefixes))
         extra = chunk.get("meshd")
         if isinstance(extra, dict):
             yield extra

@@ -35,6 +35,8 @@ class Generator(Protocol):
 
     recent_traces: Iterable[dict[str, Any]]  # each request's last traces, newest last
     recent_failovers: Iterable[dict[str, Any]]  # {request, stage, from, to, ms, why}, newest last
+    model_name: str  # what /v1/models calls the model: its checkpoint directory's name
+    created: int  # when this orchestrator started serving it (Unix seconds), for /v1/models
 
     def active(self) -> list[dict[str, Any]]:
         """Running requests: ``{request, route: {stage-K: prefix}, tokens, failovers}``."""
@@ -51,5 +53,6 @@ class Generator(Protocol):
     async def generate(self, prompt: str, max_tokens: int, temperature: float = 0.0, top_k: int = 0,
                        seed: int = 0, *, on_token: Callable[[int], Awaitable[None]] | None = None
                        ) -> dict[str, Any]:
-        """Generate; raises PipelineError (or ValueError for a prompt the model cannot take)."""
+        """Generate; raises PipelineError (or ValueError for a prompt the model cannot take).
+        The result has ``tokens``, ``text``, ``prompt_tokens``, ``finish_reason``, ``timings``."""
         ...

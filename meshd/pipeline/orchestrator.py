@@ -91,6 +91,8 @@ class Orchestrator(App):
         self.stages = stages
         self.config = LlamaConfig.load(model_dir)
         self.checkpoint = fingerprint(model_dir)
+        self.model_name = Path(model_dir).resolve().name or "meshd"
+        self.created = int(time.time())
         self.tokenizer = load_tokenizer(model_dir, self.config.bos_token_id, self.config.eos_token_ids)
         self.requests: dict[str, _Request] = {}  # by wire id
         self.recent_traces: deque[dict] = deque(maxlen=256)
@@ -205,6 +207,7 @@ class Orchestrator(App):
         first = req.token_times[0] - t0 if req.token_times else None
         result: dict[str, Any] = {
             "request": req.req_id,
+            "prompt_tokens": len(req.ids),
             "tokens": req.tokens,
             "text": self.tokenizer.decode(req.tokens),
             "finish_reason": req.finish_reason,
