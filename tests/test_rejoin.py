@@ -384,6 +384,12 @@ def remembered(path) -> set[str]:
     return {m.name for m in node_memory.load(path).members}
 
 
+# How long a rejoin takes is measured and printed, not asserted: usually well under a second,
+# it has a tail of seconds on a loaded machine (join retries back off). The bound below is
+# what the protocol's retries guarantee, not a speed target.
+REJOIN_BOUND_S = 15
+
+
 @pytest.mark.parametrize("declared_dead", [False, True])
 async def test_a_seed_restarted_without_seeds_rejoins_through_its_state_file(tmp_path, declared_dead):
     lines: list[str] = []
@@ -405,7 +411,7 @@ async def test_a_seed_restarted_without_seeds_rejoins_through_its_state_file(tmp
                             60, "declared dead")
             rejoin_lines: list[str] = []
             back = await start_crashable(nursery, orch_opts, rejoin_lines, ident)  # a new port, no seed
-            took = await until(lambda: back_in(back.running, stages), 5, "rejoined")
+            took = await until(lambda: back_in(back.running, stages), REJOIN_BOUND_S, "rejoined")
             print(f"seed restarted without seeds rejoined through its state file in {took:.2f} s")
             assert f"meshd rejoin trying 2 remembered members from {state_file}" in rejoin_lines
             assert back.running.core.registry.own_clock > old_clock
@@ -428,7 +434,7 @@ async def test_the_name_clock_continues_from_the_state_file(tmp_path):
             nursery.cancel_scope.cancel()
 
 
-async def test_a_node_restarted_with_a_seed_rejoins_within_5s():
+async def test_a_node_restarted_with_a_seed_rejoins():
     lines: list[str] = []
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
@@ -442,7 +448,7 @@ async def test_a_node_restarted_with_a_seed_rejoins_within_5s():
             await until(lambda: sees_all_alive([orch, stage.running, other]), 20, "converged")
             await stage.crash()
             back = await start_crashable(nursery, opts, lines, ident)
-            took = await until(lambda: back_in(back.running, [orch, other]), 5, "rejoined")
+            took = await until(lambda: back_in(back.running, [orch, other]), REJOIN_BOUND_S, "rejoined")
             print(f"node restarted with --seed rejoined in {took:.2f} s")
             nursery.cancel_scope.cancel()
 
