@@ -10,10 +10,15 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
+import trio
+
+from meshd.node import NodeOptions
+from meshd.relay.server import serve_relay
 from meshd.sim.memnet import MemNet, RelayPath
 from meshd.swim import Config, EventKind
 from meshd.swim.punch import GAP_S, MAX_OBSERVED, RETRY_MAX_S, RETRY_S, TRIES, Punching
 from meshd.swim.state import Member, State
+from meshd.testing.inprocess import start_node, wait_converged
 from meshd.wire import CallMeMaybe, Meta, Packet, Punch, PunchAck, encode
 
 RELAY = ("ws://relay:3340",)
@@ -208,13 +213,28 @@ def test_a_strangers_punch_gets_one_small_answer_and_unrelayed_calls_get_nothing
 # --- the whole node on loopback: an address that does not route, a mapping that does ---
 
 async def _free_port() -> int:
-    import trio
-
     sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_DGRAM)
     await sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()
     return port
+
+
+async def _hidden_mesh(nursery, lines: list[str], nat: str = ""):
+    """A relay, an orchestrator, stage-1 advertising a port where nothing listens (its own
+    address does not route, as behind a NAT; ``nat`` is the kind it then says it has) and
+    stage-0 with a dashboard, converged: (orchestrator, stage-1, stage-0)."""
+    host, port = await nursery.start(serve_relay, "127.0.0.1", 0)
+    opts = dict(profile="local", relay=f"ws://{host}:{port}", stages=2)
+    orch = await start_node(nursery, NodeOptions(role="orchestrator", **opts), lines)
+    hidden = await start_node(nursery, NodeOptions(
+        stage=1, seeds=[orch.addr], advertise=f"127.0.0.1:{await _free_port()}", **opts), lines)
+    if nat:  # said before stage-0 starts, so it never punches
+        hidden.core.set_meta(replace(hidden.core.me.meta, nat=nat), trio.current_time())
+    peer = await start_node(nursery, NodeOptions(stage=0, seeds=[orch.addr], dashboard="127.0.0.1:0", **opts),
+                            lines)
+    await wait_converged([orch, hidden, peer])
+    return orch, hidden, peer
 
 
 async def test_a_node_behind_an_address_that_does_not_route_is_punched_and_takes_data_as_datagrams():
@@ -223,22 +243,10 @@ async def test_a_node_behind_an_address_that_does_not_route_is_punched_and_takes
     # pings there are answered, and data smaller than 1 MiB goes as datagrams to it.
     import hashlib
 
-    import trio
-
-    from meshd.node import NodeOptions
-    from meshd.relay.server import serve_relay
-    from meshd.testing.inprocess import start_node, wait_converged
-
     lines: list[str] = []
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
-            host, port = await nursery.start(serve_relay, "127.0.0.1", 0)
-            opts = dict(profile="local", relay=f"ws://{host}:{port}", stages=2)
-            orch = await start_node(nursery, NodeOptions(role="orchestrator", **opts), lines)
-            hidden = await start_node(nursery, NodeOptions(
-                stage=1, seeds=[orch.addr], advertise=f"127.0.0.1:{await _free_port()}", **opts), lines)
-            peer = await start_node(nursery, NodeOptions(stage=0, seeds=[orch.addr], **opts), lines)
-            await wait_converged([orch, hidden, peer])
+            _orch, hidden, peer = await _hidden_mesh(nursery, lines)
             mapping = hidden.candidates[1]
             node = hidden.node_id
             while peer.core.punch.address(node) != mapping or not peer.paths.punched(node):
@@ -295,25 +303,12 @@ async def test_doctor_says_a_symmetric_nat_keeps_a_pair_on_the_relay(capsys):
     # punches it, and doctor names that as the reason, with what to change.
     import json
 
-    import trio
-
     from meshd.cli import main
-    from meshd.node import NodeOptions
-    from meshd.relay.server import serve_relay
-    from meshd.testing.inprocess import start_node, wait_converged
 
     lines: list[str] = []
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
-            host, port = await nursery.start(serve_relay, "127.0.0.1", 0)
-            opts = dict(profile="local", relay=f"ws://{host}:{port}", stages=2)
-            orch = await start_node(nursery, NodeOptions(role="orchestrator", **opts), lines)
-            hidden = await start_node(nursery, NodeOptions(
-                stage=1, seeds=[orch.addr], advertise=f"127.0.0.1:{await _free_port()}", **opts), lines)
-            hidden.core.set_meta(replace(hidden.core.me.meta, nat="symmetric"), trio.current_time())
-            peer = await start_node(nursery, NodeOptions(stage=0, seeds=[orch.addr], dashboard="127.0.0.1:0",
-                                                         **opts), lines)
-            await wait_converged([orch, hidden, peer])
+            _orch, hidden, peer = await _hidden_mesh(nursery, lines, nat="symmetric")
             while not (peer.paths.view(hidden.node_id, 0.0)["last_failure"] or "").startswith(
                     "behind a symmetric NAT: not punched"):
                 await trio.sleep(0.05)
