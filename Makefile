@@ -1,6 +1,6 @@
 # Two entry points, both self-contained on a fresh clone:
 #   make demo   set up .venv, then a 3-stage smoke run on loopback
-#   make test   set up .venv with the test extra, then lint, type-check and run the tests
+#   make test   set up .venv with the test and reference extras, then lint, type-check and run the tests
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -13,7 +13,7 @@ $(BIN)/python:
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
 $(STAMP): pyproject.toml $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet -e '.[test,reference]'
 	touch $(STAMP)
 
 demo: $(STAMP)

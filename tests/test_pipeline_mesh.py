@@ -6,15 +6,13 @@ import numpy as np
 import pytest
 import trio
 
-from meshd.net.faults import Faults
 from meshd.node import NodeOptions
 from meshd.pipeline import service
 from meshd.pipeline import stage as stage_module
 from meshd.pipeline.checkpoint import init_checkpoint
 from meshd.pipeline.generate import generate
 from meshd.pipeline.service import NotReady
-from meshd.relay.server import serve_relay
-from meshd.testing.inprocess import start_node, wait_converged
+from meshd.testing.inprocess import start_node, start_pipeline
 
 PROMPT = "Once upon a time"
 
@@ -25,23 +23,6 @@ def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny6")
     init_checkpoint(path, "tiny", seed=0, num_hidden_layers=6)
     return path
-
-
-async def start_pipeline(nursery, model, stages: int, lines: list[str], feedback_drop: bool = False):
-    model = str(model)
-    host, port = await nursery.start(serve_relay, "127.0.0.1", 0)
-    opts = dict(profile="local", relay=f"ws://{host}:{port}", stages=stages, model=model)
-    orch = await start_node(nursery, NodeOptions(role="orchestrator", **opts), lines)
-    nodes = [orch]
-    for k in range(stages):
-        faults = Faults()
-        if feedback_drop and k == stages - 1:
-            faults = Faults.parse([f"drop:{nodes[1].addr}"])  # last stage -> stage 0, direct lost
-        nodes.append(await start_node(nursery, NodeOptions(stage=k, seeds=[orch.addr], faults=faults,
-                                                           **opts), lines))
-    await wait_converged(nodes)
-    await orch.app.wait_ready(10)
-    return nodes
 
 
 def reference(model, max_tokens: int, temperature: float, top_k: int, seed: int) -> dict:

@@ -1,4 +1,4 @@
-"""Weights in the Hugging Face Llama layout: read one stage's share, or write a random checkpoint.
+"""Weights in the Hugging Face layout: read one stage's share, or write a random checkpoint.
 
 A stage reads only the tensors its layer range needs (``safe_open`` reads
 single tensors).  numpy has no bfloat16: such tensors are read as raw bytes
@@ -10,12 +10,13 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
 
-from .config import ConfigError, LlamaConfig
+from .config import ConfigError, LlamaConfig, RopeScaling
 from .tokenizer import write_byte_tokenizer_spec
 
 
@@ -30,18 +31,14 @@ INDEX_FILE = "model.safetensors.index.json"
 _NUMPY_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
 _ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
 
-LAYER_TENSORS = (
-    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-    "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
-    "input_layernorm.weight", "post_attention_layernorm.weight",
-)
+SHARD_FILE = "model-{:05d}-of-{:05d}.safetensors"
 
 
 def layer_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """Per-layer tensor suffix -> shape; Hugging Face Linear weights are (out, in)."""
     d, i, hd = config.hidden_size, config.intermediate_size, config.head_dim
     q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
-    return {
+    out = {
         "self_attn.q_proj.weight": (q, d),
         "self_attn.k_proj.weight": (kv, d),
         "self_attn.v_proj.weight": (kv, d),
@@ -52,6 +49,13 @@ def layer_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
         "input_layernorm.weight": (d,),
         "post_attention_layernorm.weight": (d,),
     }
+    if config.qkv_bias:
+        out |= {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)}
+    if config.o_bias:
+        out["self_attn.o_proj.bias"] = (d,)
+    if config.mlp_bias:
+        out |= {"mlp.gate_proj.bias": (i,), "mlp.up_proj.bias": (i,), "mlp.down_proj.bias": (d,)}
+    return out
 
 
 def expected_tensors(config: LlamaConfig, layers: Iterable[int], *, embed: bool,
@@ -117,6 +121,11 @@ class _SafetensorsFile:
                                       f"{dtype} of shape {shape}")
             self.entries[name] = (dtype, shape, start, end)
 
+    def nbytes(self, name: str) -> int:
+        """The tensor's size on disk."""
+        _, _, start, end = self.entries[name]
+        return end - start
+
     def read(self, name: str) -> np.ndarray:
         """The tensor as C-contiguous float32."""
         dtype, shape, start, end = self.entries[name]
@@ -156,12 +165,18 @@ def _tensor_files(model_dir: Path) -> dict[str, Path]:
     return {}
 
 
+Progress = Callable[[int, int, int, int], None]  # (parts read, parts, bytes read, bytes)
+
+
 def load_weights(model_dir: str | Path, layers: Iterable[int] | None = None, *, embed: bool = False,
-                 head: bool = False, config: LlamaConfig | None = None) -> dict[str, np.ndarray]:
+                 head: bool = False, config: LlamaConfig | None = None,
+                 progress: Progress | None = None) -> dict[str, np.ndarray]:
     """Read only the tensors for ``layers`` (plus embedding / final norm and head), as float32.
 
     Returns Hugging Face name -> array.  With a tied head, ``head=True`` reads
-    ``model.embed_tokens.weight`` (the head is the embedding).
+    ``model.embed_tokens.weight`` (the head is the embedding).  ``progress``
+    is called after each part (the embedding, a layer, the head) with the
+    parts and bytes read so far and in all.
     """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -172,8 +187,8 @@ def load_weights(model_dir: str | Path, layers: Iterable[int] | None = None, *, 
     wanted = expected_tensors(config, layers, embed=embed, head=head)
     shard_of = _tensor_files(model_dir)
     files: dict[Path, _SafetensorsFile] = {}
-    out: dict[str, np.ndarray] = {}
-    for name, shape in wanted.items():
+    where: dict[str, _SafetensorsFile] = {}
+    for name, shape in wanted.items():  # every header first: a missing tensor fails before any read
         path = shard_of.get(name, model_dir / WEIGHTS_FILE)
         if path not in files:
             files[path] = _SafetensorsFile(path)
@@ -183,8 +198,46 @@ def load_weights(model_dir: str | Path, layers: Iterable[int] | None = None, *, 
         found = st.entries[name][1]
         if found != shape:
             raise CheckpointError(f"{path}: tensor {name} has shape {found}, expected {shape}")
+        where[name] = st
+    parts = [_part(name) for name in wanted]
+    total_parts, total_bytes = len(set(parts)), sum(st.nbytes(name) for name, st in where.items())
+    out: dict[str, np.ndarray] = {}
+    done_parts = done_bytes = 0
+    for k, (name, st) in enumerate(where.items()):
         out[name] = st.read(name)
+        done_bytes += st.nbytes(name)
+        if progress is not None and (k + 1 == len(parts) or parts[k + 1] != parts[k]):
+            done_parts += 1
+            progress(done_parts, total_parts, done_bytes, total_bytes)
     return out
+
+
+def _part(name: str) -> str:
+    """What a tensor belongs to: ``layer N``, or the embedding or head."""
+    if name.startswith("model.layers."):
+        return "layer " + name.split(".")[2]
+    return "embedding" if name == "model.embed_tokens.weight" else "head"
+
+
+class LoadProgress:
+    """Reports a load that takes longer than ``after_s``: at most every ``every_s``, and once
+    done, as "layers 3 of 8, 41.2 of 110.0 MB read, 1.4 s"."""
+
+    def __init__(self, what: str, report: Callable[[str], None], *, after_s: float = 1.0,
+                 every_s: float = 1.0) -> None:
+        self.what, self.report = what, report
+        self.after_s, self.every_s = after_s, every_s
+        self.started = time.monotonic()
+        self.last = self.started
+
+    def __call__(self, parts: int, total_parts: int, read: int, total: int) -> None:
+        now = time.monotonic()
+        done = parts == total_parts
+        if now - self.started < self.after_s or (now - self.last < self.every_s and not done):
+            return
+        self.last = now
+        self.report(f"loading {self.what}: {parts} of {total_parts} parts, {read / 1e6:.1f} of "
+                    f"{total / 1e6:.1f} MB read, {now - self.started:.1f} s{' (done)' if done else ''}")
 
 
 # --- writing ----------------------------------------------------------------
@@ -203,12 +256,38 @@ PRESETS: dict[str, dict] = {
     "deep": dict(hidden_size=128, intermediate_size=344, num_hidden_layers=16, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=32000, max_position_embeddings=256,
                  rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_ids=(2,)),
+    # The families' shapes at small sizes: what each architecture adds, on a byte vocabulary
+    # (0..255, BOS 256, EOS 257) padded to 512 ids.
+    # Llama 3.2: rope_scaling of type llama3, rope_theta 500000, tied embeddings, 4 query heads per kv head.
+    "llama3": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=6, num_attention_heads=8,
+                   num_key_value_heads=2, vocab_size=512, max_position_embeddings=512, rms_norm_eps=1e-5,
+                   rope_theta=500000.0, tie_word_embeddings=True, bos_token_id=256, eos_token_ids=(257,),
+                   rope_scaling=RopeScaling("llama3", 32.0, 1.0, 4.0, 8192)),
+    # Qwen2.5: biases on q, k and v, tied embeddings, rope_theta 1e6.
+    "qwen2": dict(model_type="qwen2", hidden_size=128, intermediate_size=384, num_hidden_layers=6,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=512, max_position_embeddings=512,
+                  rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True, qkv_bias=True,
+                  bos_token_id=256, eos_token_ids=(257,)),
+    # Mistral: a sliding attention window in every layer, 16 positions here.
+    "mistral": dict(model_type="mistral", hidden_size=128, intermediate_size=384, num_hidden_layers=6,
+                    num_attention_heads=4, num_key_value_heads=1, vocab_size=512, max_position_embeddings=512,
+                    rms_norm_eps=1e-5, rope_theta=10000.0, sliding_window=16, bos_token_id=256,
+                    eos_token_ids=(257,)),
+    # SmolLM2-135M's proportions: 3 query heads per kv head, tied, rope_theta 1e5.
+    "smollm2": dict(hidden_size=192, intermediate_size=512, num_hidden_layers=6, num_attention_heads=6,
+                    num_key_value_heads=2, vocab_size=512, max_position_embeddings=512, rms_norm_eps=1e-5,
+                    rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=256, eos_token_ids=(257,)),
+    # TinyLlama-1.1B's: 8 query heads per kv head, Llama 2's vocabulary layout, untied.
+    "tinyllama": dict(hidden_size=128, intermediate_size=352, num_hidden_layers=6, num_attention_heads=8,
+                      num_key_value_heads=1, vocab_size=32000, max_position_embeddings=512, rms_norm_eps=1e-5,
+                      rope_theta=10000.0, bos_token_id=1, eos_token_ids=(2,)),
 }
-_BYTE_OFFSET = {"tiny": 0, "small": 3, "deep": 3}
+_BYTE_OFFSET = {"tiny": 0, "small": 3, "deep": 3, "tinyllama": 3}
 
 
 def random_weights(config: LlamaConfig, seed: int = 0) -> dict[str, np.ndarray]:
-    """Seeded random float32 weights: matrices normal(0, 0.02), the embedding normal(0, 0.3), norms 1.
+    """Seeded random float32 weights: matrices normal(0, 0.02), the embedding normal(0, 0.3), norms 1,
+    biases normal(0, 0.1).
 
     With the embedding at 0.02 too, the (near-uniform) attention average
     drowns the current token and greedy decoding repeats one token; at 0.3
@@ -218,7 +297,9 @@ def random_weights(config: LlamaConfig, seed: int = 0) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     all_tensors = expected_tensors(config, range(config.num_hidden_layers), embed=True, head=True)
     for name, shape in all_tensors.items():  # insertion order is fixed, so the seed fixes every byte
-        if len(shape) == 1:
+        if name.endswith(".bias"):
+            out[name] = rng.standard_normal(shape, dtype=np.float32) * np.float32(0.1)
+        elif len(shape) == 1:
             out[name] = np.ones(shape, dtype=np.float32)
         else:
             std = np.float32(0.3 if name == "model.embed_tokens.weight" else 0.02)
@@ -270,10 +351,36 @@ def preset_config(preset: str, **overrides) -> LlamaConfig:
         raise ValueError(f"bad override: {exc}") from None
 
 
-def init_checkpoint(out_dir: str | Path, preset: str = "tiny", seed: int = 0, *, dtype: str = "float32",
-                    force: bool = False, **overrides) -> LlamaConfig:
-    """Write config.json, model.safetensors and a byte tokenizer spec with seeded random weights.
+def write_shards(out: Path, tensors: dict[str, np.ndarray], shards: int, dtype: str = "float32") -> None:
+    """Write ``tensors`` as ``shards`` files of near-equal size, in order, and the index that
+    maps each name to its file (Hugging Face's ``save_pretrained(max_shard_size=...)`` layout)."""
+    names = list(tensors)
+    if not 1 <= shards <= len(names):
+        raise CheckpointError(f"cannot write {len(names)} tensors as {shards} shards")
+    itemsize = _ITEMSIZE[{"float32": "F32", "float16": "F16", "bfloat16": "BF16"}[dtype]]
+    sizes = [tensors[n].size * itemsize for n in names]
+    total = sum(sizes)
+    groups: list[list[str]] = [[] for _ in range(shards)]
+    running = g = 0
+    for k, (name, size) in enumerate(zip(names, sizes, strict=True)):
+        # a shard per 1/shards of the bytes, one after the other, and never an empty one
+        g = max(min(running * shards // max(total, 1), g + 1, shards - 1), shards - (len(names) - k))
+        groups[g].append(name)
+        running += size
+    weight_map: dict[str, str] = {}
+    for g, group in enumerate(groups):
+        file = SHARD_FILE.format(g + 1, shards)
+        write_safetensors(out / file, {n: tensors[n] for n in group}, dtype)
+        weight_map |= {n: file for n in group}
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
 
+
+def init_checkpoint(out_dir: str | Path, preset: str = "tiny", seed: int = 0, *, dtype: str = "float32",
+                    force: bool = False, shards: int = 1, **overrides) -> LlamaConfig:
+    """Write config.json, the weights and a byte tokenizer spec with seeded random weights.
+
+    The weights go in model.safetensors, or ``shards`` files and their index.
     ``overrides`` replace preset fields (e.g. ``tie_word_embeddings=True``).
     Refuses a non-empty ``out_dir`` unless ``force``.
     """
@@ -287,12 +394,16 @@ def init_checkpoint(out_dir: str | Path, preset: str = "tiny", seed: int = 0, *,
     weights = random_weights(config, seed)
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
-    write_safetensors(out / WEIGHTS_FILE, weights, dtype)
+    for old in [out / WEIGHTS_FILE, out / INDEX_FILE, *out.glob(SHARD_FILE.replace("{:05d}", "*"))]:
+        old.unlink(missing_ok=True)
+    if shards > 1:
+        write_shards(out, weights, shards, dtype)
+    else:
+        write_safetensors(out / WEIGHTS_FILE, weights, dtype)
     config_json = {**config.to_dict(), "torch_dtype": dtype}
     (out / "config.json").write_text(json.dumps(config_json, indent=2) + "\n", encoding="utf-8")
-    (out / INDEX_FILE).unlink(missing_ok=True)
     (out / "tokenizer.json").unlink(missing_ok=True)
-    write_byte_tokenizer_spec(out, offset=_BYTE_OFFSET[preset], bos_token_id=config.bos_token_id,
+    write_byte_tokenizer_spec(out, offset=_BYTE_OFFSET.get(preset, 0), bos_token_id=config.bos_token_id,
                               eos_token_id=config.eos_token_ids[0])
     return config
 
@@ -306,7 +417,8 @@ __all__ = ["CheckpointError", "ConfigError", "init_checkpoint", "load_weights", 
            "random_weights", "write_safetensors", "PRESETS"]
 
 
-FINGERPRINT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
+FINGERPRINT_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                     "chat_template.jinja")
 
 
 def fingerprint(model_dir: str | Path) -> str:

@@ -12,10 +12,13 @@ the stage with every layer.  Chaining stages
 runs exactly the same numpy operations, in the same order and shapes, as the
 whole model, so its logits are the same bits.
 
-Conventions are Hugging Face's (``LlamaForCausalLM``): RMSNorm computed in
-float32, rotate-half RoPE, grouped-query attention, SwiGLU MLP, Linear
-weights stored (out, in).  Every scalar is ``np.float32``: a Python float
-would be harmless under NEP 50, a float64 numpy scalar would not.
+Conventions are Hugging Face's (``LlamaForCausalLM``, and the families shaped
+like it: ``MistralForCausalLM``, ``Qwen2ForCausalLM``): RMSNorm computed in
+float32, rotate-half RoPE (with Llama 3's or linear scaling), grouped-query
+attention (windowed in the layers a config names), SwiGLU MLP, Linear
+weights stored (out, in), with biases where the config has them.  Every
+scalar is ``np.float32``: a Python float would be harmless under NEP 50, a
+float64 numpy scalar would not.
 """
 
 from __future__ import annotations
@@ -64,17 +67,42 @@ class KVCache:
         return self.k.nbytes + self.v.nbytes
 
 
+def inv_frequencies(config: LlamaConfig) -> np.ndarray:
+    """RoPE's (head_dim // 2,) inverse frequencies, float64, after the config's scaling.
+
+    The same formulas as Hugging Face's ``ROPE_INIT_FUNCTIONS`` for ``linear``
+    and ``llama3``."""
+    hd = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    old = scaling.original_max_position_embeddings
+    low, high = scaling.low_freq_factor, scaling.high_freq_factor
+    wavelen = 2 * np.pi / inv_freq
+    scaled = np.where(wavelen > old / low, inv_freq / scaling.factor, inv_freq)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= old / high) & (wavelen <= old / low)
+    return np.where(medium, smoothed, scaled)
+
+
 def rope_tables(config: LlamaConfig, max_seq: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """cos, sin: (positions, head_dim // 2) float32.
 
     Hugging Face builds cos/sin of ``cat(freqs, freqs)``; both halves are
-    equal, so one half is kept.  Computed in float64 and rounded once.
+    equal, so one half is kept.  Computed in float64 and rounded once, each
+    entry on its own: a longer table starts with the same bits.
     """
     n = config.max_position_embeddings if max_seq is None else max_seq
-    hd = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
-    freqs = np.outer(np.arange(n, dtype=np.float64), inv_freq)  # (n, hd/2)
+    freqs = np.outer(np.arange(n, dtype=np.float64), inv_frequencies(config))  # (n, hd/2)
     return np.cos(freqs).astype(np.float32), np.sin(freqs).astype(np.float32)
+
+
+# RoPE tables cover this many positions at first and grow on demand: Llama 3.2 names 131072.
+ROPE_INITIAL = 4096
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
@@ -102,21 +130,57 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 
 class _Layer:
-    """One decoder layer's weights, q/k/v and gate/up fused so each is one matmul."""
+    """One decoder layer's weights, q/k/v and gate/up fused so each is one matmul.
 
-    __slots__ = ("wqkv", "wo", "w_gate_up", "w_down", "attn_norm", "mlp_norm")
+    A bias the config does not have is None, so the plain Llama layer adds nothing."""
 
-    def __init__(self, w: Mapping[str, np.ndarray], prefix: str):
+    __slots__ = ("wqkv", "wo", "w_gate_up", "w_down", "attn_norm", "mlp_norm",
+                 "bqkv", "bo", "b_gate_up", "b_down", "window")
+
+    def __init__(self, w: Mapping[str, np.ndarray], prefix: str, config: LlamaConfig, index: int):
         def get(name: str) -> np.ndarray:
             return np.asarray(w[prefix + name], dtype=np.float32)
 
-        self.wqkv = np.concatenate([get("self_attn.q_proj.weight"), get("self_attn.k_proj.weight"),
-                                    get("self_attn.v_proj.weight")])  # (q + 2 kv, D)
+        def fused(*names: str) -> np.ndarray:
+            return np.concatenate([get(n) for n in names])
+
+        self.wqkv = fused("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                          "self_attn.v_proj.weight")  # (q + 2 kv, D)
         self.wo = np.ascontiguousarray(get("self_attn.o_proj.weight"))  # (D, q)
-        self.w_gate_up = np.concatenate([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")])  # (2I, D)
+        self.w_gate_up = fused("mlp.gate_proj.weight", "mlp.up_proj.weight")  # (2I, D)
         self.w_down = np.ascontiguousarray(get("mlp.down_proj.weight"))  # (D, I)
         self.attn_norm = get("input_layernorm.weight")
         self.mlp_norm = get("post_attention_layernorm.weight")
+        self.bqkv = self.bo = self.b_gate_up = self.b_down = None
+        if config.qkv_bias:
+            self.bqkv = fused("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
+        if config.o_bias:
+            self.bo = get("self_attn.o_proj.bias")
+        if config.mlp_bias:
+            self.b_gate_up = fused("mlp.gate_proj.bias", "mlp.up_proj.bias")
+            self.b_down = get("mlp.down_proj.bias")
+        self.window = config.window(index)
+
+
+def _linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+    out = x @ weight.T
+    if bias is not None:
+        out += bias
+    return out
+
+
+def attention_mask(start_pos: int, T: int, window: int | None) -> np.ndarray | None:
+    """(T, start_pos + T) additive mask: query i (position start_pos + i) sees keys
+    ``max(0, p - window + 1) .. p`` of p = start_pos + i; None when it sees every key."""
+    end = start_pos + T
+    q = np.arange(start_pos, end)[:, None]
+    k = np.arange(end)[None, :]
+    hidden = k > q
+    if window is not None:
+        hidden |= k <= q - window
+    if not hidden.any():
+        return None
+    return np.where(hidden, np.float32(-np.inf), np.float32(0.0))
 
 
 # Where a pipeline cuts the LM head's rows between stage 0 and the last stage, as a
@@ -156,8 +220,8 @@ class StageModel:
         self.has_head = layers.stop == n if head is None else head
         self._eps = F32(config.rms_norm_eps)
         self._scale = F32(1.0 / np.sqrt(config.head_dim))
-        self._cos, self._sin = rope_tables(config)
-        self._layers = [_Layer(weights, f"model.layers.{i}.") for i in layers]
+        self._cos, self._sin = rope_tables(config, min(ROPE_INITIAL, config.max_position_embeddings))
+        self._layers = [_Layer(weights, f"model.layers.{i}.", config, i) for i in layers]
         self._embed = None
         self._norm = self._head = None
         if self.has_embed:
@@ -218,14 +282,18 @@ class StageModel:
                              f"(filled {cache.length}, size {cache.max_seq})")
         H, KV, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         G, qd, kvd, inter = H // KV, H * hd, KV * hd, c.intermediate_size
+        if end > self._cos.shape[0]:
+            self._cos, self._sin = rope_tables(c, min(max(end, 2 * self._cos.shape[0]),
+                                                      c.max_position_embeddings))
         cos, sin = self._cos[start_pos:end], self._sin[start_pos:end]  # (T, hd/2)
-        mask = None
-        if T > 1:  # query i (position start_pos + i) sees keys 0..start_pos + i
-            mask = np.triu(np.full((T, end), -np.inf, dtype=np.float32), k=start_pos + 1)
+        masks: dict[int | None, np.ndarray | None] = {}
         x = hidden
         for li, layer in enumerate(self._layers):
+            if layer.window not in masks:
+                masks[layer.window] = attention_mask(start_pos, T, layer.window)
+            mask = masks[layer.window]
             h = rms_norm(x, layer.attn_norm, self._eps)
-            qkv = h @ layer.wqkv.T  # (T, qd + 2 kvd)
+            qkv = _linear(h, layer.wqkv, layer.bqkv)  # (T, qd + 2 kvd)
             q = qkv[:, :qd].reshape(T, H, hd).transpose(1, 0, 2)  # (H, T, hd)
             k = qkv[:, qd:qd + kvd].reshape(T, KV, hd).transpose(1, 0, 2)  # (KV, T, hd)
             v = qkv[:, qd + kvd:].reshape(T, KV, hd).transpose(1, 0, 2)
@@ -244,10 +312,10 @@ class StageModel:
             scores /= scores.sum(axis=-1, keepdims=True)
             attn = scores @ values[:, None]  # (KV, G, T, hd)
             attn = attn.reshape(H, T, hd).transpose(1, 0, 2).reshape(T, qd)
-            x = x + attn @ layer.wo.T
+            x = x + _linear(attn, layer.wo, layer.bo)
             h = rms_norm(x, layer.mlp_norm, self._eps)
-            gate_up = h @ layer.w_gate_up.T  # (T, 2I)
-            x = x + (silu(gate_up[:, :inter]) * gate_up[:, inter:]) @ layer.w_down.T
+            gate_up = _linear(h, layer.w_gate_up, layer.b_gate_up)  # (T, 2I)
+            x = x + _linear(silu(gate_up[:, :inter]) * gate_up[:, inter:], layer.w_down, layer.b_down)
         cache.length = max(cache.length, end)
         return x
 

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import trio
 
 from ..daemon import Daemon, serve_daemon
 from ..identity import Identity
+from ..net.faults import Faults
 from ..node import Node, NodeOptions
+from ..relay.server import serve_relay
 
 
 class Running:
@@ -59,3 +62,23 @@ async def start_killable(nursery: trio.Nursery, options: NodeOptions, lines: lis
                 task_status.started((Running(daemon), scope))
 
     return await nursery.start(run)
+
+
+async def start_pipeline(nursery: trio.Nursery, model: str | Path, stages: int, lines: list[str],
+                         feedback_drop: bool = False) -> list[Running]:
+    """A relay, an orchestrator and ``stages`` stages serving ``model``, converged and ready:
+    [orchestrator, stage-0, ...].  ``feedback_drop``: the last stage's direct packets to
+    stage 0 are lost, so the feedback edge takes the relay."""
+    host, port = await nursery.start(serve_relay, "127.0.0.1", 0)
+    opts: dict[str, Any] = dict(profile="local", relay=f"ws://{host}:{port}", stages=stages, model=str(model))
+    orch = await start_node(nursery, NodeOptions(role="orchestrator", **opts), lines)
+    nodes = [orch]
+    for k in range(stages):
+        faults = Faults()
+        if feedback_drop and k == stages - 1:
+            faults = Faults.parse([f"drop:{nodes[1].addr}"])  # last stage -> stage 0, direct lost
+        nodes.append(await start_node(nursery, NodeOptions(stage=k, seeds=[orch.addr], faults=faults,
+                                                           **opts), lines))
+    await wait_converged(nodes)
+    await orch.app.wait_ready(10)
+    return nodes
