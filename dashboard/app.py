@@ -5,7 +5,8 @@ It reads node state only through the mesh's ``snapshot()``, joins only through
 its ``join`` and drives generation only through the orchestrator's
 ``Generator`` interface.  It serves the page (``/``), the dashboard API
 (``/api/peers``, ``/api/peers/add``, ``/api/topology``, ``/api/snapshot``,
-``/api/traces``, ``/api/keys``, ``/metrics``) and ``/api/generate`` and ``/v1/completions``.
+``/api/traces``, ``/api/keys``, ``/metrics``), ``/api/generate``, and OpenAI's
+``/v1/models``, ``/v1/completions`` and ``/v1/chat/completions``.
 
 Every request passes ``guard.DashboardGuard`` first: the Host must name this
 dashboard, a state-changing request must come from its own page (Origin) with
@@ -31,10 +32,11 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from meshd.pipeline.api import Generator
+from meshd.pipeline.metrics import PipelineMetrics
 
 from . import generation, views
 from .guard import HOSTS_ENV, TOKEN_ENV, DashboardGuard
-from .requests import MAX_BODY_BYTES, BadRequest, error, json_body
+from .requests import MAX_BODY_BYTES, BadRequest, error, is_openai_path, json_body, openai_error
 
 if TYPE_CHECKING:
     from meshd.mesh import Mesh
@@ -160,7 +162,7 @@ async def api_traces(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     from .metrics import render
 
-    body, content_type = render(_mesh(request).snapshot())
+    body, content_type = render(_mesh(request).snapshot(), request.app.state.inference)
     return Response(body, media_type=content_type)
 
 
@@ -171,13 +173,16 @@ async def page(request: Request) -> Response:
 async def crashed(request: Request, exc: Exception) -> Response:
     # An endpoint's bug is a 500 for that request, never a crash of the node.
     log.exception("dashboard %s %s failed", request.method, request.url.path)
-    return error(500, f"internal error: {type(exc).__name__}")
+    fail = openai_error if is_openai_path(request.url.path) else error
+    return fail(500, f"internal error: {type(exc).__name__}")
 
 
 def create_app(node: Mesh, generator: Generator | None = None, token: str | None = None,
-               allowed_hosts: list[str] | None = None) -> DashboardGuard:
+               allowed_hosts: list[str] | None = None, *,
+               inference: PipelineMetrics | None = None) -> DashboardGuard:
     """The app behind its guard: ``node``'s dashboard, and with ``generator`` (the orchestrator)
-    the generation API.  ``allowed_hosts`` are extra Host names (``NAME`` or ``NAME:PORT``)."""
+    the generation API.  ``allowed_hosts`` are extra Host names (``NAME`` or ``NAME:PORT``);
+    ``inference`` is the pipeline service's metrics, for ``/metrics``."""
     app = Starlette(routes=[
         Route("/", page, methods=["GET"]),
         Mount("/static", StaticFiles(directory=STATIC), name="static"),
@@ -191,7 +196,7 @@ def create_app(node: Mesh, generator: Generator | None = None, token: str | None
         Route("/api/snapshot", api_snapshot, methods=["GET"]),
         *generation.ROUTES,
     ], exception_handlers={Exception: crashed})
-    app.state.mesh, app.state.generator = node, generator
+    app.state.mesh, app.state.generator, app.state.inference = node, generator, inference
     return DashboardGuard(app, token=token, allowed_hosts=allowed_hosts or (), max_body=MAX_BODY_BYTES)
 
 
@@ -205,6 +210,7 @@ def dashboard_token(bind: str) -> str | None:
 
 async def serve_dashboard(node: Mesh, bind: str, generator: Generator | None = None,
                           token: str | None = None, *, allowed_hosts: list[str] | None = None,
+                          inference: PipelineMetrics | None = None,
                           task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve the app on ``bind`` (HOST:PORT, port 0 picks one); reports the URL.
 
@@ -227,7 +233,7 @@ async def serve_dashboard(node: Mesh, bind: str, generator: Generator | None = N
     extra = [*(allowed_hosts or ()), *os.environ.get(HOSTS_ENV, "").split(","),
              *([] if wildcard else [f"[{host}]" if ":" in host else host])]
     try:
-        app = create_app(node, generator, token, extra)
+        app = create_app(node, generator, token, extra, inference=inference)
     except ValueError as exc:
         raise ValueError(f"dashboard: allowed hosts (allowed_hosts, {HOSTS_ENV}): {exc}") from exc
 

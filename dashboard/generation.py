@@ -1,8 +1,13 @@
-"""The orchestrator's HTTP API: ``/api/generate``, and the OpenAI-compatible ``/v1/models`` and
-``/v1/completions`` (errors there in OpenAI's shape, so its clients show the message and field).
+"""The orchestrator's HTTP API: ``/api/generate``, and the OpenAI-compatible ``/v1/models``,
+``/v1/completions`` and ``/v1/chat/completions`` (errors there in OpenAI's shape, so its
+clients show the message and the field).
 
 The endpoints drive the pipeline only through ``meshd.pipeline.api.Generator``
 (the app's ``state.generator``, None on a node that is not an orchestrator).
+A chat's messages become a prompt through the model's chat template
+(``meshd.pipeline.chat``), rendered off the event loop.  OpenAI fields that
+would change the answer and are not served (penalties, logprobs, tools, ..)
+are refused by name, never ignored.
 """
 
 from __future__ import annotations
@@ -19,51 +24,140 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from meshd.pipeline.api import Generator, NotReady, PipelineError
+from meshd.pipeline.stops import MAX_STOP_CHARS, MAX_STOPS, settled
 
 from .requests import BadRequest, error, field, json_body, openai_error
 
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+MAX_MESSAGES = 4096
+MAX_TOKENS = 4096
+# OpenAI fields that would change the answer, with the values that ask for nothing.
+_UNSERVED: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},), "logprobs": (False,),
+    "top_logprobs": (0,), "echo": (False,), "best_of": (1,), "suffix": ("",), "tools": ([],),
+    "functions": ([],), "tool_choice": ("none",), "response_format": ({"type": "text"},),
+}
 
-def sampling(body: dict, prompt_key: str) -> dict:
-    """The generation parameters of a request body; BadRequest names what is wrong."""
-    prompt = body.get(prompt_key)
+
+def prompt_text(body: dict) -> str:
+    """``body["prompt"]``: one string (OpenAI allows a list of prompts; we serve one)."""
+    prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]  # OpenAI allows a list of prompts; we serve one
+        prompt = prompt[0]
     if not isinstance(prompt, str):
-        raise BadRequest(f"{prompt_key!r} must be a string", prompt_key)
+        raise BadRequest("'prompt' must be a string", "prompt")
+    return prompt
+
+
+def stop_strings(body: dict) -> tuple[str, ...]:
+    """``body["stop"]``: a string or a list of up to MAX_STOPS strings (none when absent)."""
+    value = body.get("stop")
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or len(stops) > MAX_STOPS or not all(isinstance(s, str) for s in stops):
+        raise BadRequest(f"'stop' must be a string or a list of at most {MAX_STOPS} strings", "stop")
+    for i, stop in enumerate(stops):
+        if not 0 < len(stop) <= MAX_STOP_CHARS:
+            where = "stop" if isinstance(value, str) else f"stop[{i}]"
+            raise BadRequest(f"'{where}' must be 1 to {MAX_STOP_CHARS} characters long", "stop")
+    return tuple(stops)
+
+
+def sampling(body: dict, default_max_tokens: int | None = 16) -> dict:
+    """The generation parameters of a request body, but the prompt; BadRequest names what is
+    wrong.  ``max_tokens`` None: what the context holds (a chat's default, as OpenAI's)."""
+    max_tokens = field(body, "max_completion_tokens", int, None, low=1, high=MAX_TOKENS)
+    if max_tokens is None:
+        max_tokens = field(body, "max_tokens", int, default_max_tokens, low=1, high=MAX_TOKENS)
+    top_p = field(body, "top_p", float, 1.0)
+    if not 0 < top_p <= 1:
+        raise BadRequest("'top_p' must be within (0, 1]", "top_p")
     return {
-        "prompt": prompt,
-        "max_tokens": field(body, "max_tokens", int, 16, low=1, high=4096),
+        "max_tokens": max_tokens,
         "temperature": field(body, "temperature", float, 0.0, low=0.0, high=10.0),
         "top_k": field(body, "top_k", int, 0, low=0, high=1 << 20),
+        "top_p": top_p,
         "seed": field(body, "seed", int, 0, low=0, high=2**63 - 1),
+        "stop": stop_strings(body),
     }
 
 
+def chat_messages(body: dict) -> list[dict[str, str]]:
+    """``body["messages"]`` checked: each ``{role, content}``, content a string or a list of
+    ``{"type": "text", "text"}`` parts (joined with newlines, as vLLM joins them); ``name`` and
+    ``tool_call_id`` are kept for templates that write them."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty list of {role, content}", "messages")
+    if len(messages) > MAX_MESSAGES:
+        raise BadRequest(f"'messages' holds {len(messages)} messages; at most {MAX_MESSAGES}", "messages")
+    out = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise BadRequest(f"'{where}' must be an object with 'role' and 'content'", where)
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise BadRequest(f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}, not {role!r}",
+                             f"{where}.role")
+        checked = {"role": role, "content": _content(message.get("content"), f"{where}.content")}
+        for key in ("name", "tool_call_id"):
+            if isinstance(message.get(key), str):
+                checked[key] = message[key]
+        out.append(checked)
+    return out
+
+
+def _content(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise BadRequest(f"'{where}' must be a string or a list of text parts", where)
+    texts = []
+    for j, part in enumerate(content):
+        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            raise BadRequest(f"'{where}[{j}]' must be {{\"type\": \"text\", \"text\": string}}: only text is "
+                             "served", f"{where}[{j}]")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
 def _openai_only(body: dict) -> None:
-    """The OpenAI fields we do not serve yet, refused by name rather than ignored."""
-    if field(body, "n", int, 1, low=1) != 1:
-        raise BadRequest("'n' must be 1: one completion per request", "n")
-    if body.get("stop") is not None:
-        raise BadRequest("'stop' is not supported yet", "stop")
-    if field(body, "top_p", float, 1.0, low=0.0, high=1.0) != 1.0:
-        raise BadRequest("'top_p' other than 1 is not supported yet (use top_k)", "top_p")
+    """The OpenAI fields we do not serve, refused by name rather than ignored."""
+    if field(body, "n", int, 1) != 1:
+        raise BadRequest("'n' must be 1: one choice per request", "n")
+    for name, nothing in _UNSERVED.items():
+        value = body.get(name)
+        if value is not None and not any(type(value) is type(v) and value == v for v in nothing):
+            raise BadRequest(f"'{name}' is not supported; leave it out", name)
 
 
-async def _prepare(request: Request, openai: bool = False) -> tuple[Generator, dict, dict] | Response:
+async def _prepare(request: Request, api: str = "native") -> tuple[Generator, dict, dict] | Response:
     """(the orchestrator, the body, its parameters), or the error response (in OpenAI's shape
-    with ``openai``): 404 on a node that is not an orchestrator, 400 for a bad body, 503
-    naming what does not resolve."""
+    but for ``api`` "native"): 404 on a node that is not an orchestrator, 400 for a bad body
+    or a conversation the chat template refuses, 503 naming what does not resolve."""
+    openai = api != "native"
     fail = openai_error if openai else error
     orch: Generator | None = request.app.state.generator
     if orch is None:
         return fail(404, "this node is not an orchestrator with a model")
     try:
         body = await json_body(request)
-        params = sampling(body, "prompt")
+        if api == "chat":
+            params = sampling(body, default_max_tokens=None)
+            messages = chat_messages(body)
+        else:
+            params = {"prompt": prompt_text(body), **sampling(body)}
         if openai:
             _openai_only(body)
     except BadRequest as exc:
         return openai_error(400, str(exc), param=exc.param) if openai else error(400, str(exc))
+    if api == "chat":
+        try:
+            params = {"prompt": await trio.to_thread.run_sync(orch.chat_prompt, messages), **params}
+        except ValueError as exc:  # ChatTemplateError: the template's message, and the field
+            return openai_error(400, str(exc), param=getattr(exc, "param", None))
     missing = orch.missing()
     if missing:
         return fail(503, str(NotReady(missing)), missing=missing)
@@ -104,7 +198,8 @@ async def api_requests(request: Request) -> Response:
 
 
 def _finish_reason(result: dict) -> str:
-    return "stop" if result["finish_reason"] == "eos" else "length"
+    """OpenAI's word: "stop" for EOS or a stop string, "length" for max_tokens."""
+    return "length" if result["finish_reason"] == "length" else "stop"
 
 
 def _usage(result: dict) -> dict:
@@ -121,46 +216,74 @@ async def models(request: Request) -> Response:
         {"id": orch.model_name, "object": "model", "created": orch.created, "owned_by": "meshd"}]})
 
 
+SERVED = {"/v1/models": "GET", "/v1/completions": "POST", "/v1/chat/completions": "POST"}
+
+
 async def not_served(request: Request) -> Response:
-    """Any other ``/v1/...`` path: a 404 an OpenAI client can read, naming what is served."""
-    return openai_error(404, f"{request.url.path} is not served here; this mesh serves /v1/models and "
-                             "/v1/completions")
+    """Any other ``/v1/...`` request: a 404 (or a 405 for a served path asked with another
+    method) an OpenAI client can read, naming what is served."""
+    path = request.url.path
+    if path in SERVED:
+        return openai_error(405, f"{path} takes {SERVED[path]}, not {request.method}")
+    return openai_error(404, f"{path} is not served here; this mesh serves /v1/models, /v1/completions "
+                             "and /v1/chat/completions")
 
 
 async def completions(request: Request) -> Response:
-    ready = await _prepare(request, openai=True)
+    return await _openai(request, chat=False)
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _openai(request, chat=True)
+
+
+async def _openai(request: Request, chat: bool) -> Response:
+    ready = await _prepare(request, "chat" if chat else "completions")
     if isinstance(ready, Response):
         return ready
     orch, body, params = ready
-    events = _CompletionEvents(body)
+    events = _Events(body, chat, params["stop"])
     if body.get("stream"):
-        options = body.get("stream_options")
-        events.include_usage = isinstance(options, dict) and options.get("include_usage") is True
         return StreamingResponse(events.stream(orch, params), media_type="text/event-stream")
     result = await _generate(orch, params, openai=True)
     if isinstance(result, Response):
         return result
-    return JSONResponse({
-        **events.head, "object": "text_completion",
-        "choices": [{"index": 0, "text": result["text"], "logprobs": None,
-                     "finish_reason": _finish_reason(result)}],
-        "usage": _usage(result),
-    })
+    reason = _finish_reason(result)
+    choice = ({"index": 0, "message": {"role": "assistant", "content": result["text"]}, "logprobs": None,
+               "finish_reason": reason} if chat else
+              {"index": 0, "text": result["text"], "logprobs": None, "finish_reason": reason})
+    return JSONResponse({**events.head, "object": "chat.completion" if chat else "text_completion",
+                         "choices": [choice], "usage": _usage(result)})
 
 
-class _CompletionEvents:
-    """One completion's server-sent events: text as it becomes whole, then the finish."""
+class _Events:
+    """One request's server-sent events: for a chat, first the assistant's role; then text as it
+    settles (whole characters, and nothing that may turn out to begin a stop string), one
+    chunk per token; then the finish; usage when asked (``stream_options.include_usage``)."""
 
-    def __init__(self, body: dict) -> None:
+    def __init__(self, body: dict, chat: bool, stop: tuple[str, ...]) -> None:
         model = body.get("model") if isinstance(body.get("model"), str) else "meshd"
-        self.head = {"id": f"cmpl-{uuid.uuid4().hex[:16]}", "created": int(time.time()), "model": model}
+        self.chat = chat
+        self.object = "chat.completion.chunk" if chat else "text_completion"
+        self.head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}",
+                     "created": int(time.time()), "model": model}
+        self.stop = stop
         self.tokens: list[int] = []
         self.emitted = ""
-        self.include_usage = False  # stream_options.include_usage: a last chunk with usage
+        options = body.get("stream_options")
+        self.include_usage = isinstance(options, dict) and options.get("include_usage") is True
 
-    def event(self, text: str, reason: str | None, token: int | None = None, done: dict | None = None) -> str:
-        chunk: dict[str, Any] = {**self.head, "object": "text_completion",
-                                 "choices": [{"index": 0, "text": text, "finish_reason": reason}]}
+    def _choice(self, text: str, reason: str | None, delta: dict | None = None) -> dict:
+        if not self.chat:
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        if delta is None:
+            delta = {"content": text} if text or reason is None else {}
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+
+    def event(self, text: str, reason: str | None, token: int | None = None, done: dict | None = None,
+              delta: dict | None = None) -> str:
+        chunk: dict[str, Any] = {**self.head, "object": self.object,
+                                 "choices": [self._choice(text, reason, delta)]}
         if token is not None:  # an extension: the token id, for exact comparisons
             chunk["meshd"] = {"token": token, "index": len(self.tokens) - 1}
         if done is not None:  # the last chunk: which request it was, and where it moved
@@ -178,18 +301,20 @@ class _CompletionEvents:
     async def _produce(self, orch: Generator, params: dict, send: trio.MemorySendChannel[str]) -> None:
         async def on_token(token: int) -> None:
             self.tokens.append(token)
-            # Hold back a character whose bytes are not all here yet.
-            stable = orch.decode(self.tokens).rstrip("\ufffd")
-            await send.send(self.event(stable[len(self.emitted):], None, token))
-            self.emitted = max(self.emitted, stable, key=len)
+            shown = settled(orch.decode(self.tokens), self.stop)
+            new = shown[len(self.emitted):] if shown.startswith(self.emitted) else ""
+            await send.send(self.event(new, None, token))
+            self.emitted += new
 
         async with send:
+            if self.chat:
+                await send.send(self.event("", None, delta={"role": "assistant", "content": ""}))
             try:
                 result = await orch.generate(**params, on_token=on_token)
                 await send.send(self.event(result["text"][len(self.emitted):], _finish_reason(result),
                                            done=result))
                 if self.include_usage:  # as OpenAI sends it: no choices, the usage
-                    usage: dict[str, Any] = {**self.head, "object": "text_completion", "choices": [],
+                    usage: dict[str, Any] = {**self.head, "object": self.object, "choices": [],
                                              "usage": _usage(result)}
                     await send.send(f"data: {json.dumps(usage)}\n\n")
             except (ValueError, PipelineError) as exc:
@@ -204,5 +329,6 @@ ROUTES = [
     Route("/api/requests", api_requests, methods=["GET"]),
     Route("/v1/models", models, methods=["GET"]),
     Route("/v1/completions", completions, methods=["POST"]),
-    Route("/v1/{rest:path}", not_served, methods=["GET", "POST"]),
+    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    Route("/v1/{rest:path}", not_served, methods=["GET", "POST", "PUT", "PATCH", "DELETE"]),
 ]

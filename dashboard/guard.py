@@ -18,7 +18,8 @@ every request is checked here, in one place, before a handler runs:
   (400), measured without recursion so ``json.loads`` never recurses further.
 
 Every response, refused or not, carries a strict Content-Security-Policy and
-the headers that keep the page out of frames and its URL out of Referer.
+the headers that keep the page out of frames and its URL out of Referer.  A
+refusal under ``/v1`` comes in OpenAI's error shape, as every error there.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from itertools import accumulate
 from urllib.parse import parse_qs, urlsplit
 
 from starlette.datastructures import Headers
+
+from .requests import is_openai_path, openai_error_body
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
@@ -138,14 +141,16 @@ class DashboardGuard:
         try:
             receive = await self._admit(scope, receive)
         except Refused as refusal:
-            await self._refuse(send_secured, refusal)
+            await self._refuse(send_secured, refusal, scope["path"])
             return
         if receive is None:  # the client left while sending its body
             return
         await self.app(scope, receive, send_secured)
 
-    async def _refuse(self, send, refusal: Refused) -> None:
-        body = json.dumps({"error": str(refusal)}).encode()
+    async def _refuse(self, send, refusal: Refused, path: str) -> None:
+        answer = (openai_error_body(refusal.status, str(refusal)) if is_openai_path(path)
+                  else {"error": str(refusal)})
+        body = json.dumps(answer).encode()
         await send({"type": "http.response.start", "status": refusal.status,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(body)).encode()),

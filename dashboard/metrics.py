@@ -1,18 +1,64 @@
-"""``GET /metrics``: the snapshot as Prometheus text, rendered at scrape time."""
+"""``GET /metrics``: the snapshot, and the pipeline service's inference metrics, as Prometheus
+text rendered at scrape time.
+
+One unit per metric name: the SWIM core's and the data channel's counters go
+to ``meshd_swim_events_total`` / ``meshd_data_events_total`` (counts: packets,
+probes, messages, dials, ..) and their byte counters (names ending ``_bytes``)
+to ``meshd_swim_bytes_total`` / ``meshd_data_bytes_total``, labelled without
+the suffix (``counter="rx"``).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
+
+from meshd.pipeline.metrics import Family, PipelineMetrics
 
 from . import views
 
 _PATHS = ("direct", "relay", "none", "unknown")
 
 
+def _counters(prefix: str, what: str, counters: dict) -> Iterator[Metric]:
+    """``counters`` (name -> number) as two families of one unit each: counts, and bytes."""
+    events = CounterMetricFamily(f"{prefix}_events", f"{what}: events (packets, messages, ..) by counter",
+                                 labels=["counter"])
+    sizes = CounterMetricFamily(f"{prefix}_bytes", f"{what}: bytes by counter", labels=["counter"])
+    for name, value in counters.items():
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        if name.endswith("_bytes"):
+            sizes.add_metric([name.removesuffix("_bytes")], value)
+        else:
+            events.add_metric([name], value)
+    yield events
+    yield sizes
+
+
+def _family(family: Family) -> Metric:
+    """One of the pipeline's metric families, as prometheus_client's."""
+    out: Metric
+    if family.kind == "histogram":
+        out = HistogramMetricFamily(family.name, family.help, labels=family.labels)
+        for labels, hist in family.series:
+            out.add_metric(list(labels), [(floatToGoString(bound), n) for bound, n in hist.cumulative()],
+                           hist.sum)
+        return out
+    kind = CounterMetricFamily if family.kind == "counter" else GaugeMetricFamily
+    out = kind(family.name, family.help, labels=family.labels)
+    for labels, value in family.series:
+        out.add_metric(list(labels), value)
+    return out
+
+
 class _SnapshotCollector:
-    def __init__(self, snap: dict) -> None:
+    def __init__(self, snap: dict, inference: PipelineMetrics | None = None) -> None:
         self.snap = snap
+        self.inference = inference
 
     def collect(self):
         snap = self.snap
@@ -41,15 +87,8 @@ class _SnapshotCollector:
         yield rtt
         yield path
         yield fails
-        counters = CounterMetricFamily("meshd_swim_events", "SWIM core counters", labels=["counter"])
-        for name, value in (snap.get("counters") or {}).items():
-            counters.add_metric([name], value)
-        yield counters
-        data = CounterMetricFamily("meshd_data_events", "Data channel counters", labels=["counter"])
-        for name, value in (snap.get("data") or {}).items():
-            if isinstance(value, int | float):
-                data.add_metric([name], value)
-        yield data
+        yield from _counters("meshd_swim", "SWIM core counters", snap.get("counters") or {})
+        yield from _counters("meshd_data", "Data channel counters", snap.get("data") or {})
         topo = views.topology(snap)
         edges = GaugeMetricFamily("meshd_mesh_edges", "Directed pairs of the whole mesh by path",
                                   labels=["path"])
@@ -62,9 +101,13 @@ class _SnapshotCollector:
         info.add_metric([me["prefix"], me.get("name") or "", me.get("role") or "",
                          me.get("version") or ""], 1)
         yield info
+        if self.inference is not None:
+            for family in self.inference.families():
+                yield _family(family)
 
 
-def render(snap: dict) -> tuple[bytes, str]:
+def render(snap: dict, inference: PipelineMetrics | None = None) -> tuple[bytes, str]:
+    """The Prometheus text of ``snap`` and of ``inference`` (a pipeline service's metrics)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_SnapshotCollector(snap))
+    registry.register(_SnapshotCollector(snap, inference))
     return generate_latest(registry), CONTENT_TYPE_LATEST

@@ -29,15 +29,27 @@ def error(status: int, message: str, **extra: Any) -> JSONResponse:
     return JSONResponse({"error": message, **extra}, status_code=status)
 
 
-_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 503: "service_unavailable"}
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+                415: "invalid_request_error", 421: "invalid_request_error", 429: "rate_limit_error",
+                503: "service_unavailable"}
+
+
+def is_openai_path(path: str) -> bool:
+    """Whether ``path`` is under ``/v1``, where every error takes OpenAI's shape."""
+    return path == "/v1" or path.startswith("/v1/")
+
+
+def openai_error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    """``{"error": {"message", "type", "param", "code"}}``, as OpenAI's clients read an error."""
+    kind = _ERROR_TYPES.get(status, "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
 
 
 def openai_error(status: int, message: str, *, param: str | None = None, **extra: Any) -> JSONResponse:
-    """An error in OpenAI's shape, as its clients read it (``/v1/...``): ``{"error": {"message",
-    "type", "param", "code"}}``; ``extra`` goes beside ``error`` (``missing``, for a 503)."""
-    kind = _ERROR_TYPES.get(status, "server_error")
-    body = {"message": message, "type": kind, "param": param, "code": None}
-    return JSONResponse({"error": body, **extra}, status_code=status)
+    """An error in OpenAI's shape (``/v1/...``), so its clients show the message and the field;
+    ``extra`` goes beside ``error`` (``missing``, for a 503)."""
+    return JSONResponse({**openai_error_body(status, message, param), **extra}, status_code=status)
 
 
 async def json_body(request: Request) -> dict:
@@ -54,8 +66,11 @@ async def json_body(request: Request) -> dict:
 
 def field(body: dict, name: str, kind: type, default: Any, *, low: float | None = None,
           high: float | None = None) -> Any:
-    """``body[name]`` of type ``kind`` (an int is taken for a float), within [low, high]."""
-    value: Any = body.get(name, default)
+    """``body[name]`` of type ``kind`` (an int is taken for a float), within [low, high]; null
+    is the default, as OpenAI's API takes it."""
+    value: Any = body.get(name)
+    if value is None:
+        return default
     if kind is float and type(value) is int:
         value = float(value)
     if type(value) is not kind:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import signal
 import sys
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 import trio
@@ -61,8 +62,10 @@ async def serve_daemon(node: Node, *,
 
             daemon.dashboard_token = dashboard_token(options.dashboard)
             generator = daemon.app if options.role == "orchestrator" else None  # the generation API
+            inference = daemon.app.metrics if daemon.app is not None else None  # for /metrics
             daemon.dashboard_url = await nursery.start(
-                serve_dashboard, node, options.dashboard, generator, daemon.dashboard_token)
+                partial(serve_dashboard, inference=inference), node, options.dashboard, generator,
+                daemon.dashboard_token)
             out(f"meshd dashboard url={daemon.dashboard_url}"
                 + (f" token={daemon.dashboard_token}" if daemon.dashboard_token else ""))
         task_status.started(daemon)

@@ -39,6 +39,16 @@ NOT_JSON = ("text/plain", "text/plain;charset=UTF-8", "application/x-www-form-ur
             "multipart/form-data; boundary=x", None)
 
 
+def refusal(r: httpx.Response) -> str:
+    """A refusal's message: under /v1 in OpenAI's shape (``{"error": {"message", ..}}``), so its
+    clients show it; elsewhere ``{"error": message}``."""
+    error = r.json()["error"]
+    if r.request.url.path.startswith("/v1/"):
+        assert set(error) == {"message", "type", "param", "code"}, error
+        return error["message"]
+    return error
+
+
 @asynccontextmanager
 async def victim(checkpoint: Path | None = None, dashboard: str = "127.0.0.1:0"):
     """A node serving its dashboard (an orchestrator with one stage when given a checkpoint),
@@ -115,7 +125,7 @@ async def test_a_cross_origin_post_is_refused_and_nothing_runs(checkpoint):
                                    ("/v1/completions", GENERATE)):
                     r = await c.post(path, json=body, headers=headers)
                     assert r.status_code == 403, (path, headers, r.text)
-                    assert "cannot change this node" in r.json()["error"]
+                    assert "cannot change this node" in refusal(r)
             assert node.acted == []
 
             # The dashboard's own page, and clients that send no Origin (curl, httpx, openai), act.
@@ -137,6 +147,8 @@ async def test_a_post_that_is_not_json_is_refused_and_nothing_runs(checkpoint):
                 assert "application/json" in r.json()["error"]
                 r = await c.post("/api/generate", content=b'{"prompt": "pwned"}', headers=headers)
                 assert r.status_code == 415
+                r = await c.post("/v1/chat/completions", content=b'{"messages": []}', headers=headers)
+                assert r.status_code == 415 and "application/json" in refusal(r)
             assert node.acted == []
             r = await c.post("/api/generate", content=b'{"prompt": "pwned", "max_tokens": 2}',
                              headers={"Content-Type": "application/json; charset=utf-8"})
@@ -197,7 +209,7 @@ async def test_deeply_nested_json_gets_400_not_500(checkpoint):
                 for content in (deep, deep_in_object, b"[" * 400_000):
                     r = await c.post(path, content=content, headers={"Content-Type": "application/json"})
                     assert r.status_code == 400, (path, r.status_code, r.text[:200])
-                    assert re.search(r"nested 40000\d levels deep; at most 32", r.json()["error"]), r.text
+                    assert re.search(r"nested 40000\d levels deep; at most 32", refusal(r)), r.text
             # Brackets inside strings are text, not nesting.
             r = await c.post("/api/generate", json={"prompt": "[" * 100, "max_tokens": 1})
             assert r.status_code == 200, r.text
@@ -227,7 +239,7 @@ async def test_beyond_loopback_every_api_endpoint_needs_the_token():
                     for method, path in API:
                         r = await c.request(method, path, json={})
                         assert r.status_code == 401, (base, method, path, r.status_code)
-                        assert "token" in r.json()["error"]
+                        assert "token" in refusal(r)
                         r = await c.request(method, path, json={},
                                             headers={"Authorization": "Bearer " + "x" * len(token)})
                         assert r.status_code == 401, (base, method, path, "a wrong token")

@@ -230,7 +230,8 @@ def test_hf_tokenizer_json_is_used(tiny):
     loaded = load_tokenizer(tiny, 256, (257,))
     assert loaded.encode("hello world") == [251, 252]
     out = generate(tiny, "hello world", 5)
-    assert out["timings"]["prompt_tokens"] == 3  # BOS + 2 words
+    # no post-processor adding BOS, no add_bos_token: the 2 words alone, as tokenizer(text) gives
+    assert out["timings"]["prompt_tokens"] == 2
 
 
 # --- CLI -------------------------------------------------------------------------

@@ -98,6 +98,7 @@ async def test_a_killed_replica_mid_generation_hands_the_request_to_another_with
         (failover,) = got["failovers"]
         assert failover["stage"] == "stage-1" and failover["from"] == killed[0].hex()[:8]
         assert failover["to"] != failover["from"] and failover["ms"] is not None
+        assert mesh.orch.app.metrics.failovers == 1  # meshd_failovers_total
 
 
 async def test_with_no_replica_the_request_fails_naming_the_stage_and_the_next_one_needs_a_new_node(
@@ -114,6 +115,7 @@ async def test_with_no_replica_the_request_fails_naming_the_stage_and_the_next_o
 
         with pytest.raises(StageLost, match=r"stage-1 \(peer [0-9a-f]{8} "):
             await mesh.orch.app.generate(PROMPT, 20, on_token=on_token)
+        assert mesh.orch.app.metrics.requests["error"] == 1  # meshd_requests_total{outcome="error"}
         # A new process for stage-1, under a new identity: it serves as soon as it has joined.
         await mesh.add(1)
         await mesh.settle()

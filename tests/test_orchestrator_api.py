@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import httpx
 import pytest
@@ -94,4 +95,39 @@ async def test_a_mesh_that_is_not_ready_gets_503_naming_the_missing_stage(checkp
             assert r.status_code == 503
             assert r.json()["missing"] == ["pp-stage-1", "pp-exit"]
             assert "pp-stage-1 does not resolve" in r.json()["error"]
+            nursery.cancel_scope.cancel()
+
+
+MISTRAL = ("{{ bos_token }}{% for message in messages %}"
+           "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+           "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+           "{% endif %}{{ '[INST] ' + message['content'] + ' [/INST]' }}{% endfor %}")
+
+
+async def test_chat_errors_come_in_openais_shape_with_the_templates_message(checkpoint, tmp_path):
+    model = tmp_path / "mistralish"
+    shutil.copytree(checkpoint, model)
+    (model / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "chat_template": MISTRAL}))
+    lines: list[str] = []
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            orch = await _mesh(nursery, model, 1, lines, start_stages=0)
+            async with httpx.AsyncClient(base_url=orch.dashboard_url, timeout=30) as client:
+                # The template refuses the conversation: its own words, naming the messages.
+                twice = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+                r = await client.post("/v1/chat/completions", json={"messages": twice})
+                assert r.status_code == 400, r.text
+                error = r.json()["error"]
+                assert error["param"] == "messages" and error["type"] == "invalid_request_error"
+                assert "Conversation roles must alternate" in error["message"]
+                # A conversation it takes, on a mesh with no stage yet: 503 naming the stage.
+                r = await client.post("/v1/chat/completions", json={"messages": twice[:1]})
+                assert r.status_code == 503, r.text
+                assert r.json()["error"]["type"] == "service_unavailable"
+                assert "pp-stage-0 does not resolve" in r.json()["error"]["message"]
+                # A served path asked with the wrong method, and one not served.
+                r = await client.get("/v1/chat/completions")
+                assert r.status_code == 405 and "takes POST" in r.json()["error"]["message"]
+                r = await client.post("/v1/embeddings", json={})
+                assert r.status_code == 404 and "/v1/chat/completions" in r.json()["error"]["message"]
             nursery.cancel_scope.cancel()

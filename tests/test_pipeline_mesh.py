@@ -68,14 +68,19 @@ async def test_the_lm_head_cut_between_the_last_stage_and_stage_0_samples_the_sa
         async with trio.open_nursery() as nursery:
             nodes = await start_pipeline(nursery, checkpoint, stages, lines)
             orch = nodes[0].app
+            steps = {True: 0, False: 0}  # passes through the pipeline, by whether the head was split
             for temperature, top_k, seed, split in ((0.0, 0, 0, True), (0.9, 20, 7, True), (1.3, 3, 11, True),
                                                     (0.9, 0, 5, False)):
                 got = await orch.generate(PROMPT, 16, temperature, top_k, seed)
+                steps[split] += len(got["tokens"]) + (got["finish_reason"] == "eos")
                 want = reference(checkpoint, 16, temperature, top_k, seed)
                 assert got["tokens"] == want["tokens"], (temperature, top_k, seed)
                 names = {h["name"] for h in got["timings"]["hops"] if h["kind"] == "compute"}
                 halves = {"stage-0 head", f"stage-{stages - 1} head"}
                 assert (halves <= names) is split, names
+            # Both halves count as head compute (meshd_stage_compute_seconds{phase="head"}).
+            assert nodes[1].app.metrics.compute["head"].count == steps[True]
+            assert nodes[-1].app.metrics.compute["head"].count == steps[True] + steps[False]
             nursery.cancel_scope.cancel()
 
 

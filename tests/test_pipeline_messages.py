@@ -14,7 +14,8 @@ SENDER = b"\x01" * 32
 EXAMPLES: dict[int, wire.Message] = {
     messages.Activation.TAG: messages.Activation(
         req_id="r1", origin=NODE_B, pos=3, step=1, rows=1, dims=2, hidden=b"\0" * 8, tokens=(5,),
-        sampling=messages.Sampling(max_tokens=8, temperature=0.7, top_k=40, seed=1, want_logits=False),
+        sampling=messages.Sampling(max_tokens=8, temperature=0.7, top_k=40, seed=1, want_logits=False,
+                                   top_p=0.9),
         sent_at=1.5, trace=(messages.Hop("compute", "stage-0", 0.25, ""),
                             messages.Hop("transit", "stage-0->stage-1", 0.1, "relay")),
         route=(NODE_B, SENDER), prefill=2,
@@ -92,3 +93,21 @@ def test_a_route_longer_than_any_run_is_refused():
     msg[-2] = [NODE_B] * (wire.MAX_STAGES + 1)
     with pytest.raises(wire.WireError):
         messages.decode_app(payload())
+
+
+@pytest.mark.parametrize("top_p", [0.0, -0.1, 1.5, float("nan"), float("inf"), 1, "0.9", None])
+def test_a_sampling_whose_top_p_is_not_within_zero_to_one_is_refused(top_p):
+    body = EXAMPLES[messages.Token.TAG].to_body()
+    body[7][5] = top_p  # Token.sampling.top_p
+    with pytest.raises(wire.WireError):
+        messages.decode_app(msgpack.packb([messages.APP_VERSION, SENDER, [[messages.Token.TAG, body]]]))
+    body[7][5] = 0.25
+    decoded = messages.decode_app(msgpack.packb([messages.APP_VERSION, SENDER, [[messages.Token.TAG, body]]]))
+    assert decoded.messages[0].sampling.top_p == 0.25
+
+
+def test_a_sampling_without_top_p_is_refused_not_guessed():
+    body = EXAMPLES[messages.Token.TAG].to_body()
+    del body[7][5]
+    with pytest.raises(wire.WireError, match="Sampling: expected 6 fields"):
+        messages.decode_app(msgpack.packb([messages.APP_VERSION, SENDER, [[messages.Token.TAG, body]]]))

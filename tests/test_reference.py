@@ -111,3 +111,27 @@ def test_each_family_feature_changes_the_logits(checkpoints, name, off):
     config = dataclasses.replace(LlamaConfig.load(path), **off)
     got = generate(path, PROMPT, len(want), return_logits=True, model=StageModel.load(path, config=config))
     assert got["logits"].shape != want.shape or reference.worst_error(got["logits"], want) > 100 * TOLERANCE
+
+
+@pytest.mark.processes
+def test_smoke_run_serves_a_sharded_bf16_llama_3_2_checkpoint_token_for_token(checkpoints, tmp_path):
+    """The acceptance run: Llama 3.2's architecture (rope_scaling llama3, tied embeddings),
+    saved by transformers in bfloat16 and in shards, through `meshd smoke-run --stages 3`:
+    three stage processes, each reading its shards, equal to `meshd generate` and to
+    transformers."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    path = checkpoints["llama3.2"][0]
+    assert len(list(path.glob("model-*-of-*.safetensors"))) > 3
+    r = subprocess.run([sys.executable, "-m", "meshd", "smoke-run", "--json", "--model", str(path),
+                        "--stages", "3", "--prompt", PROMPT, "--max-tokens", str(STEPS)],
+                       capture_output=True, text=True, timeout=180,
+                       env={**os.environ, "XDG_STATE_HOME": str(tmp_path / "state")})
+    assert r.stdout.strip(), r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert r.returncode == 0 and out["ok"], json.dumps(out)
+    assert out["matches_reference"] and out["tokens"] == out["reference_tokens"]
+    assert out["tokens"] == checkpoints["llama3.2"][1]  # and transformers' greedy tokens

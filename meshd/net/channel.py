@@ -134,7 +134,7 @@ class DataChannel:
             "sent": 0, "delivered": 0, "resent": 0, "bad_frames": 0, "streams_in": 0,
             "streams_refused": 0, "handshake_failures": 0, "dials": 0, "dial_failures": 0,
             "reader_errors": 0, "peer_restarts": 0, "peers_down": 0, "rx_data_undecryptable": 0,
-            "bad_peer_keys": 0,
+            "bad_peer_keys": 0, "sent_bytes": 0, "delivered_bytes": 0,  # message payload bytes
         }
         self._down: dict[bytes, float] = {}  # peers whose process looks gone, since when
         self._checking: set[bytes] = set()

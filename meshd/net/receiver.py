@@ -249,6 +249,7 @@ class Receiver:
         for sender, data in ready:
             self._backlogs.setdefault(sender, deque()).append(data)
         self._ch.counters["delivered"] += len(ready)
+        self._ch.counters["delivered_bytes"] += sum(len(data) for _, data in ready)
 
     async def _hand_over(self, ready: list[tuple[bytes, bytes]], *, reader: bool = False,
                          wait: bool = True) -> None:

@@ -248,6 +248,7 @@ class Sender:
                     peer.link.path = item.path
                     peer.sent += 1
                     self._ch.counters["sent"] += 1
+                    self._ch.counters["sent_bytes"] += len(item.data)
                 except DeliveryError as exc:
                     item.error = exc
                 finally:

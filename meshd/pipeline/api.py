@@ -1,12 +1,13 @@
 """What the orchestrator offers its callers (the HTTP API), without its machinery.
 
-The dashboard serves ``/api/generate`` and ``/v1/completions`` through
-:class:`Generator`; it never imports the pipeline's services.
+The dashboard serves ``/api/generate``, ``/v1/completions`` and
+``/v1/chat/completions`` through :class:`Generator`; it never imports the
+pipeline's services.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 
@@ -50,9 +51,18 @@ class Generator(Protocol):
         """Token ids to text, with the model's tokenizer."""
         ...
 
-    async def generate(self, prompt: str, max_tokens: int, temperature: float = 0.0, top_k: int = 0,
-                       seed: int = 0, *, on_token: Callable[[int], Awaitable[None]] | None = None
-                       ) -> dict[str, Any]:
-        """Generate; raises PipelineError (or ValueError for a prompt the model cannot take).
-        The result has ``tokens``, ``text``, ``prompt_tokens``, ``finish_reason``, ``timings``."""
+    def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+        """A conversation (``{role, content}`` dicts, content a string) as prompt token ids,
+        through the model's chat template; raises ValueError (``ChatTemplateError``, whose
+        ``param`` names the field, if one) when the template cannot write it."""
+        ...
+
+    async def generate(self, prompt: str | list[int], max_tokens: int | None, temperature: float = 0.0,
+                       top_k: int = 0, seed: int = 0, *, top_p: float = 1.0, stop: Sequence[str] = (),
+                       on_token: Callable[[int], Awaitable[None]] | None = None) -> dict[str, Any]:
+        """Generate from text (BOS first) or token ids (as they are); raises PipelineError (or
+        ValueError for a prompt the model cannot take).  ``max_tokens`` None: what the context
+        holds.  ``stop``: the text ends before the first of these, and generation with it.
+        The result has ``tokens``, ``text``, ``prompt_tokens``, ``finish_reason`` ("eos",
+        "length" or "stop"), ``timings``."""
         ...

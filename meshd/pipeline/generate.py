@@ -32,9 +32,8 @@ class Generation:
 
 
 def prompt_ids(tokenizer: Tokenizer, prompt: str) -> list[int]:
-    ids = tokenizer.encode(prompt)
-    if tokenizer.bos_token_id is not None:
-        ids = [tokenizer.bos_token_id, *ids]
+    """The prompt's ids as the model reads them, BOS first where it wants one."""
+    ids = tokenizer.encode_prompt(prompt)
     if not ids:
         raise ValueError("empty prompt and the tokenizer has no BOS token")
     return ids
@@ -78,11 +77,12 @@ def generate_ids(model: StageModel, ids: list[int], max_tokens: int, sampler: Sa
     return out
 
 
-def generate(model_dir: str | Path, prompt: str, max_tokens: int, temperature: float = 0.0,
-             top_k: int = 0, seed: int = 0, *, return_logits: bool = False,
+def generate(model_dir: str | Path, prompt: str | list[int], max_tokens: int, temperature: float = 0.0,
+             top_k: int = 0, seed: int = 0, *, top_p: float = 1.0, return_logits: bool = False,
              model: StageModel | None = None, tokenizer: Tokenizer | None = None) -> dict:
     """Generate from ``prompt``: {"tokens", "text", "finish_reason", "timings"[, "logits"]}.
 
+    ``prompt`` is text, or token ids taken as they are (a chat template's prompt).
     ``model``/``tokenizer`` skip loading them from ``model_dir`` (benchmarks,
     repeated calls).  ``logits`` is (steps, V) float32, one row per sampled step.
     """
@@ -93,8 +93,10 @@ def generate(model_dir: str | Path, prompt: str, max_tokens: int, temperature: f
     if tokenizer is None:
         tokenizer = load_tokenizer(model_dir, config.bos_token_id, config.eos_token_ids)
     load_s = time.perf_counter() - t0
-    ids = prompt_ids(tokenizer, prompt)
-    gen = generate_ids(model, ids, max_tokens, Sampler(temperature, top_k, seed), config.eos_token_ids,
+    ids = prompt_ids(tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
+    if not ids:
+        raise ValueError("an empty prompt")
+    gen = generate_ids(model, ids, max_tokens, Sampler(temperature, top_k, seed, top_p), config.eos_token_ids,
                        keep_logits=return_logits)
     n = len(gen.tokens)
     run_s = gen.prefill_s + gen.decode_s

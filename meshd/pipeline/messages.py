@@ -18,6 +18,7 @@ from ..wire import (
     Message,
     Packet,
     Record,
+    WireError,
     check_blob,
     check_bool,
     check_float,
@@ -35,9 +36,17 @@ def check_peer(value: object) -> bytes:
     return b"" if value == b"" else check_node_id(value)
 
 
-APP_VERSION = 2  # 2: Activation.route and .prefill, StageError.peer
+APP_VERSION = 3  # 2: Activation.route and .prefill, StageError.peer; 3: Sampling.top_p
 # A message and its envelope: an activation may be as large as the data channel carries.
 MAX_APP_BYTES = MAX_DATA_MESSAGE_BYTES + 4096
+
+def check_top_p(value: object) -> float:
+    """A nucleus share: a float in (0, 1] (the sampler refuses anything else, so the decoder does)."""
+    top_p = check_float(value)
+    if not 0 < top_p <= 1:
+        raise WireError(f"top_p {top_p!r} outside (0, 1]")
+    return top_p
+
 
 @dataclass(frozen=True, slots=True)
 class Sampling(Record):
@@ -46,7 +55,8 @@ class Sampling(Record):
     top_k: int
     seed: int
     want_logits: bool  # send each step's logits back (tests compare them)
-    _fields_ = (check_uint, check_float, check_uint, check_uint, check_bool)
+    top_p: float = 1.0  # nucleus sampling's share; 1 keeps every candidate
+    _fields_ = (check_uint, check_float, check_uint, check_uint, check_bool, check_top_p)
 
 
 @dataclass(frozen=True, slots=True)

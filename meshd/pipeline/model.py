@@ -25,10 +25,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .config import LlamaConfig
+
+if TYPE_CHECKING:
+    from .checkpoint import Progress
 
 F32 = np.float32
 
@@ -233,7 +237,8 @@ class StageModel:
 
     @classmethod
     def load(cls, model_dir: str | Path, layers: range | None = None, *, embed: bool | None = None,
-             head: bool | None = None, config: LlamaConfig | None = None) -> StageModel:
+             head: bool | None = None, config: LlamaConfig | None = None,
+             progress: Progress | None = None) -> StageModel:
         """Read this stage's tensors only (see ``checkpoint.load_weights``)."""
         from .checkpoint import load_weights
 
@@ -243,7 +248,7 @@ class StageModel:
         layers = range(n) if layers is None else layers
         embed = layers.start == 0 if embed is None else embed
         head = layers.stop == n if head is None else head
-        weights = load_weights(model_dir, layers, embed=embed, head=head, config=config)
+        weights = load_weights(model_dir, layers, embed=embed, head=head, config=config, progress=progress)
         return cls(config, weights, layers, embed=embed, head=head)
 
     def new_cache(self, max_seq: int | None = None) -> KVCache:

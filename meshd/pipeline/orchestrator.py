@@ -26,6 +26,7 @@ import logging
 import time
 import uuid
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,10 +38,13 @@ from ..mesh import MemberInfo, Mesh
 from ..wire import Message
 from .api import NotReady, PipelineError, StageLost
 from .app import App, arrived, resolve
+from .chat import ChatTemplate
 from .checkpoint import fingerprint
 from .config import LlamaConfig
 from .generate import check_context, prompt_ids
 from .messages import Activation, Hop, Release, Sampling, StageError, Token
+from .metrics import OrchestratorMetrics, measured
+from .stops import find_stop
 from .tokenizer import load_tokenizer
 
 log = logging.getLogger("meshd.pipeline")
@@ -54,6 +58,8 @@ STALL_GAPS = 8
 STALL_MIN_S = 0.25
 STALL_FIRST_S = 2.0
 REPORTED_DOWN_S = 30.0  # past this, failure detection has had its say: it is alive
+MAX_DEFAULT_TOKENS = 4096  # a request that names no max_tokens: the rest of the context, up to this
+RELEASE_S = 1.0  # how long a request that ends early may take telling its route
 
 
 # A node of a route that failed: (stage, node, why, gone).  ``gone``: the node cannot serve
@@ -77,6 +83,8 @@ class _Request:
     token_times: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    stop: tuple[str, ...] = ()  # stop strings: the text ends before the first one
+    text_end: int | None = None  # where the decoded text ends, when a stop string ended it
     trouble: Trouble | None = None  # reported by a stage, or by a failed send
     failovers: list[dict[str, Any]] = field(default_factory=list)
     failover_started: float | None = None  # perf_counter when the last failover began
@@ -94,9 +102,11 @@ class Orchestrator(App):
         self.model_name = Path(model_dir).resolve().name or "meshd"
         self.created = int(time.time())
         self.tokenizer = load_tokenizer(model_dir, self.config.bos_token_id, self.config.eos_token_ids)
+        self.chat_template = ChatTemplate.load(model_dir)
         self.requests: dict[str, _Request] = {}  # by wire id
         self.recent_traces: deque[dict] = deque(maxlen=256)
         self.recent_failovers: deque[dict] = deque(maxlen=64)
+        self.metrics = OrchestratorMetrics()
         self._refused: set[tuple[bytes, str]] = set()  # (node, checkpoint) already logged as refused
         # Nodes a stage saw go down, with their process epoch then: not picked again until
         # the mesh says more (a new epoch), bounded.
@@ -144,6 +154,11 @@ class Orchestrator(App):
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens)
 
+    def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The prompt's token ids for a conversation, through the checkpoint's chat template;
+        raises ChatTemplateError (a ValueError) when it cannot be written."""
+        return self.chat_template.prompt_ids(messages, self.tokenizer)
+
     async def wait_ready(self, timeout: float) -> None:
         with trio.move_on_after(timeout):
             while self.missing():
@@ -160,17 +175,27 @@ class Orchestrator(App):
 
     # --- one request ---
 
-    async def generate(self, prompt: str, max_tokens: int, temperature: float = 0.0, top_k: int = 0,
-                       seed: int = 0, *, want_logits: bool = False, token_timeout: float = 30.0,
-                       on_token=None) -> dict:
-        ids = prompt_ids(self.tokenizer, prompt)
+    @measured
+    async def generate(self, prompt: str | list[int], max_tokens: int | None, temperature: float = 0.0,
+                       top_k: int = 0, seed: int = 0, *, top_p: float = 1.0, stop: Sequence[str] = (),
+                       want_logits: bool = False, token_timeout: float = 30.0, on_token=None) -> dict:
+        """Generate from ``prompt`` (text, BOS first; or token ids as they are).  ``max_tokens``
+        None: as many as the context holds, up to MAX_DEFAULT_TOKENS.  ``stop``: generation
+        ends at the first of these strings in the text, which ends before it."""
+        ids = prompt_ids(self.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("an empty prompt")
+        if max_tokens is None:
+            max_tokens = max(1, min(MAX_DEFAULT_TOKENS, self.config.max_position_embeddings - len(ids) + 1))
         check_context(self.config, len(ids), max_tokens)
         missing = self.missing()
         if missing:
             raise NotReady(missing)
         await resolve(self.mesh, "pp-entry", 1.0)
         req = _Request(uuid.uuid4().hex[:12], ids,
-                       Sampling(max_tokens, float(temperature), top_k, seed, want_logits))
+                       Sampling(max_tokens, float(temperature), top_k, seed, want_logits, float(top_p)),
+                       stop=tuple(stop))
+        self.metrics.prompt_tokens += len(ids)
         t0 = time.perf_counter()
         try:
             await self._start(req)
@@ -203,13 +228,15 @@ class Orchestrator(App):
                 raise PipelineError(req.error)
         finally:
             self.requests.pop(req.wire_id, None)
+            if req.route and req.finish_reason not in ("eos", "length"):
+                await self._release(req)
         total = time.perf_counter() - t0
         first = req.token_times[0] - t0 if req.token_times else None
         result: dict[str, Any] = {
             "request": req.req_id,
             "prompt_tokens": len(req.ids),
             "tokens": req.tokens,
-            "text": self.tokenizer.decode(req.tokens),
+            "text": self.tokenizer.decode(req.tokens)[:req.text_end],
             "finish_reason": req.finish_reason,
             "failovers": req.failovers,
             "timings": {
@@ -250,6 +277,19 @@ class Orchestrator(App):
         await self.send(route[0], Activation(req.wire_id, self.mesh.node_id, 0, req.next_step, 0, 0, b"",
                                              tokens, req.sampling, time.time(), (hop,), req.route,
                                              len(req.ids) if req.tokens else 0))
+
+    async def _release(self, req: _Request) -> None:
+        """Tell the route to drop a request it would go on computing: one a stop string ended,
+        or whose caller left, or that failed.  The Release passes down the chain from stage 0,
+        behind the request's messages in flight."""
+        entry = self.mesh.member_by_id(req.route[0]) if req.route[0] != self.mesh.node_id else None
+        if req.route[0] != self.mesh.node_id and (entry is None or not entry.live):
+            return
+        with trio.CancelScope(shield=True, deadline=trio.current_time() + RELEASE_S):
+            try:
+                await self.send(req.route[0], Release(req.wire_id))
+            except Exception as exc:  # the request is over either way; its caches age out
+                log.warning("request %s: could not release it on its route: %s", req.req_id, exc)
 
     @staticmethod
     def _stall_s(req: _Request) -> float:
@@ -325,6 +365,7 @@ class Orchestrator(App):
         old_id, old_route = req.wire_id, req.route
         self.requests.pop(old_id, None)
         req.attempt += 1
+        self.metrics.failovers += 1
         req.failover_started = time.perf_counter()
         await self._start(req, keep=old_route, replace=stage)
         record = {"request": req.req_id, "stage": f"stage-{stage}", "from": node.hex()[:8],
@@ -348,19 +389,23 @@ class Orchestrator(App):
     async def on_message(self, src: bytes, msg: Message) -> None:
         if isinstance(msg, Token):
             req = self.requests.get(msg.req_id)
-            if req is None or msg.step != req.next_step:
-                return  # a request that ended or moved, or a step we have
+            if req is None or req.finish_reason is not None or msg.step != req.next_step:
+                return  # a request that ended (a stop string) or moved, or a step we have
             req.next_step += 1
             req.traces.append(arrived(msg.trace, msg.sent_at))
+            self.metrics.arrived(req.traces[-1])
             if msg.logits:
                 req.logits.append(np.frombuffer(msg.logits, dtype=np.float32).copy())
             if msg.done != "eos":
                 req.tokens.append(msg.token)
                 req.token_times.append(time.perf_counter())
+                self.metrics.generation_tokens += 1
             if req.failover_started is not None and req.failovers:
                 req.failovers[-1]["ms"] = round((time.perf_counter() - req.failover_started) * 1000, 1)
                 req.failover_started = None
-            if msg.done:
+            if msg.done != "eos" and req.stop and self._stopped(req):
+                req.finish_reason = "stop"
+            elif msg.done:
                 req.finish_reason = msg.done
             req.changed.set()
         elif isinstance(msg, StageError):
@@ -378,6 +423,11 @@ class Orchestrator(App):
             else:
                 req.error = f"{msg.stage}: {msg.message}"
             req.changed.set()
+
+    def _stopped(self, req: _Request) -> bool:
+        """Whether ``req``'s text holds one of its stop strings now (then it ends before it)."""
+        req.text_end = find_stop(self.tokenizer.decode(req.tokens), req.stop)
+        return req.text_end is not None
 
     async def failed(self, msg: Message, exc: Exception, peer: bytes = b"") -> None:
         req = self.requests.get(getattr(msg, "req_id", ""))

@@ -1,4 +1,4 @@
-"""Next-token choice: greedy, or seeded temperature / top-k sampling.
+"""Next-token choice: greedy, or seeded temperature / top-k / top-p sampling.
 
 A ``Sampler`` owns the request's ``np.random.Generator``; it draws exactly one
 float32 per sampled step, so the same seed and the same logits give the same
@@ -11,6 +11,11 @@ largest scaled value); ``merge`` joins the slices' shortlists and ``choose``
 picks from them.  The global top-k lies within the union of the slices'
 top-k, so the pick equals the one over the whole vector, bit for bit; the
 single-process reference runs the same three steps on one slice.
+
+Top-p (nucleus) comes last, as in Hugging Face's and vLLM's samplers: of the
+temperature-scaled, top-k-cut candidates, ``choose`` keeps the most likely
+ones whose probability reaches ``top_p`` together, and draws among them.  It
+needs every candidate's probability, so it runs on the merged shortlist only.
 """
 
 from __future__ import annotations
@@ -50,14 +55,27 @@ def merge(parts: list[Shortlist], top_k: int) -> Shortlist:
     return ids, values
 
 
+def nucleus(ids: np.ndarray, probs: np.ndarray, top_p: np.float32) -> tuple[np.ndarray, np.ndarray]:
+    """The smallest set of the most likely candidates whose share of ``probs`` (float32,
+    unnormalised) reaches ``top_p``, in id order; ties go to the lower id."""
+    order = np.argsort(-probs, kind="stable")  # ids ascend, so a stable sort ranks equal ones by id
+    mass = np.cumsum(probs[order])
+    keep = int(np.searchsorted(mass, top_p * mass[-1], side="left")) + 1
+    chosen = np.sort(order[:keep])
+    return ids[chosen], probs[chosen]
+
+
 class Sampler:
-    def __init__(self, temperature: float = 0.0, top_k: int = 0, seed: int = 0):
+    def __init__(self, temperature: float = 0.0, top_k: int = 0, seed: int = 0, top_p: float = 1.0):
         if not temperature >= 0:
             raise ValueError(f"temperature {temperature!r} must be >= 0")
         if top_k < 0:
             raise ValueError(f"top_k {top_k!r} must be >= 0")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p {top_p!r} must be within (0, 1]")
         self.temperature = np.float32(temperature)
         self.top_k = int(top_k)
+        self.top_p = np.float32(top_p)
         self.seed = seed
         self._rng = np.random.default_rng(seed)
 
@@ -83,6 +101,8 @@ class Sampler:
         if self.greedy:
             return int(ids[int(np.argmax(values))])  # the first maximum: the lowest id, as argmax over all
         probs = np.exp(values - values.max())  # float32
+        if self.top_p < 1:
+            ids, probs = nucleus(ids, probs, self.top_p)
         cdf = np.cumsum(probs)
         u = self._rng.random(dtype=np.float32) * cdf[-1]
         i = min(int(np.searchsorted(cdf, u, side="right")), len(ids) - 1)

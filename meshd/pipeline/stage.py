@@ -30,9 +30,10 @@ from ..mesh import Mesh
 from ..wire import Message
 from .api import PipelineError
 from .app import PREFILL_ROWS, App, arrived
-from .checkpoint import fingerprint
+from .checkpoint import LoadProgress, fingerprint
 from .config import LlamaConfig
 from .messages import Activation, HeadInput, HeadPart, Hop, Release, Sampling, StageError, Token
+from .metrics import StageMetrics
 from .model import KVCache, StageModel, head_cut, split_layers
 from .sampling import Sampler, Shortlist, is_greedy, merge, shortlist
 
@@ -74,6 +75,21 @@ class _Job:
     reported: set[bytes] = field(default_factory=set)  # peers already reported down for it
 
 
+def splits_head(config: LlamaConfig, stages: int) -> bool:
+    """With two stages or more, stage 0 and the last stage each compute half of the LM head's
+    rows at once, and stage 0 samples (see ``StageService._share_head``): the head is the
+    biggest matmul of a decode step, and stage 0 would only wait for the token."""
+    return stages >= 2 and config.vocab_size * config.hidden_size >= HEAD_SPLIT_MIN_MACS
+
+
+def stage_share(config: LlamaConfig, stage: int, stages: int) -> tuple[range, bool, bool]:
+    """What stage ``stage`` of ``stages`` loads: its layers, the embedding, the LM head."""
+    layers = split_layers(config.num_hidden_layers, stages)[stage]
+    embed = stage == 0
+    head = stage == stages - 1 or (stage == 0 and splits_head(config, stages))
+    return layers, embed, head
+
+
 class StageService(App):
     def __init__(self, mesh: Mesh, model_dir: str | Path, stage: int, stages: int) -> None:
         super().__init__(mesh)
@@ -81,14 +97,12 @@ class StageService(App):
         self.name = f"stage-{stage}"
         config = LlamaConfig.load(model_dir)
         self.checkpoint = fingerprint(model_dir)
-        self.layers = split_layers(config.num_hidden_layers, stages)[stage]
+        self.layers, _, head = stage_share(config, stage, stages)
         self.last = stage == stages - 1
-        # With two stages or more, stage 0 and the last stage each compute half of the LM
-        # head's rows at once, and stage 0 samples (see _share_head): the head is the
-        # biggest matmul of a decode step, and stage 0 would only wait for the token.
-        self.split_head = stages >= 2 and config.vocab_size * config.hidden_size >= HEAD_SPLIT_MIN_MACS
-        self.model = StageModel.load(model_dir, self.layers, config=config,
-                                     head=True if stage == 0 and self.split_head else None)
+        self.split_head = splits_head(config, stages)
+        what = f"{self.name} (layers {self.layers.start}..{self.layers.stop - 1})"
+        self.model = StageModel.load(model_dir, self.layers, config=config, head=head,
+                                     progress=LoadProgress(what, log.info))
         cut = head_cut(config.vocab_size)
         self.head_rows = slice(0, cut) if stage == 0 else slice(cut, config.vocab_size)
         self.eos = set(config.eos_token_ids)
@@ -97,6 +111,7 @@ class StageService(App):
         self._outbox: dict[bytes, list[Message]] = {}  # per orchestrator: tokens (and errors) not yet sent
         self.counters = {"activations": 0, "tokens": 0, "errors": 0, "dropped_orphans": 0,
                          "reported_down": 0, "handed_over": 0}
+        self.metrics = StageMetrics(self.name)
         self.draining = False
         self._lost: dict[str, None] = {}  # requests we said we have no state for (bounded)
 
@@ -177,6 +192,7 @@ class StageService(App):
             self._drop_orphan(msg.req_id)
             return
         trace = arrived(msg.trace, msg.sent_at)
+        self.metrics.arrived(trace)
         model = self.model
         if msg.tokens:
             hidden = model.embed(list(msg.tokens))  # (T, D)
@@ -186,7 +202,9 @@ class StageService(App):
         t0 = time.perf_counter()
         out = await self._forward(hidden, job.cache, msg.pos, msg.prefill)
         pos = msg.pos + hidden.shape[0]
-        trace = (*trace, Hop("compute", self.name, (time.perf_counter() - t0) * 1000, ""))
+        took = time.perf_counter() - t0
+        self.metrics.computed("prefill" if hidden.shape[0] > 1 else "decode", took)
+        trace = (*trace, Hop("compute", self.name, took * 1000, ""))
         if self.last and self._splits_head(msg.sampling):
             await self._share_head(msg, model.final_norm(out[-1:]), trace, pos, job)
             return
@@ -199,9 +217,11 @@ class StageService(App):
                 (*trace, hop), job.route, msg.prefill,
             ))
             return
+        t0 = time.perf_counter()
         logits = model.logits(out[-1:])[0]
         s = msg.sampling
         token = self._sampler(job, s, msg.step)(logits)
+        self.metrics.computed("head", time.perf_counter() - t0)
         done = self._done(token, msg.step, s)
         self.counters["tokens"] += 1
         entry = job.route[0]
@@ -261,7 +281,7 @@ class StageService(App):
         """The request's sampler, made at its first sample here: step 0 for a new request,
         the token count for a replay, whose sampler skips the draws already made."""
         if job.sampler is None:
-            job.sampler = Sampler(s.temperature, s.top_k, s.seed).skip(step)
+            job.sampler = Sampler(s.temperature, s.top_k, s.seed, s.top_p).skip(step)
         return job.sampler
 
     def _done(self, token: int, step: int, s: Sampling) -> str:
@@ -293,8 +313,10 @@ class StageService(App):
         t0 = time.perf_counter()
         logits = self.model.head_logits(normed, self.head_rows)[0]
         ids, values = shortlist(logits, s.temperature, s.top_k, self.head_rows.start)
+        took = time.perf_counter() - t0
+        self.metrics.computed("head", took)
         await self.send(entry, HeadPart(msg.req_id, msg.origin, msg.step, ids.astype("<i8").tobytes(),
-                                        values.astype("<f4").tobytes(), (time.perf_counter() - t0) * 1000))
+                                        values.astype("<f4").tobytes(), took * 1000))
 
     def _join(self, req_id: str, step: int) -> _HeadJoin:
         join = self._heads.get((req_id, step))
@@ -310,6 +332,7 @@ class StageService(App):
         if len(msg.hidden) != 4 * dims:
             raise PipelineError(f"{self.name}: head input of {len(msg.hidden)} bytes, expected {4 * dims}")
         trace = arrived(msg.trace, msg.sent_at)
+        self.metrics.arrived(trace)
         s = msg.sampling
         t0 = time.perf_counter()
         normed = np.frombuffer(msg.hidden, dtype="<f4").reshape(1, dims)
@@ -340,8 +363,10 @@ class StageService(App):
         token = self._sampler(job, s, step).choose(merge([join.mine, join.theirs], s.top_k))
         done = self._done(token, step, s)
         self.counters["tokens"] += 1
+        head_ms = join.mine_ms + (time.perf_counter() - t0) * 1000
+        self.metrics.computed("head", head_ms / 1000)
         trace = (*join.trace,
-                 Hop("compute", f"{self.name} head", join.mine_ms + (time.perf_counter() - t0) * 1000, ""),
+                 Hop("compute", f"{self.name} head", head_ms, ""),
                  Hop("compute", f"stage-{self.stages - 1} head", join.their_ms, ""))
         if done:
             self._forget(req_id)

@@ -4,6 +4,11 @@ Byte-level by default: byte b is id ``offset + b``, plus BOS/EOS specials.
 A random checkpoint names its layout in ``byte_tokenizer.json``.  A real
 checkpoint's ``tokenizer.json`` is used through the ``tokenizers`` package
 (an optional dependency) when present.
+
+A prompt's ids (``encode_prompt``) are what Hugging Face's ``tokenizer(text)``
+gives: the tokenizer's post-processor adds BOS where the model wants one
+(Llama 2 and 3 do, Qwen2 does not), and ``tokenizer_config.json``'s
+``add_bos_token``, when set, has the last word.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from typing import Protocol
 
 BYTE_SPEC_FILE = "byte_tokenizer.json"
 HF_FILE = "tokenizer.json"
+HF_CONFIG_FILE = "tokenizer_config.json"
 
 
 class TokenizerError(Exception):
@@ -24,7 +30,9 @@ class Tokenizer(Protocol):
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
 
-    def encode(self, text: str) -> list[int]: ...  # no BOS; the caller adds it
+    def encode(self, text: str) -> list[int]: ...  # no special tokens
+
+    def encode_prompt(self, text: str) -> list[int]: ...  # with BOS where the model wants it
 
     def decode(self, ids: list[int]) -> str: ...
 
@@ -41,6 +49,10 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return [self.offset + b for b in text.encode("utf-8")]
+
+    def encode_prompt(self, text: str) -> list[int]:
+        ids = self.encode(text)
+        return ids if self.bos_token_id is None else [self.bos_token_id, *ids]
 
     def decode(self, ids: list[int]) -> str:
         out: list[str] = []
@@ -63,7 +75,8 @@ class ByteTokenizer:
 class HFTokenizer:
     """A Hugging Face ``tokenizer.json`` through the ``tokenizers`` package."""
 
-    def __init__(self, path: Path, bos_token_id: int | None, eos_token_ids: tuple[int, ...]):
+    def __init__(self, path: Path, bos_token_id: int | None, eos_token_ids: tuple[int, ...],
+                 add_bos_token: bool | None = None):
         try:
             from tokenizers import Tokenizer as _Tokenizer
         except ImportError:
@@ -74,12 +87,36 @@ class HFTokenizer:
             raise TokenizerError(f"{path}: cannot load: {exc}") from exc
         self.bos_token_id = bos_token_id
         self.eos_token_ids = tuple(eos_token_ids)
+        self.add_bos_token = add_bos_token
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
+    def encode_prompt(self, text: str) -> list[int]:
+        if self.add_bos_token is False:
+            return self.encode(text)
+        ids = list(self._tok.encode(text, add_special_tokens=True).ids)
+        bos = self.bos_token_id
+        if self.add_bos_token and bos is not None and ids[:1] != [bos]:
+            ids.insert(0, bos)
+        return ids
+
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
+
+
+def tokenizer_config(model_dir: str | Path) -> dict:
+    """``tokenizer_config.json`` as a dict, {} when there is none."""
+    path = Path(model_dir) / HF_CONFIG_FILE
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TokenizerError(f"{path}: cannot read: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise TokenizerError(f"{path}: not a JSON object")
+    return raw
 
 
 def write_byte_tokenizer_spec(model_dir: str | Path, *, offset: int, bos_token_id: int | None,
@@ -98,7 +135,9 @@ def load_tokenizer(model_dir: str | Path, bos_token_id: int | None = None,
     """
     model_dir = Path(model_dir)
     if (model_dir / HF_FILE).exists():
-        return HFTokenizer(model_dir / HF_FILE, bos_token_id, eos_token_ids)
+        add_bos = tokenizer_config(model_dir).get("add_bos_token")
+        return HFTokenizer(model_dir / HF_FILE, bos_token_id, eos_token_ids,
+                           add_bos if isinstance(add_bos, bool) else None)
     spec_path = model_dir / BYTE_SPEC_FILE
     if spec_path.exists():
         try:
