@@ -113,14 +113,14 @@ def test_load_progress_counts_parts_and_bytes(tmp_path):
     init_checkpoint(tmp_path, "llama3", seed=0, shards=3)
     calls = []
     load_weights(tmp_path, range(2, 4), embed=True, head=True, progress=lambda *a: calls.append(a))
-    # the embedding, layers 2 and 3, the head (its norm; the tied head is the embedding)
-    assert [c[:2] for c in calls] == [(1, 4), (2, 4), (3, 4), (4, 4)]
+    # after the embedding, layers 2 and 3, and the head (its norm; the tied head is the embedding)
+    assert [c[:2] for c in calls] == [(0, 2), (1, 2), (2, 2), (2, 2)]
     assert calls[-1][2] == calls[-1][3] > 0
     assert all(a[2] <= b[2] for a, b in zip(calls, calls[1:], strict=False))
     lines: list[str] = []
     report = LoadProgress("stage-1 (layers 2..3)", lines.append, after_s=0, every_s=0)
     load_weights(tmp_path, range(2, 4), progress=report)
-    assert lines[-1].startswith("loading stage-1 (layers 2..3): 2 of 2 parts,") and "(done)" in lines[-1]
+    assert lines[-1].startswith("loading stage-1 (layers 2..3): 2 of 2 layers,") and "(done)" in lines[-1]
     quiet: list[str] = []
     load_weights(tmp_path, range(2, 4), progress=LoadProgress("x", quiet.append))  # well under a second
     assert quiet == []

@@ -165,7 +165,7 @@ def _tensor_files(model_dir: Path) -> dict[str, Path]:
     return {}
 
 
-Progress = Callable[[int, int, int, int], None]  # (parts read, parts, bytes read, bytes)
+Progress = Callable[[int, int, int, int], None]  # (layers read, layers, bytes read, bytes)
 
 
 def load_weights(model_dir: str | Path, layers: Iterable[int] | None = None, *, embed: bool = False,
@@ -176,7 +176,7 @@ def load_weights(model_dir: str | Path, layers: Iterable[int] | None = None, *, 
     Returns Hugging Face name -> array.  With a tied head, ``head=True`` reads
     ``model.embed_tokens.weight`` (the head is the embedding).  ``progress``
     is called after each part (the embedding, a layer, the head) with the
-    parts and bytes read so far and in all.
+    layers and bytes read so far and in all.
     """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -200,28 +200,27 @@ def load_weights(model_dir: str | Path, layers: Iterable[int] | None = None, *, 
             raise CheckpointError(f"{path}: tensor {name} has shape {found}, expected {shape}")
         where[name] = st
     parts = [_part(name) for name in wanted]
-    total_parts, total_bytes = len(set(parts)), sum(st.nbytes(name) for name, st in where.items())
+    total_layers = len({p for p in parts if p is not None})
+    total_bytes = sum(st.nbytes(name) for name, st in where.items())
     out: dict[str, np.ndarray] = {}
-    done_parts = done_bytes = 0
+    done_layers = done_bytes = 0
     for k, (name, st) in enumerate(where.items()):
         out[name] = st.read(name)
         done_bytes += st.nbytes(name)
         if progress is not None and (k + 1 == len(parts) or parts[k + 1] != parts[k]):
-            done_parts += 1
-            progress(done_parts, total_parts, done_bytes, total_bytes)
+            done_layers += parts[k] is not None
+            progress(done_layers, total_layers, done_bytes, total_bytes)
     return out
 
 
-def _part(name: str) -> str:
-    """What a tensor belongs to: ``layer N``, or the embedding or head."""
-    if name.startswith("model.layers."):
-        return "layer " + name.split(".")[2]
-    return "embedding" if name == "model.embed_tokens.weight" else "head"
+def _part(name: str) -> int | None:
+    """The layer a tensor belongs to; None for the embedding and the head."""
+    return int(name.split(".")[2]) if name.startswith("model.layers.") else None
 
 
 class LoadProgress:
     """Reports a load that takes longer than ``after_s``: at most every ``every_s``, and once
-    done, as "layers 3 of 8, 41.2 of 110.0 MB read, 1.4 s"."""
+    done, as "3 of 8 layers, 41.2 of 110.0 MB read, 1.4 s"."""
 
     def __init__(self, what: str, report: Callable[[str], None], *, after_s: float = 1.0,
                  every_s: float = 1.0) -> None:
@@ -230,13 +229,13 @@ class LoadProgress:
         self.started = time.monotonic()
         self.last = self.started
 
-    def __call__(self, parts: int, total_parts: int, read: int, total: int) -> None:
+    def __call__(self, layers: int, total_layers: int, read: int, total: int) -> None:
         now = time.monotonic()
-        done = parts == total_parts
+        done = read == total
         if now - self.started < self.after_s or (now - self.last < self.every_s and not done):
             return
         self.last = now
-        self.report(f"loading {self.what}: {parts} of {total_parts} parts, {read / 1e6:.1f} of "
+        self.report(f"loading {self.what}: {layers} of {total_layers} layers, {read / 1e6:.1f} of "
                     f"{total / 1e6:.1f} MB read, {now - self.started:.1f} s{' (done)' if done else ''}")
 
 
