@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from meshd.pipeline.api import Generator, NotReady, PipelineError
+from meshd.pipeline.api import Busy, Generator, NotReady, PipelineError
 from meshd.pipeline.stops import MAX_STOP_CHARS, MAX_STOPS, settled
 
 from .requests import BadRequest, error, field, json_body, openai_error
@@ -161,7 +161,17 @@ async def _prepare(request: Request, api: str = "native") -> tuple[Generator, di
     missing = orch.missing()
     if missing:
         return fail(503, str(NotReady(missing)), missing=missing)
+    busy = orch.busy()
+    if busy is not None:  # before a stream starts: a 503 the client can retry, not an event
+        return _busy(busy, fail)
     return orch, body, params
+
+
+def _busy(exc: Busy, fail) -> Response:
+    """503 with Retry-After: every slot is taken and the queue is full."""
+    response = fail(503, str(exc))
+    response.headers["Retry-After"] = str(exc.retry_after)
+    return response
 
 
 async def _generate(orch: Generator, params: dict, openai: bool = False) -> dict | Response:
@@ -172,6 +182,8 @@ async def _generate(orch: Generator, params: dict, openai: bool = False) -> dict
         return await orch.generate(**params)
     except ValueError as exc:
         return fail(400, str(exc))
+    except Busy as exc:
+        return _busy(exc, fail)
     except PipelineError as exc:
         return fail(503, str(exc))
 

@@ -64,6 +64,17 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--compute-threads", type=positive_int, metavar="N",
                      help="threads for this node's matrix maths (default: one per core; nodes that "
                           "share a host should split the cores, as smoke-run does)")
+    run.add_argument("--max-batch", type=positive_int, default=16, metavar="N",
+                     help="a stage runs the decode steps of up to N requests as one forward pass, so "
+                          "they share each weight read; 1 runs each alone (default %(default)s)")
+    run.add_argument("--max-running", type=positive_int, default=64, metavar="N",
+                     help="the orchestrator runs up to N requests at once; more wait (default %(default)s)")
+    run.add_argument("--max-queued", type=positive_int, default=256, metavar="N",
+                     help="requests waiting for a slot; past N, a request gets 503 with Retry-After "
+                          "(default %(default)s)")
+    run.add_argument("--kv-budget-mb", type=positive_int, default=1024, metavar="MB",
+                     help="KV cache per stage: the orchestrator admits requests within it, a stage "
+                          "refuses what would pass it (default %(default)s; same on every node)")
     run.add_argument("--dashboard", default="127.0.0.1:0", metavar="HOST:PORT|off",
                      help="HTTP API and dashboard (default %(default)s; the URL is printed)")
     run.add_argument("--relay", action="append", metavar="URL",
@@ -195,6 +206,10 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         faults=faults,
         relays=list(args.relay or []),
         model=model_dir,
+        max_batch=args.max_batch,
+        max_running=args.max_running,
+        max_queued=args.max_queued,
+        kv_budget_mb=args.kv_budget_mb,
         dashboard=None if args.dashboard == "off" else args.dashboard,
         state_file=state_file_for(args.key_file) if args.key_file else None,
         allow_nodes=allow_nodes,

@@ -38,12 +38,15 @@ def _service(node: Node, options: NodeOptions) -> StageService | Orchestrator | 
     """The pipeline service of this node's role, its model loaded; None without a model."""
     if options.model is None:
         return None
+    from .pipeline.admission import Admission
     from .pipeline.service import Orchestrator, StageService
 
+    budget = options.kv_budget_mb << 20
     if options.role == "orchestrator":
-        return Orchestrator(node, options.model, options.stages or 1)
+        return Orchestrator(node, options.model, options.stages or 1,
+                            admission=Admission(options.max_running, options.max_queued, budget))
     assert options.stage is not None and options.stages is not None, "a stage knows its place"
-    return StageService(node, options.model, options.stage, options.stages)
+    return StageService(node, options.model, options.stage, options.stages, options.max_batch, budget)
 
 
 async def serve_daemon(node: Node, *,

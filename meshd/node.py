@@ -107,6 +107,10 @@ class NodeOptions:
     relays: list[str] = field(default_factory=list)  # every relay this node holds (--relay, repeated)
     # Read by the daemon, which starts the services of this node's role:
     model: str | None = None  # checkpoint dir: this node serves its share of the pipeline
+    max_batch: int = 16  # a stage's decode steps per forward pass (--max-batch; 1: no batching)
+    max_running: int = 64  # the orchestrator's requests running at once (--max-running)
+    max_queued: int = 256  # and waiting for a slot; past it, 503 with Retry-After (--max-queued)
+    kv_budget_mb: int = 1024  # KV cache per stage, MiB (--kv-budget-mb)
     dashboard: str | None = None  # HOST:PORT for the HTTP app; None = no dashboard
     checkpoint: str = ""  # fingerprint of the checkpoint this node serves (set by the daemon)
     # Beside the key file: the members we knew and our name clock, for the next restart

@@ -25,7 +25,8 @@ ORCHESTRATOR_FAMILIES = {
     "meshd_time_to_first_token_seconds": "histogram", "meshd_time_per_output_token_seconds": "histogram",
     "meshd_e2e_request_latency_seconds": "histogram", "meshd_hop_transit_seconds": "histogram",
 }
-STAGE_FAMILIES = {"meshd_stage_compute_seconds": "histogram", "meshd_hop_transit_seconds": "histogram"}
+STAGE_FAMILIES = {"meshd_stage_compute_seconds": "histogram", "meshd_hop_transit_seconds": "histogram",
+                  "meshd_stage_batch_size": "histogram"}
 MESH_FAMILIES = {"meshd_swim_events": "counter", "meshd_swim_bytes": "counter",
                  "meshd_data_events": "counter", "meshd_data_bytes": "counter"}
 
@@ -64,8 +65,8 @@ def assert_one_unit_each(families: dict) -> None:
         unit = "seconds" if name.endswith("_seconds") else "bytes" if name.endswith("_bytes") else "count"
         for word in ("seconds", "bytes"):
             assert word not in name or unit == word, name
-        if family.type == "histogram":
-            assert unit == "seconds", name
+        if family.type == "histogram":  # of durations, or of sizes (a count each)
+            assert unit == "seconds" or name.endswith("_size"), name
         for sample in family.samples:
             if family.type == "counter":
                 assert sample.name in (f"{name}_total", f"{name}_created"), sample.name
@@ -143,8 +144,11 @@ async def test_a_request_moves_each_inference_counter_by_what_it_did(checkpoint)
     assert moved(b, a, *transit, hop="stage-2->orchestrator") == steps
 
     compute = ("meshd_stage_compute_seconds", "meshd_stage_compute_seconds_count")
+    batches = ("meshd_stage_batch_size", "meshd_stage_batch_size_count")
     for k, (b, a) in enumerate(zip(before[1:], after[1:], strict=True)):
         stage = f"stage-{k}"
+        # one request alone: each decode step a batch of one
+        assert moved(b, a, *batches, stage=stage) == moved(b, a, *compute, stage=stage, phase="decode") > 0
         assert moved(b, a, *compute, stage=stage, phase="prefill") == 1, stage
         assert moved(b, a, *compute, stage=stage, phase="decode") == steps - 1, stage
         assert moved(b, a, *compute, stage=stage, phase="head") == (steps if k == 2 else 0), stage

@@ -150,8 +150,11 @@ async def test_tokens_reach_the_orchestrator_several_to_a_message(checkpoint, cu
             assert got["tokens"] == reference(checkpoint, 40, 0.0, 0, 0)["tokens"]
             assert streamed == got["tokens"]
             assert 2 <= messages < len(got["tokens"]) / 2, messages
-            waits = [h for h in got["timings"]["hops"] if h["kind"] == "wait"]
-            assert [h["name"] for h in waits] == ["stage-0 outbox"]  # shown, not counted as transit
+            waits = [h["name"] for h in got["timings"]["hops"] if h["kind"] == "wait"]
+            # the outbox wait is shown as a wait, not counted as transit (a loaded machine may
+            # also show a stage's wait for its batcher to run)
+            assert "stage-0 outbox" in waits and set(waits) <= {"stage-0 outbox", *(f"stage-{k} batch"
+                                                                                   for k in range(3))}
             nursery.cancel_scope.cancel()
 
 

@@ -31,6 +31,15 @@ class NotReady(PipelineError):
         self.missing = missing
 
 
+class Busy(PipelineError):
+    """Every slot is taken and the queue is full: retry after ``retry_after`` seconds (503
+    with Retry-After)."""
+
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class Generator(Protocol):
     """The orchestrator, as the HTTP API calls it."""
 
@@ -45,6 +54,10 @@ class Generator(Protocol):
 
     def missing(self) -> list[str]:
         """Pipeline names that do not resolve now."""
+        ...
+
+    def busy(self) -> Busy | None:
+        """What a new request would get now if the queue is full, else None."""
         ...
 
     def decode(self, tokens: list[int]) -> str:

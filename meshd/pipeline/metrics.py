@@ -9,7 +9,8 @@ dashboard renders :meth:`families` into Prometheus text (``dashboard.metrics``).
 Orchestrator: ``meshd_requests_total{outcome}`` (OUTCOMES), ``meshd_requests_in_flight``,
 ``meshd_prompt_tokens_total``, ``meshd_generation_tokens_total``, ``meshd_failovers_total``,
 ``meshd_time_to_first_token_seconds``, ``meshd_time_per_output_token_seconds``,
-``meshd_e2e_request_latency_seconds``.  Stage: ``meshd_stage_compute_seconds{stage,phase}``.
+``meshd_e2e_request_latency_seconds``, ``meshd_request_queue_seconds``.  Stage:
+``meshd_stage_compute_seconds{stage,phase}``, ``meshd_stage_batch_size{stage}``.
 Both: ``meshd_hop_transit_seconds{hop,path}`` for the hops into the node.
 """
 
@@ -44,6 +45,8 @@ TRANSIT_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
                      1.0, 2.5, 5.0, 10.0)
 FIRST_TOKEN_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 PER_TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.25, 2.5, 5.0, 10.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+QUEUE_BUCKETS_S = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 REQUEST_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 MAX_HOPS = 256  # hop series a node keeps: a trace's hop names come from its peers
 
@@ -65,6 +68,9 @@ HELP = {
            "for requests that ended with stop or length",
     "compute": "A stage's compute for one message, on its own clock: prefill and decode are its layers "
                "over several rows or one, head is the LM head and sampling",
+    "batch": "Decode steps a stage ran as one forward pass (--max-batch caps it)",
+    "queued": "How long a request waited at the orchestrator for a free slot before it started "
+              "(--max-running caps the requests running at once)",
     "transit": "Pipeline hops into this node: this node's wall clock on receipt minus the sender's when "
                "it sent (data channel, queueing and decoding included). Both ends share a clock on "
                "one host; across hosts the figure also holds their clock offset (negative ones count "
@@ -142,14 +148,20 @@ class StageMetrics(PipelineMetrics):
         super().__init__()
         self.stage = stage
         self.compute = {phase: Histogram(COMPUTE_BUCKETS_S) for phase in PHASES}
+        self.batch = Histogram(BATCH_BUCKETS)
 
     def computed(self, phase: str, seconds: float) -> None:
         self.compute[phase].observe(seconds)
 
+    def batched(self, size: int) -> None:
+        self.batch.observe(size)
+
     def families(self) -> list[Family]:
         compute = Family("meshd_stage_compute_seconds", HELP["compute"], "histogram", ("stage", "phase"),
                          [((self.stage, phase), hist) for phase, hist in self.compute.items()])
-        return [compute, *super().families()]
+        batch = Family("meshd_stage_batch_size", HELP["batch"], "histogram", ("stage",),
+                       [((self.stage,), self.batch)])
+        return [compute, batch, *super().families()]
 
 
 class OrchestratorMetrics(PipelineMetrics):
@@ -165,6 +177,11 @@ class OrchestratorMetrics(PipelineMetrics):
         self.first_token = Histogram(FIRST_TOKEN_BUCKETS_S)
         self.per_output_token = Histogram(PER_TOKEN_BUCKETS_S)
         self.e2e = Histogram(REQUEST_BUCKETS_S)
+        self.queue = Histogram(QUEUE_BUCKETS_S)
+
+    def queued(self, seconds: float) -> None:
+        """A request admitted after ``seconds`` in the queue (0: at once)."""
+        self.queue.observe(seconds)
 
     def finished(self, result: dict[str, Any]) -> None:
         """A request that ended with its tokens: ``result`` is what ``generate`` returns."""
@@ -202,6 +219,7 @@ class OrchestratorMetrics(PipelineMetrics):
             Family("meshd_time_per_output_token_seconds", HELP["per_output_token"], "histogram", (),
                    [((), self.per_output_token)]),
             Family("meshd_e2e_request_latency_seconds", HELP["e2e"], "histogram", (), [((), self.e2e)]),
+            Family("meshd_request_queue_seconds", HELP["queued"], "histogram", (), [((), self.queue)]),
             *super().families(),
         ]
 

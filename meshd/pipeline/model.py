@@ -251,6 +251,11 @@ class StageModel:
         weights = load_weights(model_dir, layers, embed=embed, head=head, config=config, progress=progress)
         return cls(config, weights, layers, embed=embed, head=head)
 
+    def cache_bytes(self, max_seq: int) -> int:
+        """What ``new_cache(max_seq)`` allocates."""
+        c = self.config
+        return 2 * len(self._layers) * c.num_key_value_heads * max_seq * c.head_dim * 4
+
     def new_cache(self, max_seq: int | None = None) -> KVCache:
         """A KV cache for one request, for this stage's layers."""
         c = self.config
@@ -276,53 +281,84 @@ class StageModel:
         mask), decode one row.  Writes keys/values at those positions of
         ``cache`` and attends to everything before them.
         """
+        return self.forward_batch(hidden, [(cache, start_pos)])
+
+    def forward_batch(self, hidden: np.ndarray, parts: Sequence[tuple[KVCache, int]]) -> np.ndarray:
+        """Several requests' rows in one pass: part i is a request's cache and the position of
+        its first row; hidden holds every part's rows in order, one row each for a decode
+        batch, all of them for one part.  The matrix products run once over every row (each
+        weight read once per batch); attention runs per part, over its own cache.  One part
+        runs the very operations ``forward`` runs."""
         c = self.config
         if hidden.dtype != np.float32 or hidden.ndim != 2 or hidden.shape[1] != c.hidden_size:
             raise ValueError(f"hidden must be (T, {c.hidden_size}) float32, "
                              f"got {hidden.shape} {hidden.dtype}")
-        T = hidden.shape[0]
-        end = start_pos + T
-        if not 0 <= start_pos <= cache.length or end > cache.max_seq:
-            raise ValueError(f"positions {start_pos}..{end} do not fit the cache "
-                             f"(filled {cache.length}, size {cache.max_seq})")
-        H, KV, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        G, qd, kvd, inter = H // KV, H * hd, KV * hd, c.intermediate_size
-        if end > self._cos.shape[0]:
-            self._cos, self._sin = rope_tables(c, min(max(end, 2 * self._cos.shape[0]),
+        if not parts:
+            raise ValueError("a batch of no requests")
+        rows = hidden.shape[0] if len(parts) == 1 else 1
+        if len(parts) > 1 and hidden.shape[0] != len(parts):
+            raise ValueError(f"a batch of {len(parts)} requests needs one row each, got {hidden.shape[0]}")
+        spans = []
+        for cache, start_pos in parts:
+            end = start_pos + rows
+            if not 0 <= start_pos <= cache.length or end > cache.max_seq:
+                raise ValueError(f"positions {start_pos}..{end} do not fit the cache "
+                                 f"(filled {cache.length}, size {cache.max_seq})")
+            spans.append((cache, start_pos, end))
+        top = max(end for _, _, end in spans)
+        if top > self._cos.shape[0]:
+            self._cos, self._sin = rope_tables(c, min(max(top, 2 * self._cos.shape[0]),
                                                       c.max_position_embeddings))
-        cos, sin = self._cos[start_pos:end], self._sin[start_pos:end]  # (T, hd/2)
-        masks: dict[int | None, np.ndarray | None] = {}
+        masks: dict[tuple[int, int | None], np.ndarray | None] = {}
         x = hidden
+        inter = c.intermediate_size
         for li, layer in enumerate(self._layers):
-            if layer.window not in masks:
-                masks[layer.window] = attention_mask(start_pos, T, layer.window)
-            mask = masks[layer.window]
             h = rms_norm(x, layer.attn_norm, self._eps)
             qkv = _linear(h, layer.wqkv, layer.bqkv)  # (T, qd + 2 kvd)
-            q = qkv[:, :qd].reshape(T, H, hd).transpose(1, 0, 2)  # (H, T, hd)
-            k = qkv[:, qd:qd + kvd].reshape(T, KV, hd).transpose(1, 0, 2)  # (KV, T, hd)
-            v = qkv[:, qd + kvd:].reshape(T, KV, hd).transpose(1, 0, 2)
-            q = apply_rope(q, cos, sin)
-            cache.k[li, :, start_pos:end] = apply_rope(k, cos, sin)
-            cache.v[li, :, start_pos:end] = v
-            keys = cache.k[li, :, :end]  # (KV, end, hd)
-            values = cache.v[li, :, :end]
-            # grouped-query: each kv head serves G query heads, no copy of k/v
-            scores = q.reshape(KV, G, T, hd) @ keys[:, None].transpose(0, 1, 3, 2)  # (KV, G, T, end)
-            scores *= self._scale
-            if mask is not None:
-                scores += mask
-            scores -= scores.max(axis=-1, keepdims=True)
-            np.exp(scores, out=scores)
-            scores /= scores.sum(axis=-1, keepdims=True)
-            attn = scores @ values[:, None]  # (KV, G, T, hd)
-            attn = attn.reshape(H, T, hd).transpose(1, 0, 2).reshape(T, qd)
+            if len(spans) == 1:
+                attn = self._attend(qkv, li, layer.window, *spans[0], masks)
+            else:
+                attn = np.concatenate([self._attend(qkv[i:i + 1], li, layer.window, *span, masks)
+                                       for i, span in enumerate(spans)])
             x = x + _linear(attn, layer.wo, layer.bo)
             h = rms_norm(x, layer.mlp_norm, self._eps)
             gate_up = _linear(h, layer.w_gate_up, layer.b_gate_up)  # (T, 2I)
             x = x + _linear(silu(gate_up[:, :inter]) * gate_up[:, inter:], layer.w_down, layer.b_down)
-        cache.length = max(cache.length, end)
+        for cache, _, end in spans:
+            cache.length = max(cache.length, end)
         return x
+
+    def _attend(self, qkv: np.ndarray, li: int, window: int | None, cache: KVCache, start_pos: int, end: int,
+                masks: dict[tuple[int, int | None], np.ndarray | None]) -> np.ndarray:
+        """Layer ``li``'s attention for one request's rows: (T, qd + 2 kvd) -> (T, qd).  Writes
+        its keys and values at [start_pos, end) of ``cache``."""
+        c = self.config
+        H, KV, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        G, qd, kvd = H // KV, H * hd, KV * hd
+        T = end - start_pos
+        key = (start_pos, window) if T > 1 or window is not None else (-1, None)
+        if key not in masks:
+            masks[key] = attention_mask(start_pos, T, window)
+        mask = masks[key]
+        cos, sin = self._cos[start_pos:end], self._sin[start_pos:end]  # (T, hd/2)
+        q = qkv[:, :qd].reshape(T, H, hd).transpose(1, 0, 2)  # (H, T, hd)
+        k = qkv[:, qd:qd + kvd].reshape(T, KV, hd).transpose(1, 0, 2)  # (KV, T, hd)
+        v = qkv[:, qd + kvd:].reshape(T, KV, hd).transpose(1, 0, 2)
+        q = apply_rope(q, cos, sin)
+        cache.k[li, :, start_pos:end] = apply_rope(k, cos, sin)
+        cache.v[li, :, start_pos:end] = v
+        keys = cache.k[li, :, :end]  # (KV, end, hd)
+        values = cache.v[li, :, :end]
+        # grouped-query: each kv head serves G query heads, no copy of k/v
+        scores = q.reshape(KV, G, T, hd) @ keys[:, None].transpose(0, 1, 3, 2)  # (KV, G, T, end)
+        scores *= self._scale
+        if mask is not None:
+            scores += mask
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(axis=-1, keepdims=True)
+        attn = scores @ values[:, None]  # (KV, G, T, hd)
+        return attn.reshape(H, T, hd).transpose(1, 0, 2).reshape(T, qd)
 
     def final_norm(self, hidden: np.ndarray) -> np.ndarray:
         """The final RMSNorm, hidden (T, D) -> (T, D): what the LM head multiplies."""

@@ -36,7 +36,8 @@ import trio
 
 from ..mesh import MemberInfo, Mesh
 from ..wire import Message
-from .api import NotReady, PipelineError, StageLost
+from .admission import Admission, TooLarge, kv_bytes
+from .api import Busy, NotReady, PipelineError, StageLost
 from .app import App, arrived, resolve
 from .chat import ChatTemplate
 from .checkpoint import fingerprint
@@ -94,9 +95,11 @@ class _Request:
 
 
 class Orchestrator(App):
-    def __init__(self, mesh: Mesh, model_dir: str | Path, stages: int) -> None:
+    def __init__(self, mesh: Mesh, model_dir: str | Path, stages: int, *,
+                 admission: Admission | None = None) -> None:
         super().__init__(mesh)
         self.stages = stages
+        self.admission = admission or Admission()
         self.config = LlamaConfig.load(model_dir)
         self.checkpoint = fingerprint(model_dir)
         self.model_name = Path(model_dir).resolve().name or "meshd"
@@ -192,11 +195,29 @@ class Orchestrator(App):
         if missing:
             raise NotReady(missing)
         await resolve(self.mesh, "pp-entry", 1.0)
-        req = _Request(uuid.uuid4().hex[:12], ids,
-                       Sampling(max_tokens, float(temperature), top_k, seed, want_logits, float(top_p)),
-                       stop=tuple(stop))
-        self.metrics.prompt_tokens += len(ids)
         t0 = time.perf_counter()
+        cost = kv_bytes(self.config, self.stages, len(ids) + max_tokens)
+        try:
+            queued = await self.admission.admit(cost)
+        except TooLarge as exc:
+            raise ValueError(str(exc)) from None
+        self.metrics.queued(queued)
+        try:
+            sampling = Sampling(max_tokens, float(temperature), top_k, seed, want_logits, float(top_p))
+            return await self._generate(ids, max_tokens, sampling, tuple(stop), t0, queued,
+                                        token_timeout=token_timeout, on_token=on_token)
+        finally:
+            self.admission.release(cost)
+
+    def busy(self) -> Busy | None:
+        return self.admission.busy()
+
+    async def _generate(self, ids: list[int], max_tokens: int, sampling: Sampling, stop: tuple[str, ...],
+                        t0: float, queued: float, *, token_timeout: float, on_token) -> dict:
+        """A request admitted at ``t0`` (perf_counter), after ``queued`` seconds in the queue."""
+        want_logits = sampling.want_logits
+        req = _Request(uuid.uuid4().hex[:12], ids, sampling, stop=stop)
+        self.metrics.prompt_tokens += len(ids)
         try:
             await self._start(req)
             seen = 0
@@ -232,6 +253,8 @@ class Orchestrator(App):
                 await self._release(req)
         total = time.perf_counter() - t0
         first = req.token_times[0] - t0 if req.token_times else None
+        if queued and req.traces:  # the wait for a slot, ahead of the first token's trace
+            req.traces[0] = (Hop("wait", "orchestrator queue", queued * 1000, ""), *req.traces[0])
         result: dict[str, Any] = {
             "request": req.req_id,
             "prompt_tokens": len(req.ids),
@@ -243,6 +266,7 @@ class Orchestrator(App):
                 "total_s": total,
                 "first_token_s": first,
                 "tokens_per_s": len(req.tokens) / total if total > 0 else 0.0,
+                "queued_s": queued,
                 "hops": summarize(req.traces),
             },
         }

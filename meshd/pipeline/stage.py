@@ -28,6 +28,7 @@ import trio
 
 from ..mesh import Mesh
 from ..wire import Message
+from .admission import DEFAULT_KV_BUDGET_MB
 from .api import PipelineError
 from .app import PREFILL_ROWS, App, arrived
 from .checkpoint import LoadProgress, fingerprint
@@ -39,7 +40,14 @@ from .sampling import Sampler, Shortlist, is_greedy, merge, shortlist
 
 log = logging.getLogger("meshd.pipeline")
 
-MAX_CACHED_REQUESTS = 64
+MAX_CACHED_REQUESTS = 64  # bounds what is kept of requests that ended or died (not their caches)
+JOB_IDLE_S = 600.0  # a request without a message for this long lost its end: its cache goes
+# Decode steps of up to this many requests run as one forward pass (``--max-batch``): each
+# weight is read once per batch, not once per request.  1 runs each step alone.
+DEFAULT_MAX_BATCH = 16
+# How long stage 0 holds a batch for the other running requests' steps (see ``_gather``):
+# about a tenth of a batched step of the small preset on one core.
+BATCH_GATHER_S = 0.005
 # The LM head is cut between stage 0 and the last stage only when half of it outweighs the
 # extra message that costs: on loopback a hop is about 0.3 ms, some 2-4 M multiply-adds of
 # numpy.  The small preset's head (32000 x 288) is cut; the tiny one's (258 x 64) is not,
@@ -91,9 +99,14 @@ def stage_share(config: LlamaConfig, stage: int, stages: int) -> tuple[range, bo
 
 
 class StageService(App):
-    def __init__(self, mesh: Mesh, model_dir: str | Path, stage: int, stages: int) -> None:
+    def __init__(self, mesh: Mesh, model_dir: str | Path, stage: int, stages: int,
+                 max_batch: int = DEFAULT_MAX_BATCH, kv_budget: int = DEFAULT_KV_BUDGET_MB << 20) -> None:
         super().__init__(mesh)
         self.stage, self.stages = stage, stages
+        if max_batch < 1:
+            raise ValueError(f"max_batch {max_batch} must be at least 1")
+        self.max_batch = max_batch
+        self.kv_budget = kv_budget
         self.name = f"stage-{stage}"
         config = LlamaConfig.load(model_dir)
         self.checkpoint = fingerprint(model_dir)
@@ -114,9 +127,16 @@ class StageService(App):
         self.metrics = StageMetrics(self.name)
         self.draining = False
         self._lost: dict[str, None] = {}  # requests we said we have no state for (bounded)
+        # Decode steps and head inputs waiting for the next batch, in arrival order (FIFO:
+        # the oldest go first, so none starves), and the event that wakes the batcher.
+        self._ready: list[_Step] = []
+        self._heads_ready: list[tuple[HeadInput, tuple[Hop, ...], float]] = []
+        self._work = trio.Event()  # set when something is ready
 
     def start_background(self, nursery: trio.Nursery) -> None:
         nursery.start_soon(self._watch)
+        if self.max_batch > 1:
+            nursery.start_soon(self._batcher)
 
     def _splits_head(self, s: Sampling) -> bool:
         """Whether this request's head is cut in two; not when every logit must travel
@@ -154,14 +174,20 @@ class StageService(App):
         job = self.jobs.get(msg.req_id)
         if msg.pos == 0:
             # The cache holds the prompt (the replay's first ``prefill`` rows) and every token.
-            need = (msg.prefill or rows) + msg.sampling.max_tokens
-            now = trio.current_time()
-            job = _Job(msg.origin, msg.route, self.model.new_cache(
-                min(need, self.model.config.max_position_embeddings)), now, now)
+            need = min((msg.prefill or rows) + msg.sampling.max_tokens,
+                       self.model.config.max_position_embeddings)
             self.jobs.pop(msg.req_id, None)
-            self.jobs[msg.req_id] = job
-            while len(self.jobs) > MAX_CACHED_REQUESTS:
-                self.jobs.popitem(last=False)
+            # A request that runs is never evicted: one that does not fit the budget is refused
+            # (the orchestrator's admission keeps within it; see meshd.pipeline.admission).
+            used = sum(j.cache.nbytes for j in self.jobs.values())
+            size = self.model.cache_bytes(need)
+            if used + size > self.kv_budget:
+                raise PipelineError(f"{self.name}: no room for request {msg.req_id}'s KV cache "
+                                    f"({size / 2**20:.1f} MB): {used / 2**20:.1f} of "
+                                    f"{self.kv_budget / 2**20:.0f} MB held by {len(self.jobs)} requests "
+                                    "(--kv-budget-mb)")
+            now = trio.current_time()
+            job = self.jobs[msg.req_id] = _Job(msg.origin, msg.route, self.model.new_cache(need), now, now)
         elif job is None:
             raise LostState(f"{self.name} has no KV cache for request {msg.req_id} at position "
                             f"{msg.pos} (did this stage restart?)")
@@ -199,45 +225,139 @@ class StageService(App):
         else:
             hidden = np.frombuffer(msg.hidden, dtype=np.float32).reshape(msg.rows, msg.dims)
         job = self._job(msg, hidden.shape[0])
+        if self.max_batch > 1 and hidden.shape[0] == 1 and not msg.prefill:
+            if msg.pos != job.cache.length or msg.pos >= job.cache.max_seq:
+                raise PipelineError(f"{self.name}: request {msg.req_id} step {msg.step} at position "
+                                    f"{msg.pos} does not follow its cache ({job.cache.length} of "
+                                    f"{job.cache.max_seq} filled)")
+            self._ready.append(_Step(msg, job, hidden, trace, trio.current_time()))
+            self._work.set()
+            return
         t0 = time.perf_counter()
         out = await self._forward(hidden, job.cache, msg.pos, msg.prefill)
-        pos = msg.pos + hidden.shape[0]
         took = time.perf_counter() - t0
         self.metrics.computed("prefill" if hidden.shape[0] > 1 else "decode", took)
-        trace = (*trace, Hop("compute", self.name, took * 1000, ""))
-        if self.last and self._splits_head(msg.sampling):
-            await self._share_head(msg, model.final_norm(out[-1:]), trace, pos, job)
+        await self._emit([_Computed(msg, job, out, (*trace, Hop("compute", self.name, took * 1000, "")))])
+
+    async def _batcher(self) -> None:
+        """Run what is ready as batches: the head inputs first (a token waits on them), then
+        up to ``max_batch`` decode steps as one forward pass.  A request joins the next batch
+        as soon as its step is here and leaves when it ends; the oldest go first, so none
+        starves.  What reaches a stage in one message (a batch from the stage before) is
+        ready at once; stage 0, where each step starts, gathers the batch (``_gather``)."""
+        while True:
+            await self._work.wait()
+            self._work = trio.Event()
+            while self._heads_ready or self._ready:
+                if self._heads_ready:
+                    heads, self._heads_ready = self._heads_ready, []
+                    await self._head_inputs(heads)
+                    continue
+                if self.stage == 0:
+                    await self._gather()
+                    if self._heads_ready:
+                        continue
+                batch, self._ready = self._ready[:self.max_batch], self._ready[self.max_batch:]
+                await self._decode(batch)
+
+    async def _gather(self) -> None:
+        """At stage 0: wait up to BATCH_GATHER_S for the steps of every request running here
+        (up to ``max_batch``), so requests that came back at different times go on as one
+        batch.  Once together they come back together: the wait is paid once, and a request
+        alone never waits."""
+        with trio.move_on_after(BATCH_GATHER_S):
+            while len(self._ready) < min(self.max_batch, len(self.jobs)) and not self._heads_ready:
+                await self._work.wait()
+                self._work = trio.Event()
+
+    async def _decode(self, batch: list[_Step]) -> None:
+        """One decode step of every request in ``batch`` as one forward pass."""
+        now = trio.current_time()
+        batch = [b for b in batch if self.jobs.get(b.msg.req_id) is b.job]  # released meanwhile: dropped
+        if not batch:
             return
-        if not self.last:
-            nxt = job.route[self.stage + 1]
-            hop = Hop("transit", f"{self.name}->stage-{self.stage + 1}", 0.0, self.path_to(nxt))
-            await self.send(nxt, Activation(
-                msg.req_id, msg.origin, msg.pos, msg.step, out.shape[0], out.shape[1],
-                np.ascontiguousarray(out, dtype=np.float32).tobytes(), (), msg.sampling, time.time(),
-                (*trace, hop), job.route, msg.prefill,
-            ))
-            return
+        hidden = np.concatenate([b.hidden for b in batch])
+        parts = [(b.job.cache, b.msg.pos) for b in batch]
         t0 = time.perf_counter()
-        logits = model.logits(out[-1:])[0]
-        s = msg.sampling
-        token = self._sampler(job, s, msg.step)(logits)
+        try:
+            if len(batch) > PREFILL_ROWS:  # off the event loop, so gossip keeps its timing
+                out = await trio.to_thread.run_sync(self.model.forward_batch, hidden, parts)
+            else:
+                out = self.model.forward_batch(hidden, parts)
+        except Exception as exc:  # one request's bad state must not take the others' steps
+            log.exception("%s: a batch of %d steps failed", self.name, len(batch))
+            for b in batch:
+                await self.failed(b.msg, exc)
+            return
+        took = time.perf_counter() - t0
+        self.metrics.computed("decode", took)
+        self.metrics.batched(len(batch))
+        compute = Hop("compute", self.name, took * 1000, "")
+        done = []
+        for i, b in enumerate(batch):
+            waited = (now - b.queued) * 1000
+            wait = (Hop("wait", f"{self.name} batch", waited, ""),) if waited >= 1 else ()
+            done.append(_Computed(b.msg, b.job, out[i:i + 1], (*b.trace, *wait, compute)))
+        await self._emit(done)
+
+    async def _emit(self, steps: list[_Computed]) -> None:
+        """Pass computed steps on: each activation to the next stage, or, at the last stage,
+        the head (cut with stage 0, or whole here) and its token.  What goes to one node
+        goes as one message."""
+        if self.last:
+            cut = [st for st in steps if self._splits_head(st.msg.sampling)]
+            whole = [st for st in steps if not self._splits_head(st.msg.sampling)]
+            if cut:
+                await self._share_heads(cut)
+            if whole:
+                await self._whole_heads(whole)
+            return
+        out: dict[bytes, list[Message]] = {}
+        now = time.time()
+        for st in steps:
+            msg, nxt = st.msg, st.job.route[self.stage + 1]
+            hop = Hop("transit", f"{self.name}->stage-{self.stage + 1}", 0.0, self.path_to(nxt))
+            out.setdefault(nxt, []).append(Activation(
+                msg.req_id, msg.origin, msg.pos, msg.step, st.out.shape[0], st.out.shape[1],
+                np.ascontiguousarray(st.out, dtype=np.float32).tobytes(), (), msg.sampling, now,
+                (*st.trace, hop), st.job.route, msg.prefill,
+            ))
+        for dst, msgs in out.items():
+            await self.send(dst, *msgs)
+
+    async def _whole_heads(self, steps: list[_Computed]) -> None:
+        """At the last stage: the whole head over the steps' last rows at once, a token each."""
+        t0 = time.perf_counter()
+        logits_all = self.model.logits(np.concatenate([st.out[-1:] for st in steps]))
+        tokens = []
+        for st, logits in zip(steps, logits_all, strict=True):
+            tokens.append(self._sampler(st.job, st.msg.sampling, st.msg.step)(logits))
         self.metrics.computed("head", time.perf_counter() - t0)
-        done = self._done(token, msg.step, s)
-        self.counters["tokens"] += 1
-        entry = job.route[0]
-        if not done:
-            # The feedback edge first: it is on the critical path of the next token.
-            hop = Hop("transit", f"{self.name}->stage-0", 0.0, self.path_to(entry))
-            await self.send(entry, Token(msg.req_id, msg.origin, msg.step, token, pos, "", b"", s,
-                                         time.time(), (hop,)))
-        else:
-            self._forget(msg.req_id)
-            if self.stages > 1:
-                await self.send(entry, Release(msg.req_id))
-        raw = logits.astype(np.float32).tobytes() if s.want_logits else b""
-        await self._stream(Token(msg.req_id, msg.origin, msg.step, token, pos, done, raw, s, time.time(),
-                                 (*trace, Hop("transit", f"{self.name}->orchestrator", 0.0,
-                                              self.path_to(msg.origin)))))
+        feedback: dict[bytes, list[Message]] = {}
+        streamed = []
+        for st, logits, token in zip(steps, logits_all, tokens, strict=True):
+            msg, job, s = st.msg, st.job, st.msg.sampling
+            pos = msg.pos + st.out.shape[0]
+            done = self._done(token, msg.step, s)
+            self.counters["tokens"] += 1
+            entry = job.route[0]
+            if not done:
+                hop = Hop("transit", f"{self.name}->stage-0", 0.0, self.path_to(entry))
+                feedback.setdefault(entry, []).append(
+                    Token(msg.req_id, msg.origin, msg.step, token, pos, "", b"", s, time.time(), (hop,)))
+            else:
+                self._forget(msg.req_id)
+                if self.stages > 1:
+                    feedback.setdefault(entry, []).append(Release(msg.req_id))
+            raw = logits.astype(np.float32).tobytes() if s.want_logits else b""
+            streamed.append(Token(msg.req_id, msg.origin, msg.step, token, pos, done, raw, s, time.time(),
+                                  (*st.trace, Hop("transit", f"{self.name}->orchestrator", 0.0,
+                                                  self.path_to(msg.origin)))))
+        # The feedback edge first: it is on the critical path of the next tokens.
+        for dst, msgs in feedback.items():
+            await self.send(dst, *msgs)
+        for token_msg in streamed:
+            await self._stream(token_msg)
 
     # --- tokens to the orchestrator ---
 
@@ -300,48 +420,80 @@ class StageService(App):
 
     # --- the LM head in two halves: the last stage and stage 0 ---
 
-    async def _share_head(self, msg: Activation, normed: np.ndarray, trace: tuple[Hop, ...],
-                          pos: int, job: _Job) -> None:
-        """At the last stage: stage 0 gets the normalised hidden state first, and computes its
-        rows while we compute ours; then it gets our shortlist, and samples."""
-        s = msg.sampling
-        entry = job.route[0]
-        hop = Hop("transit", f"{self.name}->stage-0", 0.0, self.path_to(entry))
-        await self.send(entry, HeadInput(msg.req_id, msg.origin, msg.step, pos,
-                                         np.ascontiguousarray(normed[0], dtype="<f4").tobytes(), s,
-                                         time.time(), (*trace, hop)))
+    async def _share_heads(self, steps: list[_Computed]) -> None:
+        """At the last stage: stage 0 gets the normalised hidden states first, and computes its
+        rows while we compute ours; then it gets our shortlists, and samples."""
+        normed = self.model.final_norm(np.concatenate([st.out[-1:] for st in steps]))
+        inputs: dict[bytes, list[Message]] = {}
+        now = time.time()
+        for st, row in zip(steps, normed, strict=True):
+            msg, entry = st.msg, st.job.route[0]
+            hop = Hop("transit", f"{self.name}->stage-0", 0.0, self.path_to(entry))
+            inputs.setdefault(entry, []).append(HeadInput(
+                msg.req_id, msg.origin, msg.step, msg.pos + st.out.shape[0],
+                np.ascontiguousarray(row, dtype="<f4").tobytes(), msg.sampling, now, (*st.trace, hop)))
+        for dst, msgs in inputs.items():
+            await self.send(dst, *msgs)
         t0 = time.perf_counter()
-        logits = self.model.head_logits(normed, self.head_rows)[0]
-        ids, values = shortlist(logits, s.temperature, s.top_k, self.head_rows.start)
+        logits_all = self.model.head_logits(normed, self.head_rows)
+        picks = [shortlist(logits, st.msg.sampling.temperature, st.msg.sampling.top_k, self.head_rows.start)
+                 for st, logits in zip(steps, logits_all, strict=True)]
         took = time.perf_counter() - t0
         self.metrics.computed("head", took)
-        await self.send(entry, HeadPart(msg.req_id, msg.origin, msg.step, ids.astype("<i8").tobytes(),
-                                        values.astype("<f4").tobytes(), took * 1000))
+        parts: dict[bytes, list[Message]] = {}
+        for st, (ids, values) in zip(steps, picks, strict=True):
+            msg = st.msg
+            parts.setdefault(st.job.route[0], []).append(HeadPart(
+                msg.req_id, msg.origin, msg.step, ids.astype("<i8").tobytes(), values.astype("<f4").tobytes(),
+                took * 1000))
+        for dst, msgs in parts.items():
+            await self.send(dst, *msgs)
 
     def _join(self, req_id: str, step: int) -> _HeadJoin:
         join = self._heads.get((req_id, step))
         if join is None:
             join = self._heads[(req_id, step)] = _HeadJoin()
-            while len(self._heads) > MAX_CACHED_REQUESTS:  # halves of requests that died midway
+            while len(self._heads) > len(self.jobs) + MAX_CACHED_REQUESTS:  # of requests that died midway
                 self._heads.pop(next(iter(self._heads)))
         return join
 
     async def _head_input(self, msg: HeadInput) -> None:
-        """At stage 0: our rows of the head for this step."""
+        """At stage 0: our rows of the head for this step (with the batch, when batching)."""
         dims = self.model.config.hidden_size
         if len(msg.hidden) != 4 * dims:
             raise PipelineError(f"{self.name}: head input of {len(msg.hidden)} bytes, expected {4 * dims}")
         trace = arrived(msg.trace, msg.sent_at)
         self.metrics.arrived(trace)
-        s = msg.sampling
+        if self.max_batch > 1:
+            self._heads_ready.append((msg, trace, trio.current_time()))
+            self._work.set()
+            return
+        await self._head_inputs([(msg, trace, trio.current_time())])
+
+    async def _head_inputs(self, inputs: list[tuple[HeadInput, tuple[Hop, ...], float]]) -> None:
+        """At stage 0: our rows of the head for these steps, one matrix product."""
+        dims = self.model.config.hidden_size
         t0 = time.perf_counter()
-        normed = np.frombuffer(msg.hidden, dtype="<f4").reshape(1, dims)
-        mine = shortlist(self.model.head_logits(normed, self.head_rows)[0], s.temperature, s.top_k)
-        join = self._join(msg.req_id, msg.step)
-        join.input, join.trace = msg, trace
-        join.mine, join.mine_ms = mine, (time.perf_counter() - t0) * 1000
-        if join.theirs is not None:
+        normed = np.stack([np.frombuffer(msg.hidden, dtype="<f4") for msg, _, _ in inputs]).reshape(-1, dims)
+        logits_all = self.model.head_logits(normed, self.head_rows)
+        mine = [shortlist(logits, msg.sampling.temperature, msg.sampling.top_k)
+                for (msg, _, _), logits in zip(inputs, logits_all, strict=True)]
+        ms = (time.perf_counter() - t0) * 1000
+        for (msg, trace, _), pick in zip(inputs, mine, strict=True):
+            join = self._join(msg.req_id, msg.step)
+            join.input, join.trace = msg, trace
+            join.mine, join.mine_ms = pick, ms
+            if join.theirs is not None:
+                await self._sample_or_fail(msg)
+
+    async def _sample_or_fail(self, msg: HeadInput | HeadPart) -> None:
+        """``_sample``, failing only this request if it cannot: a batch carries others."""
+        try:
             await self._sample(msg.req_id, msg.step)
+        except Exception as exc:
+            if not isinstance(exc, PipelineError):
+                log.exception("%s: sampling %s step %d failed", self.name, msg.req_id, msg.step)
+            await self.failed(msg, exc)
 
     async def _head_part(self, msg: HeadPart) -> None:
         """At stage 0: the last stage's shortlist for this step."""
@@ -408,8 +560,13 @@ class StageService(App):
         """Drop the requests of a gone orchestrator; report a request's down neighbours."""
         while True:
             await trio.sleep(WATCH_S)
+            now = trio.current_time()
             for req_id, job in list(self.jobs.items()):
                 if self._gone(job.origin, job.started):
+                    self._drop_orphan(req_id)
+                    continue
+                if now - job.touched > JOB_IDLE_S:  # its end (a Release) never came
+                    log.info("%s: dropping request %s, idle for %.0f s", self.name, req_id, now - job.touched)
                     self._drop_orphan(req_id)
                     continue
                 for peer in self._neighbours(job):
@@ -467,6 +624,27 @@ class StageService(App):
                 req_id, self.name, f"{self.mesh.describe(self.mesh.node_id)} is draining: "
                 "handing the request over", self.mesh.node_id))
         await trio.sleep(0.2)  # the hand-over notes reach their orchestrators
+
+
+@dataclass
+class _Step:
+    """A decode step waiting for the next batch."""
+
+    msg: Activation
+    job: _Job
+    hidden: np.ndarray  # (1, D)
+    trace: tuple[Hop, ...]
+    queued: float  # trio time
+
+
+@dataclass
+class _Computed:
+    """A step through this stage's layers: ``out`` is every row it ran, (T, D)."""
+
+    msg: Activation
+    job: _Job
+    out: np.ndarray
+    trace: tuple[Hop, ...]
 
 
 @dataclass

@@ -65,12 +65,14 @@ async def start_killable(nursery: trio.Nursery, options: NodeOptions, lines: lis
 
 
 async def start_pipeline(nursery: trio.Nursery, model: str | Path, stages: int, lines: list[str],
-                         feedback_drop: bool = False) -> list[Running]:
+                         feedback_drop: bool = False, **options: Any) -> list[Running]:
     """A relay, an orchestrator and ``stages`` stages serving ``model``, converged and ready:
     [orchestrator, stage-0, ...].  ``feedback_drop``: the last stage's direct packets to
-    stage 0 are lost, so the feedback edge takes the relay."""
+    stage 0 are lost, so the feedback edge takes the relay.  ``options`` go to every node's
+    NodeOptions (``max_batch=1``, ``max_running=4``, ...)."""
     host, port = await nursery.start(serve_relay, "127.0.0.1", 0)
-    opts: dict[str, Any] = dict(profile="local", relay=f"ws://{host}:{port}", stages=stages, model=str(model))
+    opts: dict[str, Any] = dict(profile="local", relay=f"ws://{host}:{port}", stages=stages, model=str(model),
+                                **options)
     orch = await start_node(nursery, NodeOptions(role="orchestrator", **opts), lines)
     nodes = [orch]
     for k in range(stages):
