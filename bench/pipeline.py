@@ -30,6 +30,12 @@ per-token latency of each and the median of the per-pair ratios.
 
     .venv/bin/python bench/pipeline.py [--stages 3] [--tokens 64] [--streams 4] [--runs 9]
     .venv/bin/python bench/pipeline.py --mesh-key [--runs 15]
+    .venv/bin/python bench/pipeline.py --batching [--runs 5]
+
+``--batching`` runs two process pipelines of this tree, one batching (``--max-batch
+16``) and one not (``--max-batch 1``), and for 1, 4, 8 and 16 concurrent streams
+(mixed prompts; greedy and sampled) prints the aggregate tokens/s of each next to
+the monolithic single stream, and each one's single-stream latency ratio.
 """
 
 from __future__ import annotations
@@ -50,6 +56,9 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--blas-threads", type=int, default=1)
     parser.add_argument("--skip-processes", action="store_true", help="only the in-process pipeline")
     parser.add_argument("--skip-inprocess", action="store_true", help="only the process-per-node pipeline")
+    parser.add_argument("--batching", action="store_true",
+                        help="aggregate tokens/s for 1, 4, 8, 16 streams: --max-batch 16 against "
+                             "--max-batch 1 and the monolithic single stream, side by side")
     parser.add_argument("--mesh-key", action="store_true",
                         help="compare process pipelines with and without a mesh key, side by side")
     return parser.parse_args()
@@ -69,6 +78,8 @@ from meshd.pipeline.model import StageModel  # noqa: E402
 from meshd.testing.inprocess import start_node, wait_converged  # noqa: E402
 
 PROMPT = "Once upon a time, in a mesh far away,"
+PROMPTS = [PROMPT, "The quick brown fox", "In a hole in the ground there lived a hobbit. Not a nasty, dirty,",
+           "Hello", "Pipeline parallel inference splits the layers", "A long time ago"]
 
 
 def collect(hops: list[dict], steps: dict[str, list[float]]) -> list[float]:
@@ -218,6 +229,80 @@ def keyed_vs_plain(model_dir: str, stages: int, tokens: int, runs: int) -> None:
           f"(pairs: {', '.join(f'{r:.2f}' for r in ratios)}; target < 1.10)")
 
 
+def _ready_client(procs, label: str):
+    import httpx
+
+    line = procs[0].wait_for(lambda s: s.startswith("meshd dashboard url="), 20, "dashboard URL")
+    client = httpx.Client(base_url=line.split("=", 1)[1], timeout=300)
+    deadline = time.monotonic() + 30
+    while client.post("/api/generate", json={"prompt": PROMPT, "max_tokens": 4}).status_code != 200:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the {label} pipeline did not become ready in 30 s")
+        time.sleep(0.2)
+    return client
+
+
+def batching(model_dir: str, model: StageModel, stages: int, tokens: int, runs: int,
+             widths: tuple[int, ...] = (1, 4, 8, 16)) -> None:
+    """Two process pipelines of this tree, `--max-batch 16` and `--max-batch 1`, and the
+    monolithic single stream, measured in turn within each run: aggregate tokens/s for each
+    number of concurrent streams, and the single-stream latency ratio."""
+    import concurrent.futures
+
+    from meshd.testing.processes import start_mesh
+
+    meshes = {}
+    try:
+        for label, flag in (("batched", "16"), ("max-batch 1", "1")):
+            meshes[label] = start_mesh(stages, extra=["--model", model_dir, "--max-batch", flag])
+        clients = {label: _ready_client(procs, label) for label, procs in meshes.items()}
+        mono: list[float] = []
+        rates: dict[tuple[str, int], list[float]] = {}
+        single: dict[str, list[float]] = {label: [] for label in meshes}
+        for run in range(runs):
+            mono.append(1 / monolithic(model_dir, model, tokens))
+            for label, client in clients.items():
+                for width in widths:
+                    def one(seed: int, client=client) -> int:
+                        body = {"prompt": PROMPTS[seed % len(PROMPTS)], "max_tokens": tokens,
+                                "temperature": 0.8 if seed % 2 else 0.0, "top_k": 20, "seed": seed}
+                        r = client.post("/api/generate", json=body)
+                        r.raise_for_status()
+                        return len(r.json()["tokens"])
+
+                    t0 = time.perf_counter()
+                    if width == 1:
+                        n = one(0)
+                        single[label].append((time.perf_counter() - t0) / n)
+                    else:
+                        with concurrent.futures.ThreadPoolExecutor(width) as pool:
+                            n = sum(pool.map(one, range(run * width, (run + 1) * width)))
+                    rates.setdefault((label, width), []).append(n / (time.perf_counter() - t0))
+            cells = [f"{label} x{w} {rates[(label, w)][-1]:.1f}" for label in meshes for w in widths]
+            print(f"  run {run + 1}/{runs}: monolithic {mono[-1]:.1f} tokens/s, " + ", ".join(cells),
+                  flush=True)
+        for client in clients.values():
+            client.close()
+    finally:
+        for procs in meshes.values():
+            for p in procs:
+                p.stop(timeout=5)
+    m = statistics.median(mono)
+    print(f"small preset, {stages} stages, one `meshd run` process per node, prompt + {tokens} tokens, "
+          f"{runs} runs; medians")
+    print(f"  monolithic, 1 stream: {m:7.1f} tokens/s")
+    for label in meshes:
+        cells = [f"{w:>2} streams {statistics.median(rates[(label, w)]):7.1f} tokens/s "
+                 f"({statistics.median(rates[(label, w)]) / m:.2f}x)" for w in widths]
+        print(f"  {label:<12} " + "; ".join(cells))
+    ratio = {label: statistics.median(v) * m for label, v in single.items()}
+    print("  single-stream latency ratio pipelined/monolithic: "
+          + ", ".join(f"{label} {r:.3f}" for label, r in ratio.items())
+          + f" (batched - max-batch 1: {ratio['batched'] - ratio['max-batch 1']:+.3f}; targets <= 1.25, "
+          "within 0.05)")
+    print("  targets: 8 streams >= 2x and 16 streams >= 3x the monolithic single stream (batched)")
+
+
 def report(label: str, stages: int, streams: int, pipe: dict) -> None:
     mono_s, pipe_s = statistics.median(pipe["mono"]), statistics.median(pipe["single"])
     ratios = sorted(p / m for p, m in zip(pipe["single"], pipe["mono"], strict=True))
@@ -246,6 +331,9 @@ def main() -> None:
         generate(tmp, PROMPT, 4, model=model)  # warm up
         if args.mesh_key:
             keyed_vs_plain(tmp, args.stages, args.tokens, args.runs)
+            return
+        if args.batching:
+            batching(tmp, model, args.stages, args.tokens, args.runs)
             return
         pipe = None
         if not args.skip_inprocess:

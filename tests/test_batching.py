@@ -123,3 +123,45 @@ async def test_past_the_running_limit_requests_wait_their_turn_and_all_complete(
     assert len(waited) >= 12 - 2
     assert all(any(h["kind"] == "wait" and h["name"] == "orchestrator queue" for h in r["timings"]["hops"])
                for r in waited)
+
+
+async def test_a_hundred_concurrent_http_requests_all_complete_within_the_kv_budget(checkpoint):
+    """Past --max-running the requests wait (none is refused: the queue holds them, and none
+    is evicted), and what each stage holds stays within its KV budget."""
+    import httpx
+
+    lines: list[str] = []
+    peaks = [0, 0, 0]
+    budget_mb = 8
+    with trio.fail_after(240):
+        async with trio.open_nursery() as nursery:
+            nodes = await start_pipeline(nursery, checkpoint, 3, lines, max_running=16,
+                                         kv_budget_mb=budget_mb, dashboard="127.0.0.1:0")
+            stages = [n.app for n in nodes[1:]]
+
+            async def watch() -> None:
+                while True:
+                    for k, stage in enumerate(stages):
+                        peaks[k] = max(peaks[k], stage.kv_in_use())
+                    await trio.sleep(0.01)
+
+            nursery.start_soon(watch)
+            statuses: list[int] = []
+            async with httpx.AsyncClient(base_url=nodes[0].dashboard_url, timeout=200) as client:
+                async def one(i: int) -> None:
+                    body = {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 4 + i % 13, "seed": i,
+                            "temperature": 0.0 if i % 2 else 0.7}
+                    r = await client.post("/api/generate", json=body)
+                    statuses.append(r.status_code)
+                    assert r.status_code == 200, r.text
+                    assert r.json()["finish_reason"] in ("length", "eos")
+
+                async with trio.open_nursery() as clients:
+                    for i in range(100):
+                        clients.start_soon(one, i)
+            holding = [(s.metrics.holding(), s.counters["dropped_orphans"]) for s in stages]
+            nursery.cancel_scope.cancel()
+    assert statuses == [200] * 100
+    assert all(0 < peak <= budget_mb << 20 for peak in peaks), peaks
+    assert holding == [((0, 0), 0)] * 3  # every cache released, none dropped
+    print(f"peak KV cache per stage with up to 16 requests in flight: {[p / 2**20 for p in peaks]} MiB")

@@ -68,6 +68,8 @@ HELP = {
            "for requests that ended with stop or length",
     "compute": "A stage's compute for one message, on its own clock: prefill and decode are its layers "
                "over several rows or one, head is the LM head and sampling",
+    "stage_requests": "Requests whose KV cache this stage holds now",
+    "kv": "Bytes of KV cache this stage holds now (--kv-budget-mb caps it)",
     "batch": "Decode steps a stage ran as one forward pass (--max-batch caps it)",
     "queued": "How long a request waited at the orchestrator for a free slot before it started "
               "(--max-running caps the requests running at once)",
@@ -149,6 +151,8 @@ class StageMetrics(PipelineMetrics):
         self.stage = stage
         self.compute = {phase: Histogram(COMPUTE_BUCKETS_S) for phase in PHASES}
         self.batch = Histogram(BATCH_BUCKETS)
+        # What the stage holds now: (requests, KV cache bytes), read at scrape time.
+        self.holding: Callable[[], tuple[int, int]] = lambda: (0, 0)
 
     def computed(self, phase: str, seconds: float) -> None:
         self.compute[phase].observe(seconds)
@@ -161,7 +165,11 @@ class StageMetrics(PipelineMetrics):
                          [((self.stage, phase), hist) for phase, hist in self.compute.items()])
         batch = Family("meshd_stage_batch_size", HELP["batch"], "histogram", ("stage",),
                        [((self.stage,), self.batch)])
-        return [compute, batch, *super().families()]
+        requests, kv = self.holding()
+        held = [Family("meshd_stage_requests", HELP["stage_requests"], "gauge", ("stage",),
+                       [((self.stage,), requests)]),
+                Family("meshd_stage_kv_cache_bytes", HELP["kv"], "gauge", ("stage",), [((self.stage,), kv)])]
+        return [compute, batch, *held, *super().families()]
 
 
 class OrchestratorMetrics(PipelineMetrics):

@@ -125,6 +125,7 @@ class StageService(App):
         self.counters = {"activations": 0, "tokens": 0, "errors": 0, "dropped_orphans": 0,
                          "reported_down": 0, "handed_over": 0}
         self.metrics = StageMetrics(self.name)
+        self.metrics.holding = lambda: (len(self.jobs), self.kv_in_use())
         self.draining = False
         self._lost: dict[str, None] = {}  # requests we said we have no state for (bounded)
         # Decode steps and head inputs waiting for the next batch, in arrival order (FIFO:
@@ -137,6 +138,10 @@ class StageService(App):
         nursery.start_soon(self._watch)
         if self.max_batch > 1:
             nursery.start_soon(self._batcher)
+
+    def kv_in_use(self) -> int:
+        """Bytes of KV cache held for the requests here."""
+        return sum(job.cache.nbytes for job in self.jobs.values())
 
     def _splits_head(self, s: Sampling) -> bool:
         """Whether this request's head is cut in two; not when every logit must travel
@@ -179,7 +184,7 @@ class StageService(App):
             self.jobs.pop(msg.req_id, None)
             # A request that runs is never evicted: one that does not fit the budget is refused
             # (the orchestrator's admission keeps within it; see meshd.pipeline.admission).
-            used = sum(j.cache.nbytes for j in self.jobs.values())
+            used = self.kv_in_use()
             size = self.model.cache_bytes(need)
             if used + size > self.kv_budget:
                 raise PipelineError(f"{self.name}: no room for request {msg.req_id}'s KV cache "
