@@ -133,6 +133,7 @@ class StageService(App):
         self._ready: list[_Step] = []
         self._heads_ready: list[tuple[HeadInput, tuple[Hop, ...], float]] = []
         self._work = trio.Event()  # set when something is ready
+        self._busy = False  # the batcher is running batches
 
     def start_background(self, nursery: trio.Nursery) -> None:
         nursery.start_soon(self._watch)
@@ -230,7 +231,7 @@ class StageService(App):
         else:
             hidden = np.frombuffer(msg.hidden, dtype=np.float32).reshape(msg.rows, msg.dims)
         job = self._job(msg, hidden.shape[0])
-        if self.max_batch > 1 and hidden.shape[0] == 1 and not msg.prefill:
+        if self._batching() and hidden.shape[0] == 1 and not msg.prefill:
             if msg.pos != job.cache.length or msg.pos >= job.cache.max_seq:
                 raise PipelineError(f"{self.name}: request {msg.req_id} step {msg.step} at position "
                                     f"{msg.pos} does not follow its cache ({job.cache.length} of "
@@ -242,7 +243,15 @@ class StageService(App):
         out = await self._forward(hidden, job.cache, msg.pos, msg.prefill)
         took = time.perf_counter() - t0
         self.metrics.computed("prefill" if hidden.shape[0] > 1 else "decode", took)
+        if hidden.shape[0] == 1:
+            self.metrics.batched(1)
         await self._emit([_Computed(msg, job, out, (*trace, Hop("compute", self.name, took * 1000, "")))])
+
+    def _batching(self) -> bool:
+        """Whether a step goes to the batcher: not for a request alone here with nothing
+        queued, which runs at once, as with ``--max-batch 1`` (no task switch on its way)."""
+        queued = self._busy or bool(self._ready or self._heads_ready)
+        return self.max_batch > 1 and (len(self.jobs) > 1 or queued)
 
     async def _batcher(self) -> None:
         """Run what is ready as batches: the head inputs first (a token waits on them), then
@@ -253,17 +262,24 @@ class StageService(App):
         while True:
             await self._work.wait()
             self._work = trio.Event()
-            while self._heads_ready or self._ready:
+            self._busy = True
+            try:
+                await self._run_ready()
+            finally:
+                self._busy = False
+
+    async def _run_ready(self) -> None:
+        while self._heads_ready or self._ready:
+            if self._heads_ready:
+                heads, self._heads_ready = self._heads_ready, []
+                await self._head_inputs(heads)
+                continue
+            if self.stage == 0:
+                await self._gather()
                 if self._heads_ready:
-                    heads, self._heads_ready = self._heads_ready, []
-                    await self._head_inputs(heads)
                     continue
-                if self.stage == 0:
-                    await self._gather()
-                    if self._heads_ready:
-                        continue
-                batch, self._ready = self._ready[:self.max_batch], self._ready[self.max_batch:]
-                await self._decode(batch)
+            batch, self._ready = self._ready[:self.max_batch], self._ready[self.max_batch:]
+            await self._decode(batch)
 
     async def _gather(self) -> None:
         """At stage 0: wait up to BATCH_GATHER_S for the steps of every request running here
@@ -469,7 +485,7 @@ class StageService(App):
             raise PipelineError(f"{self.name}: head input of {len(msg.hidden)} bytes, expected {4 * dims}")
         trace = arrived(msg.trace, msg.sent_at)
         self.metrics.arrived(trace)
-        if self.max_batch > 1:
+        if self._batching():
             self._heads_ready.append((msg, trace, trio.current_time()))
             self._work.set()
             return
