@@ -14,12 +14,13 @@ import numpy as np
 import pytest
 import trio
 
+from meshd.launch.checks import Reference
+from meshd.launch.report import Generated, Outcome, summary
 from meshd.pipeline.checkpoint import init_checkpoint
-from meshd.pipeline.generate import generate
+from meshd.pipeline.generate import LOGITS_TOLERANCE as TOLERANCE
+from meshd.pipeline.generate import NEAR_TIE, diverges, generate, near_ties
 from meshd.testing.inprocess import start_pipeline
 
-TOLERANCE = 1e-4
-NEAR_TIE = 1e-3
 PROMPTS = ["Once upon a time", "A", "The quick brown fox jumps over the lazy dog, and then",
            "In a hole in the ground there lived", "x" * 40, "Hello, world"]
 
@@ -165,3 +166,22 @@ async def test_a_hundred_concurrent_http_requests_all_complete_within_the_kv_bud
     assert all(0 < peak <= budget_mb << 20 for peak in peaks), peaks
     assert holding == [((0, 0), 0)] * 3  # every cache released, none dropped
     print(f"peak KV cache per stage with up to 16 requests in flight: {[p / 2**20 for p in peaks]} MiB")
+
+
+def test_the_rule_allows_a_different_token_only_at_a_near_tie():
+    logits = np.array([[0.0, 5.0, 1.0], [2.0, 2.0005, 0.0], [1.0, 0.0, 3.0]], dtype=np.float32)
+    assert near_ties(logits) == [1]
+    assert diverges([1, 2, 2], [1, 2, 2]) is None
+    assert diverges([1, 0, 2], [1, 1, 2]) == 1 and diverges([1], [1, 1]) == 1
+    ref = Reference([1, 1, 2], "", True, near_ties(logits))
+    assert ref.judge([1, 1, 2]) and ref.judge([1, 0, 0])  # parts at step 1, a near-tie: the same
+    assert not ref.judge([0, 1, 2]) and not ref.judge([1, 1, 0])
+
+
+def test_smoke_runs_summary_says_where_a_token_parted_at_a_near_tie():
+    generated = Generated(tokens=[1, 0], text="", reference_tokens=[1, 1], matches_reference=True,
+                          stage_map={}, paths=[], asymmetric=[], converge_s=1.0, first_token_s=0.1,
+                          tokens_per_s=50.0, near_ties=[1], diverged_at=1)
+    out = Outcome(1, run="smoke-1", generated=generated, run_status="done", jobs={}, total_s=2.0).to_json()
+    assert out["near_ties"] == [1] and out["diverged_at"] == 1
+    assert "matches meshd generate: yes (differs from step 1, a near-tie of the reference" in summary(out)

@@ -230,7 +230,8 @@ def test_the_json_object_has_the_contracts_keys_in_order():
                       jobs={"orchestrator": "exited (0)"}, total_s=9.87654)
     out = outcome.to_json()
     assert list(out) == ["ok", "status", "reason", "stages", "replicas", "run", "tokens", "text",
-                         "reference_tokens", "matches_reference", "stage_map", "paths", "asymmetric",
+                         "reference_tokens", "matches_reference", "near_ties", "diverged_at", "stage_map",
+                         "paths", "asymmetric",
                          "timings", "failovers", "disruptions", "relay_moves", "leftovers", "run_status",
                          "jobs"]
     assert (out["ok"], out["status"], out["reason"]) == (True, "done", None)

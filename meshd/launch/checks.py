@@ -24,22 +24,36 @@ Member = dict[str, Any]  # one entry of a snapshot's "members"
 
 @dataclass(frozen=True)
 class Reference:
-    """The generation compared with the single-process reference."""
+    """The generation compared with the single-process reference, by the rule of what counts
+    as the same (meshd.pipeline.generate, README "Correctness"): the same tokens, or tokens
+    that part from the reference's only at a step where its top two logits are within
+    NEAR_TIE (where a batch's last-bit differences may pick the other)."""
 
     tokens: list[int]  # meshd generate's
     text: str  # the run's tokens, decoded
     matches: bool
+    near_ties: list[int]  # the reference's steps whose top two logits are within NEAR_TIE
+    diverged_at: int | None = None  # the first step where the tokens differ
+
+    def judge(self, tokens: list[int]) -> bool:
+        """Whether ``tokens`` (another run of the same request) count as the same."""
+        from ..pipeline.generate import diverges
+
+        step = diverges(tokens, self.tokens)
+        return step is None or step in self.near_ties
 
 
 def compare_with_reference(model: str, prompt: str, max_tokens: int, tokens: list[int]) -> Reference:
     from ..pipeline.config import LlamaConfig
-    from ..pipeline.generate import generate
+    from ..pipeline.generate import diverges, generate, near_ties
     from ..pipeline.tokenizer import load_tokenizer
 
-    ref = generate(model, prompt, max_tokens)
+    ref = generate(model, prompt, max_tokens, return_logits=True)
     config = LlamaConfig.load(model)
     text = load_tokenizer(model, config.bos_token_id, config.eos_token_ids).decode(tokens)
-    return Reference(ref["tokens"], text, tokens == ref["tokens"])
+    ties = near_ties(ref["logits"])
+    step = diverges(tokens, ref["tokens"])
+    return Reference(ref["tokens"], text, step is None or step in ties, ties, step)
 
 
 def owners_needed(stages: int, jobs: Iterable[str]) -> dict[str, int]:

@@ -47,7 +47,7 @@ class Generated:
     tokens: list[int]
     text: str
     reference_tokens: list[int]
-    matches_reference: bool
+    matches_reference: bool  # by the rule of what counts as the same (README, "Correctness")
     stage_map: dict[str, str]  # node id prefix -> run name
     paths: list[dict]
     asymmetric: list[dict]
@@ -58,6 +58,8 @@ class Generated:
     # ``after``, ``tokens``, ``matches_reference``, ``first_token_s`` and ``tokens_per_s``.
     again: dict[str, Any] | None = None
     nat: dict[str, str | None] | None = None  # node job -> its NAT as the relays' STUN saw it
+    near_ties: list[int] = field(default_factory=list)  # reference steps within NEAR_TIE
+    diverged_at: int | None = None  # the first step whose token differs from the reference's
 
 
 @dataclass
@@ -105,7 +107,8 @@ class Outcome:
         if (g := self.generated) is not None:
             out.update({
                 "tokens": g.tokens, "text": g.text, "reference_tokens": g.reference_tokens,
-                "matches_reference": g.matches_reference, "stage_map": g.stage_map, "paths": g.paths,
+                "matches_reference": g.matches_reference, "near_ties": g.near_ties,
+                "diverged_at": g.diverged_at, "stage_map": g.stage_map, "paths": g.paths,
                 "asymmetric": g.asymmetric,
                 "timings": {"converge_s": round(g.converge_s, 3),
                             "first_token_s": None if g.first_token_s is None else round(g.first_token_s, 3),
@@ -147,7 +150,7 @@ def summary(result: dict[str, Any]) -> str:
     if "tokens" in result:
         t = result["timings"]
         lines.append(f"generated {len(result['tokens'])} tokens; matches meshd generate: "
-                     f"{'yes' if result['matches_reference'] else 'NO'}")
+                     f"{'yes' if result['matches_reference'] else 'NO'}{_ties(result)}")
         lines.append(f"converge {t['converge_s']}s, first token {t['first_token_s']}s, "
                      f"{t['tokens_per_s']} tokens/s")
     if (again := result.get("again")) is not None:
@@ -187,6 +190,16 @@ def relay_move_line(m: dict[str, Any]) -> str:
         return f"{m.get(side)}" + (f" ({job})" if job else "")
 
     return f"relay move: {m.get('node')}→{m.get('to_node')} from {end('from')} to {end('to')}: {m.get('why')}"
+
+
+def _ties(result: dict) -> str:
+    """The near-ties, when the reference has any: where a token may differ and still count."""
+    ties, at = result.get("near_ties") or [], result.get("diverged_at")
+    if at is not None and at in ties:
+        return f" (differs from step {at}, a near-tie of the reference; {len(ties)} near-ties in all)"
+    if at is not None:
+        return f" (differs from step {at})"
+    return f" ({len(ties)} near-tie steps in the reference)" if ties else ""
 
 
 def failover_line(f: dict[str, Any]) -> str:

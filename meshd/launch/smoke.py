@@ -178,11 +178,12 @@ def _check(plan: RunPlan, args: argparse.Namespace, driven: Driven, prefixes: di
     again: dict[str, Any] | None = None
     if (second := driven.again) is not None:
         again = {"after": ", ".join(driven.again_after), "tokens": second.tokens,
-                 "matches_reference": second.tokens == ref.tokens,
+                 "matches_reference": ref.judge(second.tokens),
                  "first_token_s": None if second.first_token_s is None else round(second.first_token_s, 3),
                  "tokens_per_s": _rate(second)}
     return Generated(
-        tokens=gen.tokens, text=ref.text, reference_tokens=ref.tokens,
+        tokens=gen.tokens, text=ref.text, reference_tokens=ref.tokens, near_ties=ref.near_ties,
+        diverged_at=ref.diverged_at,
         matches_reference=ref.matches and (again is None or again["matches_reference"]),
         stage_map=prefixes, paths=paths, asymmetric=asymmetric, converge_s=driven.converge_s,
         first_token_s=gen.first_token_s, tokens_per_s=_rate(gen), again=again,

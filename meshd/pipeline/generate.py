@@ -121,3 +121,28 @@ def generate(model_dir: str | Path, prompt: str | list[int], max_tokens: int, te
         empty = np.zeros((0, config.vocab_size), np.float32)
         result["logits"] = np.stack(gen.logits) if gen.logits else empty
     return result
+
+
+# What counts as the same generation (README, "Correctness").  One request alone, or any
+# with ``--max-batch 1``, gives `meshd generate`'s very bits.  Batched, a row's floats may
+# differ in the last bits with the batch's size (BLAS picks kernels by shape), so: at every
+# step max |delta logits| <= LOGITS_TOLERANCE * max |reference logits|, and the same token
+# wherever the reference's top-2 logit margin exceeds NEAR_TIE.
+LOGITS_TOLERANCE = 1e-4
+NEAR_TIE = 1e-3
+
+
+def near_ties(logits: np.ndarray) -> list[int]:
+    """The steps of ``logits`` (steps, V) whose two largest logits are within NEAR_TIE."""
+    if logits.shape[0] == 0 or logits.shape[1] < 2:
+        return []
+    top2 = np.partition(logits, -2, axis=1)[:, -2:]
+    return [int(i) for i in np.flatnonzero(np.abs(top2[:, 1] - top2[:, 0]) <= NEAR_TIE)]
+
+
+def diverges(tokens: list[int], reference: list[int]) -> int | None:
+    """The first step where ``tokens`` and ``reference`` differ (one ending first counts), or None."""
+    for step, (a, b) in enumerate(zip(tokens, reference, strict=False)):
+        if a != b:
+            return step
+    return None if len(tokens) == len(reference) else min(len(tokens), len(reference))
