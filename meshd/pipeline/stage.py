@@ -81,6 +81,7 @@ class _Job:
     touched: float  # trio time of its last message
     sampler: Sampler | None = None
     reported: set[bytes] = field(default_factory=set)  # peers already reported down for it
+    decoding: bool = False  # a decode step of it came here: its next ones come back
 
 
 def splits_head(config: LlamaConfig, stages: int) -> bool:
@@ -236,6 +237,7 @@ class StageService(App):
                 raise PipelineError(f"{self.name}: request {msg.req_id} step {msg.step} at position "
                                     f"{msg.pos} does not follow its cache ({job.cache.length} of "
                                     f"{job.cache.max_seq} filled)")
+            job.decoding = True
             self._ready.append(_Step(msg, job, hidden, trace, trio.current_time()))
             self._work.set()
             return
@@ -246,6 +248,9 @@ class StageService(App):
         if hidden.shape[0] == 1:
             self.metrics.batched(1)
         await self._emit([_Computed(msg, job, out, (*trace, Hop("compute", self.name, took * 1000, "")))])
+
+    def _decoding(self) -> int:
+        return sum(job.decoding for job in self.jobs.values())
 
     def _batching(self) -> bool:
         """Whether a step goes to the batcher: not for a request alone here with nothing
@@ -282,12 +287,12 @@ class StageService(App):
             await self._decode(batch)
 
     async def _gather(self) -> None:
-        """At stage 0: wait up to BATCH_GATHER_S for the steps of every request running here
-        (up to ``max_batch``), so requests that came back at different times go on as one
-        batch.  Once together they come back together: the wait is paid once, and a request
-        alone never waits."""
+        """At stage 0: wait up to BATCH_GATHER_S for the steps of every request decoding here
+        (up to ``max_batch``; one still in its prefill does not count), so requests that came
+        back at different times go on as one batch.  Once together they come back together:
+        the wait is paid once, and a request alone never waits."""
         with trio.move_on_after(BATCH_GATHER_S):
-            while len(self._ready) < min(self.max_batch, len(self.jobs)) and not self._heads_ready:
+            while len(self._ready) < min(self.max_batch, self._decoding()) and not self._heads_ready:
                 await self._work.wait()
                 self._work = trio.Event()
 
