@@ -241,5 +241,15 @@ async def serve_dashboard(node: Mesh, bind: str, generator: Generator | None = N
         await serve(app, config, task_status=task_status)
 
     async with trio.open_nursery() as nursery:
-        binds = await nursery.start(run)
+        try:
+            binds = await nursery.start(run)
+        except (OSError, BaseExceptionGroup) as exc:  # the port is taken, or the address is not ours
+            from meshd.net.udp import BindError, first_of
+
+            failed = first_of(exc, OSError)
+            if not isinstance(failed, OSError):
+                raise
+            reason = failed.strerror or str(failed)
+            raise BindError(failed.errno or 0, f"cannot serve the dashboard on {bind}: {reason} "
+                                               "(--dashboard HOST:PORT, or off)") from None
         task_status.started(binds[0])

@@ -11,7 +11,7 @@ from . import __version__
 from .argtypes import positive_float, positive_int
 from .identity import Identity, IdentityError, load_node_ids, load_or_create
 from .net.faults import Faults, FaultSpecError
-from .net.udp import AddressError, BindError, parse_addr
+from .net.udp import AddressError, BindError, first_of, parse_addr
 from .swim import PROFILES
 
 
@@ -218,9 +218,13 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     )
     try:
         return trio.run(run_daemon, identity, options)
-    except BindError as exc:
-        print(f"meshd: error: {exc.strerror}", file=sys.stderr)
+    except (BindError, BaseExceptionGroup) as exc:
+        bind = first_of(exc, BindError)
+        if not isinstance(bind, BindError):
+            raise
+        print(f"meshd: error: {bind.strerror}", file=sys.stderr)
         return 2
+
 
 
 def _on_loopback(bind: str) -> bool:

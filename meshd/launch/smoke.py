@@ -200,7 +200,9 @@ def add_parser(sub: Any) -> None:
                        description="Start a relay (or R), an orchestrator and N stage nodes (K replicas "
                                    "each) on loopback, generate, compare with `meshd generate` token for "
                                    "token, and tear everything down. Exit 0 only if the run passed.")
-    p.add_argument("--stages", type=_stages, required=True, metavar="N")
+    p.add_argument("--stages", type=_stages, required=True, metavar="N",
+                   help="pipeline stages, each its own `meshd run` process (at most 16; the model "
+                        "needs a layer per stage)")
     p.add_argument("--replicas", type=_replicas, default=1, metavar="K",
                    help="nodes per stage: stage-K, stage-K.2, ... (default 1)")
     p.add_argument("--relays", type=_relays, default=1, metavar="R",
@@ -209,8 +211,9 @@ def add_parser(sub: Any) -> None:
     model.add_argument("--model", metavar="DIR",
                        help="checkpoint (default: a `small` one in a temp dir, `deep` past 6 stages)")
     model.add_argument("--stub", action="store_true", help="the tiny built-in model")
-    p.add_argument("--prompt", default=DEFAULT_PROMPT)
-    p.add_argument("--max-tokens", type=positive_int, default=32, metavar="K")
+    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="the text to continue (default %(default)r)")
+    p.add_argument("--max-tokens", type=positive_int, default=32, metavar="K",
+                   help="tokens to generate, each checked against `meshd generate` (default %(default)s)")
     p.add_argument("--provider", choices=["local", "netns"], default="local",
                    help="local: loopback processes; netns: a namespace per node, faults as nftables/tc "
                         "(root only)")
@@ -227,7 +230,29 @@ def add_parser(sub: Any) -> None:
                    help="run without a mesh key (by default the run makes one and gives it to the relay "
                         "and every node)")
     p.add_argument("--json", action="store_true", help="end with one JSON object on stdout")
-    p.set_defaults(func=lambda args, parser: run_smoke(args))
+    p.set_defaults(func=_cmd_smoke)
+
+
+def _cmd_smoke(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Refuse, in one line and before anything starts, a model that cannot be split so."""
+    model = None
+    if args.stub:
+        from ..pipeline.stub import stub_checkpoint
+
+        model = str(stub_checkpoint())
+    elif args.model is not None:
+        model = args.model
+    if model is not None:
+        from ..pipeline.config import ConfigError, LlamaConfig
+        from ..pipeline.model import split_layers
+
+        try:
+            split_layers(LlamaConfig.load(model).num_hidden_layers, args.stages)
+        except (ConfigError, ValueError) as exc:
+            what = "--stub" if args.stub else f"--model {model}"
+            print(f"meshd: error: smoke-run: {what}: {exc}", file=sys.stderr)
+            return 2
+    return run_smoke(args)
 
 
 def _stages(text: str) -> int:

@@ -38,6 +38,18 @@ class BindError(OSError):
     """The node could not bind its socket; the message names the address."""
 
 
+def first_of(exc: BaseException, kind: type[BaseException]) -> BaseException | None:
+    """``exc`` if it is a ``kind``, else the first ``kind`` in it (exception groups, nested)."""
+    if isinstance(exc, kind):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = first_of(inner, kind)
+            if found is not None:
+                return found
+    return None
+
+
 async def open_udp(bind: str) -> trio.socket.SocketType:
     host, port = parse_addr(bind, allow_port_zero=True)
     family = trio.socket.AF_INET6 if ":" in host else trio.socket.AF_INET

@@ -1,0 +1,99 @@
+"""The command line's bad moments: one line and an exit code, never a traceback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+
+def meshd(*args: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "meshd", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def one_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert "Traceback" not in stderr, stderr
+    assert len(lines) == 1, stderr
+    return lines[0]
+
+
+def test_a_dashboard_port_in_use_is_one_line_and_exit_2(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = meshd("run", "--stub", "--role", "stage", "--stage", "0", "--stages", "1",
+                  "--dashboard", f"127.0.0.1:{port}", env={"XDG_CACHE_HOME": str(tmp_path)})
+    assert r.returncode == 2
+    line = one_line(r.stderr)
+    assert line.startswith("meshd: error: cannot serve the dashboard on 127.0.0.1:") and "in use" in line
+
+
+@pytest.mark.parametrize("after_s", [0.15, 0.3, 3.0])
+def test_ctrl_c_at_any_moment_ends_without_a_traceback(tmp_path, after_s):
+    """Through the `meshd` script, as a user types it.  Before the node runs: exit 130.  Once
+    it runs, Ctrl-C is its graceful leave: exit 0.  (Python's own start-up, before any of
+    meshd loads, is the interpreter's.)"""
+    script = os.path.join(os.path.dirname(sys.executable), "meshd")
+    if not os.path.exists(script):
+        pytest.skip(f"{script}: the meshd script is not installed beside this Python")
+    argv = [script, "run", "--stub", "--role", "stage", "--stage", "0", "--stages", "1", "--dashboard", "off"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)})
+    time.sleep(after_s)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    if "meshd node id=" in out:
+        assert proc.returncode == 0 and "meshd leaving (SIGINT)" in out + err
+    else:
+        assert proc.returncode == 130
+
+
+def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
+    """`meshd ps --json | head -c 1`: the reader went away."""
+    proc = subprocess.Popen([sys.executable, "-m", "meshd", "ps", "--json"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env={**os.environ, "XDG_STATE_HOME": str(tmp_path)})
+    proc.stdout.close()  # before the child writes: its write finds no reader
+    err = proc.stderr.read().decode()
+    proc.wait(timeout=30)
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+    assert proc.returncode in (0, 141)
+
+
+def test_smoke_run_help_says_what_each_option_is():
+    r = meshd("smoke-run", "--help")
+    assert r.returncode == 0
+    text = " ".join(r.stdout.split())
+    assert "--stages N pipeline stages" in text
+    assert "--prompt PROMPT the text to continue" in text
+    assert "--max-tokens K tokens to generate" in text
+
+
+def test_a_split_that_cannot_work_is_refused_before_anything_starts(tmp_path):
+    t0 = time.monotonic()
+    r = meshd("smoke-run", "--stub", "--stages", "5", env={"XDG_STATE_HOME": str(tmp_path / "state"),
+                                                          "XDG_CACHE_HOME": str(tmp_path / "cache")})
+    assert r.returncode == 2
+    assert one_line(r.stderr) == "meshd: error: smoke-run: --stub: cannot split 4 layers into 5 stages"
+    assert not (tmp_path / "state").exists()  # no run was recorded: nothing started
+    assert time.monotonic() - t0 < 30
+
+
+def test_the_stub_checkpoint_is_written_once_per_user(tmp_path):
+    code = "from meshd.pipeline.stub import stub_checkpoint; print(stub_checkpoint())"
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    paths = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                            check=True).stdout.strip() for _ in range(3)}
+    assert len(paths) == 1
+    (path,) = paths
+    assert path.startswith(str(tmp_path / "meshd" / "stub-"))
+    # nothing half-written beside it
+    assert [p.name for p in (tmp_path / "meshd").iterdir()] == [os.path.basename(path)]
