@@ -185,7 +185,6 @@ def pipelined_processes(model_dir: str, model: StageModel, stages: int, tokens: 
 
 def keyed_vs_plain(model_dir: str, stages: int, tokens: int, runs: int) -> None:
     """Two process pipelines, with and without a mesh key; requests alternate between them."""
-    import httpx
 
     from meshd.keyring import generate_file
     from meshd.testing.processes import start_mesh
@@ -193,17 +192,10 @@ def keyed_vs_plain(model_dir: str, stages: int, tokens: int, runs: int) -> None:
     key_file = os.path.join(model_dir, "mesh.key")
     generate_file(key_file)
     meshes = {"no key": start_mesh(stages, extra=["--model", model_dir])}
+    clients: dict = {}
     try:
         meshes["mesh key"] = start_mesh(stages, extra=["--model", model_dir, "--mesh-key-file", key_file])
-        clients = {}
-        for label, procs in meshes.items():
-            line = procs[0].wait_for(lambda s: s.startswith("meshd dashboard url="), 20, "dashboard URL")
-            clients[label] = client = httpx.Client(base_url=line.split("=", 1)[1], timeout=60)
-            deadline = time.monotonic() + 30
-            while client.post("/api/generate", json={"prompt": PROMPT, "max_tokens": 4}).status_code != 200:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the {label} pipeline did not become ready in 30 s")
-                time.sleep(0.2)
+        clients = {label: _ready_client(procs, label) for label, procs in meshes.items()}
         per_token: dict[str, list[float]] = {label: [] for label in meshes}
         tokens_seen: dict[str, list[int]] = {}
         for _ in range(runs):
@@ -212,12 +204,8 @@ def keyed_vs_plain(model_dir: str, stages: int, tokens: int, runs: int) -> None:
                 r = client.post("/api/generate", json={"prompt": PROMPT, "max_tokens": tokens}).json()
                 per_token[label].append((time.perf_counter() - t0) / len(r["tokens"]))
                 tokens_seen.setdefault(label, r["tokens"])
-        for client in clients.values():
-            client.close()
     finally:
-        for procs in meshes.values():
-            for p in procs:
-                p.stop(timeout=5)
+        _close(clients, meshes)
     ratios = sorted(k / p for k, p in zip(per_token["mesh key"], per_token["no key"], strict=True))
     print(f"small preset, {stages} stages, one `meshd run` process per node, prompt + {tokens} tokens, "
           f"{runs} requests to each pipeline, alternating")
@@ -242,6 +230,14 @@ def _ready_client(procs, label: str):
     return client
 
 
+def _close(clients: dict, meshes: dict) -> None:
+    for client in clients.values():
+        client.close()
+    for procs in meshes.values():
+        for p in procs:
+            p.stop(timeout=5)
+
+
 def batching(model_dir: str, model: StageModel, stages: int, tokens: int, runs: int,
              widths: tuple[int, ...] = (1, 4, 8, 16)) -> None:
     """Two process pipelines of this tree, `--max-batch 16` and `--max-batch 1`, and the
@@ -251,7 +247,8 @@ def batching(model_dir: str, model: StageModel, stages: int, tokens: int, runs: 
 
     from meshd.testing.processes import start_mesh
 
-    meshes = {}
+    meshes: dict = {}
+    clients: dict = {}
     try:
         for label, flag in (("batched", "16"), ("max-batch 1", "1")):
             meshes[label] = start_mesh(stages, extra=["--model", model_dir, "--max-batch", flag])
@@ -281,12 +278,8 @@ def batching(model_dir: str, model: StageModel, stages: int, tokens: int, runs: 
             cells = [f"{label} x{w} {rates[(label, w)][-1]:.1f}" for label in meshes for w in widths]
             print(f"  run {run + 1}/{runs}: monolithic {mono[-1]:.1f} tokens/s, " + ", ".join(cells),
                   flush=True)
-        for client in clients.values():
-            client.close()
     finally:
-        for procs in meshes.values():
-            for p in procs:
-                p.stop(timeout=5)
+        _close(clients, meshes)
     m = statistics.median(mono)
     print(f"small preset, {stages} stages, one `meshd run` process per node, prompt + {tokens} tokens, "
           f"{runs} runs; medians")
