@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 
@@ -38,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"meshd {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
+    parser.add_argument("--log-format", choices=["text", "json"], default="text",
+                        help="text: event lines as the contract writes them on stdout, log lines with "
+                             "time, level, node and prefix on stderr; json: both as JSON lines "
+                             "(default %(default)s)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     run = sub.add_parser("run", help="run one node (one per host)",
@@ -193,6 +196,9 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except IdentityError as exc:
         print(f"meshd: error: {exc}", file=sys.stderr)
         return 2
+    from .logs import set_node
+
+    set_node(f"stage-{args.stage}" if args.role == "stage" else args.role, identity.prefix)
     options = NodeOptions(
         role=args.role,
         stage=args.stage,
@@ -243,11 +249,9 @@ def _on_loopback(bind: str) -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.WARNING,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-        stream=sys.stderr,
-    )
+    from .logs import setup
+
+    setup(args.verbose, args.log_format)
     return args.func(args, parser)
 
 

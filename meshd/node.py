@@ -1002,4 +1002,6 @@ def _cut_push_pull(sender: bytes, push_pull: PushPull, room: float) -> bytes | N
 
 
 def _print_line(line: str) -> None:
-    print(line, flush=True)
+    from .logs import event
+
+    event(line)

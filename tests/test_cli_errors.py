@@ -39,17 +39,22 @@ def test_a_dashboard_port_in_use_is_one_line_and_exit_2(tmp_path):
 @pytest.mark.parametrize("after_s", [0.15, 0.3, 3.0])
 def test_ctrl_c_at_any_moment_ends_without_a_traceback(tmp_path, after_s):
     """Through the `meshd` script, as a user types it.  Before the node runs: exit 130.  Once
-    it runs, Ctrl-C is its graceful leave: exit 0.  (Python's own start-up, before any of
-    meshd loads, is the interpreter's.)"""
+    it runs, Ctrl-C is its graceful leave: exit 0.  Python's own start-up (its site module,
+    before any of meshd loads) is the interpreter's: a Ctrl-C that lands there is tried
+    again a little later."""
     script = os.path.join(os.path.dirname(sys.executable), "meshd")
     if not os.path.exists(script):
         pytest.skip(f"{script}: the meshd script is not installed beside this Python")
     argv = [script, "run", "--stub", "--role", "stage", "--stage", "0", "--stages", "1", "--dashboard", "off"]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)})
-    time.sleep(after_s)
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=30)
+    for _ in range(5):
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)})
+        time.sleep(after_s)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+        if "<frozen site>" not in err:
+            break
+        after_s += 0.1
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     if "meshd node id=" in out:
         assert proc.returncode == 0 and "meshd leaving (SIGINT)" in out + err

@@ -62,7 +62,10 @@ def _cmd_relay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 async def _serve_until_signal(bind: tuple[str, int], relay) -> int:
     import trio
 
+    from ..logs import event, set_node
     from .server import RelayBindError, serve_relay
+
+    set_node("relay", "-")
 
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
@@ -72,7 +75,7 @@ async def _serve_until_signal(bind: tuple[str, int], relay) -> int:
                 print(f"meshd: error: {exc.strerror}", file=sys.stderr)
                 return 2
             addr = format_addr(host, port)
-            print(f"meshd relay url=ws://{addr} stun={addr}/udp", flush=True)
+            event(f"meshd relay url=ws://{addr} stun={addr}/udp")
             async for _ in signals:
                 break
             nursery.cancel_scope.cancel()

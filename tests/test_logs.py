@@ -1,0 +1,62 @@
+"""One logging style: the contract's event lines on stdout as they are, everything else
+with time, level, node and prefix on stderr; --log-format json for machines."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z (DEBUG|INFO|WARNING|ERROR|CRITICAL) "
+                      r"(\S+) (\S+) (meshd[\w.]*): ")
+
+
+def run_briefly(*args: str, seconds: float, env: dict) -> tuple[str, str]:
+    proc = subprocess.Popen([sys.executable, "-m", "meshd", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
+    time.sleep(seconds)
+    proc.terminate()
+    out, err = proc.communicate(timeout=30)
+    return out, err
+
+
+def test_text_format(tmp_path):
+    relay_out, relay_err = run_briefly("relay", "--bind", "127.0.0.1:0", seconds=2.5, env={})
+    assert relay_out.startswith("meshd relay url=ws://127.0.0.1:")  # the event line, as the contract has it
+    logged = [LOG_LINE.match(line) for line in relay_err.splitlines() if line.strip()]
+    assert logged and all(logged), relay_err
+    assert ("INFO", "relay", "-", "meshd.relay") in [m.groups() for m in logged if m]
+
+
+def test_json_format_for_machines(tmp_path):
+    out, err = run_briefly("--log-format", "json", "run", "--stub", "--role", "stage", "--stage", "0",
+                           "--stages", "1", "--dashboard", "off", seconds=3.0,
+                           env={"XDG_CACHE_HOME": str(tmp_path)})
+    events = [json.loads(line) for line in out.splitlines() if line.strip()]
+    node = next(e for e in events if e["event"] == "node")
+    assert node["line"].startswith("meshd node id=") and node["role"] == "stage" and len(node["prefix"]) == 8
+    assert all({"ts", "event", "line"} <= set(e) for e in events)
+    for line in err.splitlines():
+        if line.startswith("{"):
+            record = json.loads(line)
+            assert {"ts", "level", "node", "prefix", "logger", "message"} <= set(record)
+            assert record["node"] == "stage-0" and record["prefix"] == node["prefix"]
+
+
+def test_a_nodes_log_lines_name_its_stage_and_prefix(tmp_path):
+    relay = subprocess.Popen([sys.executable, "-m", "meshd", "relay", "--bind", "127.0.0.1:0"],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        url = relay.stdout.readline().split("url=")[1].split()[0]
+        out, err = run_briefly("run", "--stub", "--role", "stage", "--stage", "0", "--stages", "1",
+                               "--relay", url, "--dashboard", "off", seconds=3.0,
+                               env={"XDG_CACHE_HOME": str(tmp_path)})
+    finally:
+        relay.terminate()
+        relay.wait(timeout=10)
+    prefix = re.search(r"^meshd node id=\S+ prefix=(\w{8})", out, re.M).group(1)
+    logged = [m.groups() for line in err.splitlines() if (m := LOG_LINE.match(line))]
+    assert ("INFO", "stage-0", prefix, "meshd.relay.client") in logged, err
