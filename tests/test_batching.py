@@ -1,7 +1,7 @@
 """Continuous batching: concurrent requests share each stage's forward pass, and each still
 gets its own reference's tokens.
 
-The rule for what counts as the same (README, "Correctness"): a request alone, or with
+The rule for what counts as the same (README, "Correctness and throughput"): a request alone, or with
 ``--max-batch 1``, is bit-identical to `meshd generate`.  Batched, a row's floats may
 differ in the last bits with the batch (BLAS picks kernels by shape), so at every step
 max |delta logits| <= 1e-4 * max |reference logits|, and the same token wherever the

@@ -25,7 +25,7 @@ Member = dict[str, Any]  # one entry of a snapshot's "members"
 @dataclass(frozen=True)
 class Reference:
     """The generation compared with the single-process reference, by the rule of what counts
-    as the same (meshd.pipeline.generate, README "Correctness"): the same tokens, or tokens
+    as the same (meshd.pipeline.generate, README "Correctness and throughput"): the same tokens, or tokens
     that part from the reference's only at a step where its top two logits are within
     NEAR_TIE (where a batch's last-bit differences may pick the other)."""
 

@@ -47,7 +47,7 @@ class Generated:
     tokens: list[int]
     text: str
     reference_tokens: list[int]
-    matches_reference: bool  # by the rule of what counts as the same (README, "Correctness")
+    matches_reference: bool  # by the rule of what counts as the same (README, "Correctness and throughput")
     stage_map: dict[str, str]  # node id prefix -> run name
     paths: list[dict]
     asymmetric: list[dict]

@@ -123,7 +123,7 @@ def generate(model_dir: str | Path, prompt: str | list[int], max_tokens: int, te
     return result
 
 
-# What counts as the same generation (README, "Correctness").  One request alone, or any
+# What counts as the same generation (README, "Correctness and throughput").  One request alone, or any
 # with ``--max-batch 1``, gives `meshd generate`'s very bits.  Batched, a row's floats may
 # differ in the last bits with the batch's size (BLAS picks kernels by shape), so: at every
 # step max |delta logits| <= LOGITS_TOLERANCE * max |reference logits|, and the same token
