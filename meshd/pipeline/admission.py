@@ -23,6 +23,7 @@ import trio
 
 from .api import Busy
 from .config import LlamaConfig
+from .model import kv_cache_bytes
 
 DEFAULT_MAX_RUNNING = 64
 DEFAULT_MAX_QUEUED = 256
@@ -37,7 +38,7 @@ class TooLarge(ValueError):
 def kv_bytes(config: LlamaConfig, stages: int, positions: int) -> int:
     """One request's KV cache at the stage with the most layers, for ``positions`` positions."""
     layers = -(-config.num_hidden_layers // stages)  # the first stages take the extra layers
-    return positions * layers * config.num_key_value_heads * config.head_dim * 2 * 4
+    return kv_cache_bytes(config, layers, positions)
 
 
 @dataclass

@@ -50,6 +50,12 @@ def split_layers(num_layers: int, num_stages: int) -> list[range]:
     return out
 
 
+def kv_cache_bytes(config: LlamaConfig, layers: int, positions: int) -> int:
+    """The bytes of a KVCache for ``layers`` layers and ``positions`` positions: keys and
+    values, float32.  The orchestrator's admission counts with it what the stages allocate."""
+    return 2 * layers * config.num_key_value_heads * positions * config.head_dim * 4
+
+
 class KVCache:
     """Keys and values of one request for one stage's layers, preallocated.
 
@@ -253,8 +259,7 @@ class StageModel:
 
     def cache_bytes(self, max_seq: int) -> int:
         """What ``new_cache(max_seq)`` allocates."""
-        c = self.config
-        return 2 * len(self._layers) * c.num_key_value_heads * max_seq * c.head_dim * 4
+        return kv_cache_bytes(self.config, len(self._layers), max_seq)
 
     def new_cache(self, max_seq: int | None = None) -> KVCache:
         """A KV cache for one request, for this stage's layers."""

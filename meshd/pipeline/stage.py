@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -86,7 +85,7 @@ class _Job:
 
 def splits_head(config: LlamaConfig, stages: int) -> bool:
     """With two stages or more, stage 0 and the last stage each compute half of the LM head's
-    rows at once, and stage 0 samples (see ``StageService._share_head``): the head is the
+    rows at once, and stage 0 samples (see ``StageService._share_heads``): the head is the
     biggest matmul of a decode step, and stage 0 would only wait for the token."""
     return stages >= 2 and config.vocab_size * config.hidden_size >= HEAD_SPLIT_MIN_MACS
 
@@ -120,7 +119,7 @@ class StageService(App):
         cut = head_cut(config.vocab_size)
         self.head_rows = slice(0, cut) if stage == 0 else slice(cut, config.vocab_size)
         self.eos = set(config.eos_token_ids)
-        self.jobs: OrderedDict[str, _Job] = OrderedDict()  # least recently started first
+        self.jobs: dict[str, _Job] = {}  # oldest first
         self._heads: dict[tuple[str, int], _HeadJoin] = {}  # at stage 0: (req_id, step) -> the two halves
         self._outbox: dict[bytes, list[Message]] = {}  # per orchestrator: tokens (and errors) not yet sent
         self.counters = {"activations": 0, "tokens": 0, "errors": 0, "dropped_orphans": 0,
