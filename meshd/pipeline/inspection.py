@@ -7,10 +7,18 @@ template; never the weights, so it answers at once for a checkpoint of any size.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import WEIGHTS_FILE, CheckpointError, _SafetensorsFile, _tensor_files, expected_tensors
+from .checkpoint import (
+    WEIGHTS_FILE,
+    CheckpointError,
+    _SafetensorsFile,
+    _tensor_files,
+    checkpoint_params,
+    expected_tensors,
+)
 from .config import ConfigError, LlamaConfig
 from .tokenizer import BYTE_SPEC_FILE, HF_FILE, TokenizerError, load_tokenizer
 
@@ -39,12 +47,11 @@ def describe(model_dir: str | Path, stages: int = 1) -> dict[str, Any]:
         stored = _stored(root, config)
     except CheckpointError as exc:
         raise InspectError(str(exc)) from None
-    everything = expected_tensors(config, range(config.num_hidden_layers), embed=True, head=True)
     per_stage = []
     for k in range(stages):
         layers, embed, head = stage_share(config, k, stages)
         tensors = expected_tensors(config, layers, embed=embed, head=head)
-        params = sum(_count(s) for s in tensors.values())
+        params = sum(math.prod(s) for s in tensors.values())
         per_stage.append({
             "stage": k, "layers": [layers.start, layers.stop - 1], "embedding": embed, "head": head,
             "parameters": params, "bytes_on_disk": sum(stored["bytes"].get(n, 0) for n in tensors),
@@ -68,7 +75,7 @@ def describe(model_dir: str | Path, stages: int = 1) -> dict[str, Any]:
             "tied_embeddings": config.tie_word_embeddings,
             "bos_token_id": config.bos_token_id, "eos_token_ids": list(config.eos_token_ids),
         },
-        "parameters": sum(_count(s) for s in everything.values()),
+        "parameters": checkpoint_params(config),
         "stored": {"files": stored["files"], "dtypes": stored["dtypes"],
                    "bytes": sum(stored["bytes"].values())},
         "stages": per_stage,
@@ -76,13 +83,6 @@ def describe(model_dir: str | Path, stages: int = 1) -> dict[str, Any]:
         "chat_template": {"found": template.source is not None,
                           "file": template.where if template.source is not None else None},
     }
-
-
-def _count(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _stored(root: Path, config: LlamaConfig) -> dict[str, Any]:
