@@ -16,9 +16,11 @@ import trio
 
 from meshd.launch.checks import Reference
 from meshd.launch.report import Generated, Outcome, summary
+from meshd.pipeline import model as model_module
 from meshd.pipeline.checkpoint import init_checkpoint
 from meshd.pipeline.generate import LOGITS_TOLERANCE as TOLERANCE
 from meshd.pipeline.generate import NEAR_TIE, diverges, generate, near_ties
+from meshd.pipeline.model import StageModel
 from meshd.testing.inprocess import start_pipeline
 
 PROMPTS = ["Once upon a time", "A", "The quick brown fox jumps over the lazy dog, and then",
@@ -99,6 +101,89 @@ async def test_one_request_alone_is_bit_identical_batched_or_not(checkpoint):
                 nursery.cancel_scope.cancel()
         assert got["tokens"] == want["tokens"]
         np.testing.assert_array_equal(got["logits"], want["logits"])
+
+
+async def test_a_long_prefill_runs_in_chunks_and_the_decodes_in_flight_run_between_them(checkpoint,
+                                                                                     monkeypatch):
+    """A prompt of several chunks arrives while another request decodes: each stage runs the
+    prompt chunk by chunk, the running request's decode passes go between the chunks, and
+    both requests get their references' tokens."""
+    monkeypatch.setattr(model_module, "PREFILL_CHUNK", 16)
+    long_prompt = "Pipeline stages pass activations along. " * 3  # 121 rows: 8 chunks
+    want_long = generate(checkpoint, long_prompt, 6, return_logits=True)
+    want_short = generate(checkpoint, PROMPTS[0], 120, return_logits=True)
+    passes: list[tuple[int, int, int, int]] = []  # (stage's first layer, cache, position, rows), in order
+    one_pass = StageModel.forward_batch
+
+    def counted(self, hidden, parts):
+        for cache, pos in parts:
+            passes.append((self.layer_range.start, id(cache), pos, hidden.shape[0]))
+        return one_pass(self, hidden, parts)
+
+    monkeypatch.setattr(StageModel, "forward_batch", counted)
+    lines: list[str] = []
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            nodes = await start_pipeline(nursery, checkpoint, 3, lines)
+            got: dict[str, dict] = {}
+
+            async def short() -> None:
+                got["short"] = await nodes[0].app.generate(PROMPTS[0], 120, want_logits=True)
+
+            async with trio.open_nursery() as clients:
+                clients.start_soon(short)
+                while not any(job.cache.length > 20 for job in nodes[2].app.jobs.values()):
+                    await trio.sleep(0.001)  # decoding: its prompt is 17 rows
+                got["long"] = await nodes[0].app.generate(long_prompt, 6, want_logits=True)
+            nursery.cancel_scope.cancel()
+    same_by_the_rule(got["long"], want_long, greedy=True)
+    same_by_the_rule(got["short"], want_short, greedy=True)
+    between = 0
+    for first in sorted({f for f, *_ in passes}):
+        here = [(cache, pos, rows) for f, cache, pos, rows in passes if f == first]
+        long_cache = next(cache for cache, pos, rows in here if pos == 112 and rows == 9)
+        chunks = [i for i, (cache, pos, rows) in enumerate(here) if cache == long_cache and pos < 121]
+        # the prompt, cut where one process cuts it
+        assert [here[i][1:] for i in chunks] == [(16 * k, 16) for k in range(7)] + [(112, 9)], here
+        between += sum(cache != long_cache for cache, _, _ in here[chunks[0]:chunks[-1]])
+    assert between > 0, "no decode pass ran between a prompt's chunks at any stage"
+
+
+async def test_a_prompt_whose_caller_left_stops_at_the_next_chunk(checkpoint, monkeypatch):
+    """The caller of a long prompt leaves while stage 0 runs its first chunk: the Release
+    reaches stage 0, which computes no further chunk and sends nothing on."""
+    monkeypatch.setattr(model_module, "PREFILL_CHUNK", 16)
+    passes: list[tuple[int, int]] = []  # (stage's first layer, rows)
+    one_pass = StageModel.forward_batch
+    left = trio.Event()
+    nodes: list = []
+
+    def counted(self, hidden, parts):
+        passes.append((self.layer_range.start, hidden.shape[0]))
+        if self.layer_range.start == 0 and hidden.shape[0] == 16 and not left.is_set():
+            trio.from_thread.run_sync(left.set)  # the caller leaves now; this chunk finishes
+            trio.from_thread.run(released_at_stage_0)
+        return one_pass(self, hidden, parts)
+
+    async def released_at_stage_0() -> None:
+        while nodes[1].app.jobs:
+            await trio.sleep(0.001)
+
+    monkeypatch.setattr(StageModel, "forward_batch", counted)
+    lines: list[str] = []
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nodes.extend(await start_pipeline(nursery, checkpoint, 3, lines))
+            passes.clear()
+            async with trio.open_nursery() as caller:
+                caller.start_soon(nodes[0].app.generate, "Pipeline stages pass activations along. " * 3, 6)
+                await left.wait()
+                caller.cancel_scope.cancel()
+            await released_at_stage_0()
+            await trio.sleep(0.2)  # what stage 0 would send on has had time to arrive
+            assert not any(node.app.jobs for node in nodes[1:])
+            nursery.cancel_scope.cancel()
+    assert passes == [(0, 16)], passes  # one chunk at stage 0, nothing after it anywhere
 
 
 async def test_past_the_running_limit_requests_wait_their_turn_and_all_complete(checkpoint):

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from meshd.pipeline import Sampler, StageModel, split_layers, stub_model
+from meshd.pipeline import model as model_module
 from meshd.pipeline.checkpoint import preset_config, random_weights
 from meshd.pipeline.generate import generate_ids
 from meshd.pipeline.model import apply_rope, rope_tables
@@ -115,6 +116,35 @@ def test_chunked_prefill_equals_prefill_at_once():
     cache = model.new_cache(32)
     parts = [model.forward(model.embed(PROMPT[a:b]), cache, a) for a, b in [(0, 5), (5, 6), (6, len(PROMPT))]]
     np.testing.assert_allclose(model.logits(np.concatenate(parts)), once, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "mistral"])
+def test_a_prompt_longer_than_a_chunk_runs_as_chunks_and_computes_what_one_pass_does(preset, monkeypatch):
+    """``forward`` cuts a long prompt at PREFILL_CHUNK rows; each chunk attends to what the ones
+    before it wrote (and, with a sliding window, only to the window)."""
+    config = preset_config(preset)
+    model = StageModel(config, random_weights(config, seed=5))
+    ids = list(range(3, 3 + 40))  # 40 rows: chunks of 16, 16 and 8 (and past mistral's window of 16)
+    whole = model.forward_batch(model.embed(ids), [(model.new_cache(48), 0)])
+    monkeypatch.setattr(model_module, "PREFILL_CHUNK", 16)
+    assert model_module.prefill_chunks(40) == [slice(0, 16), slice(16, 32), slice(32, 40)]
+    passes: list[tuple[int, int]] = []
+    one_pass = model.forward_batch
+
+    def counted(hidden, parts):
+        passes.append((parts[0][1], hidden.shape[0]))
+        return one_pass(hidden, parts)
+
+    monkeypatch.setattr(model, "forward_batch", counted)
+    cache = model.new_cache(48)
+    chunked = model.forward(model.embed(ids), cache, 0)
+    assert passes == [(0, 16), (16, 16), (32, 8)]
+    assert cache.length == 40
+    np.testing.assert_allclose(chunked, whole, rtol=1e-5, atol=1e-5)
+    # the chunks are what a stage runs one by one: the same bits as forward's own cut
+    cache2 = model.new_cache(48)
+    rows = [model.forward(model.embed(ids)[s], cache2, s.start) for s in model_module.prefill_chunks(40)]
+    np.testing.assert_array_equal(np.concatenate(rows), chunked)
 
 
 def test_rope_matches_rotate_half_reference():

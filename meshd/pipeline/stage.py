@@ -34,7 +34,7 @@ from .checkpoint import LoadProgress, fingerprint
 from .config import LlamaConfig
 from .messages import Activation, HeadInput, HeadPart, Hop, Release, Sampling, StageError, Token
 from .metrics import StageMetrics
-from .model import KVCache, StageModel, head_cut, split_layers
+from .model import KVCache, StageModel, head_cut, prefill_chunks, split_layers
 from .sampling import Sampler, Shortlist, is_greedy, merge, shortlist
 
 log = logging.getLogger("meshd.pipeline")
@@ -73,6 +73,7 @@ class LostState(PipelineError):
 class _Job:
     """One request at this stage."""
 
+    req_id: str
     origin: bytes  # its orchestrator
     route: tuple[bytes, ...]
     cache: KVCache
@@ -193,20 +194,22 @@ class StageService(App):
                                     f"{self.kv_budget / 2**20:.0f} MB held by {len(self.jobs)} requests "
                                     "(--kv-budget-mb)")
             now = trio.current_time()
-            job = self.jobs[msg.req_id] = _Job(msg.origin, msg.route, self.model.new_cache(need), now, now)
+            job = _Job(msg.req_id, msg.origin, msg.route, self.model.new_cache(need), now, now)
+            self.jobs[msg.req_id] = job
         elif job is None:
             raise LostState(f"{self.name} has no KV cache for request {msg.req_id} at position "
                             f"{msg.pos} (did this stage restart?)")
         job.touched = trio.current_time()
         return job
 
-    async def _forward(self, hidden: np.ndarray, cache: KVCache, pos: int, prefill: int) -> np.ndarray:
+    async def _forward(self, hidden: np.ndarray, job: _Job, pos: int, prefill: int) -> np.ndarray | None:
         """Our layers over ``hidden``: rows [0, prefill) as one pass, then each later row alone
-        (a replay keeps the original run's shapes, so its numbers are the same bits)."""
-        model = self.model
+        (a replay keeps the original run's shapes, so its numbers are the same bits).  None:
+        the request ended while its prompt ran."""
+        model, cache = self.model, job.cache
         if not 0 < prefill < hidden.shape[0]:
-            if hidden.shape[0] > PREFILL_ROWS:  # a prefill: off the event loop, so gossip keeps its timing
-                return await trio.to_thread.run_sync(model.forward, hidden, cache, pos)
+            if hidden.shape[0] > PREFILL_ROWS:
+                return await self._prefill(hidden, job, pos)
             return model.forward(hidden, cache, pos)  # a decode step is shorter than a thread hand-off
 
         def replay() -> np.ndarray:
@@ -216,6 +219,19 @@ class StageService(App):
             return np.concatenate(outs)
 
         return await trio.to_thread.run_sync(replay)
+
+    async def _prefill(self, hidden: np.ndarray, job: _Job, pos: int) -> np.ndarray | None:
+        """A prompt's rows, one chunk (``model.prefill_chunks``) at a time in a worker thread:
+        off the event loop, so gossip keeps its timing and the decode passes of the requests
+        in flight here go on meanwhile instead of waiting for the whole prompt.  A request
+        that ended (released, or its orchestrator gone) stops at the next chunk."""
+        outs = []
+        for rows in prefill_chunks(hidden.shape[0]):
+            if self.jobs.get(job.req_id) is not job:
+                return None
+            outs.append(await trio.to_thread.run_sync(self.model.forward, hidden[rows], job.cache,
+                                                      pos + rows.start))
+        return outs[0] if len(outs) == 1 else np.concatenate(outs)
 
     async def _activation(self, msg: Activation) -> None:
         self.counters["activations"] += 1
@@ -241,7 +257,9 @@ class StageService(App):
             self._work.set()
             return
         t0 = time.perf_counter()
-        out = await self._forward(hidden, job.cache, msg.pos, msg.prefill)
+        out = await self._forward(hidden, job, msg.pos, msg.prefill)
+        if out is None:
+            return
         took = time.perf_counter() - t0
         self.metrics.computed("prefill" if hidden.shape[0] > 1 else "decode", took)
         if hidden.shape[0] == 1:
