@@ -217,3 +217,40 @@ def test_a_restarted_process_runs_again_on_its_port_and_its_output_goes_on_in_th
         assert again == url and relay.lines.count(url) == 2
     finally:
         relay.stop()
+
+
+def test_piped_the_phases_go_to_stderr_as_plain_lines_and_stdout_holds_only_the_json(run_dir):
+    r = subprocess.run([sys.executable, "-m", "meshd", "smoke-run", "--stub", "--stages", "2", "--json",
+                        "--max-tokens", "8"], capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr
+    assert len(r.stdout.splitlines()) == 1 and json.loads(r.stdout)["ok"]
+    lines = r.stderr.splitlines()
+    assert lines and all(line.startswith("smoke-run: ") for line in lines), r.stderr
+    assert "\x1b" not in r.stderr  # no terminal codes where no terminal is
+    said = "\n".join(lines)
+    for phase in ("starting orchestrator", "converging", "converged in", "generating",
+                  "generated 8 tokens", "checking against meshd generate", "tearing down"):
+        assert f"smoke-run: {phase}" in said, r.stderr
+
+
+@pytest.mark.skipif(not os.path.exists("/usr/bin/script"), reason="util-linux `script` (a terminal) missing")
+def test_on_a_terminal_the_phases_are_live_and_the_report_is_a_table(run_dir, tmp_path):
+    """Under `script`, stdout and stderr are a terminal: one live status line that moves
+    through the phases (with the nodes seen converged, and tokens/s), then the report as a
+    table."""
+    typescript = tmp_path / "typescript"
+    command = f"{sys.executable} -m meshd smoke-run --stub --stages 2 --max-tokens 8"
+    r = subprocess.run(["script", "-qec", command, str(typescript)], capture_output=True, text=True,
+                       timeout=180, env={**os.environ, "COLUMNS": "120", "TERM": "xterm"})
+    assert r.returncode == 0, r.stdout
+    shown = typescript.read_text(errors="replace")
+    assert "\x1b[" in shown  # drawn for a terminal
+    # the live line redraws about 12 times a second: the phases that last are seen in it; what
+    # each phase ended with is logged above it and stays
+    for live in ("starting ", "converging: ", "nodes see every other alive", "converged in ",
+                 "generated 8 tokens in ", "tokens/s"):
+        assert live in shown, shown
+    assert "smoke-run: " in shown and "done" in shown
+    table = shown[shown.rindex("smoke-run: "):]
+    for row in ("stage map", "generated 8 tokens; matches meshd generate: yes", "leftovers", "│"):
+        assert row in table, table

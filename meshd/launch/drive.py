@@ -137,7 +137,8 @@ def snapshot(client: httpx.Client, board: Dashboard) -> Snapshot:
 
 
 def converge(client: httpx.Client, driver: JobDriver, boards: dict[str, Dashboard],
-             prefixes: dict[str, str], needed: dict[str, int], timeout: float) -> float:
+             prefixes: dict[str, str], needed: dict[str, int], timeout: float,
+             progress: Progress | None = None) -> float:
     """Wait until every node of ``boards`` sees every other alive over a measured path and the
     orchestrator resolves every ``needed`` name to its live owners; returns the seconds it took."""
     t_conv = time.monotonic()
@@ -145,10 +146,14 @@ def converge(client: httpx.Client, driver: JobDriver, boards: dict[str, Dashboar
     peer_of = {job: peer for peer, job in prefixes.items()}
     while True:
         snaps = {n: snapshot(client, board) for n, board in boards.items()}
-        whole = all(sees_all(snap, {peer_of[o] for o in boards if o != n}) for n, snap in snaps.items())
+        seeing = [n for n, snap in snaps.items() if sees_all(snap, {peer_of[o] for o in boards if o != n})]
         short = names_short(snaps["orchestrator"]["names"], needed)
-        if whole and not short:
+        if len(seeing) == len(snaps) and not short:
             return time.monotonic() - t_conv
+        if progress is not None:
+            progress.update(f"converging: {len(seeing)} of {len(snaps)} nodes see every other alive"
+                            + (f"; unresolved: {', '.join(short)}" if short else "")
+                            + f" ({time.monotonic() - t_conv:.0f}s)")
         for n in boards:
             p = driver.procs[n]
             if not p.alive():
@@ -176,7 +181,8 @@ def converge_and_generate(driver: JobDriver, boards: dict[str, Dashboard], prefi
     faults = plan.faults
     progress.update("converging")
     with httpx.Client(timeout=10) as client:
-        converge_s = converge(client, driver, boards, prefixes, owners_needed(plan.stages, boards), timeout)
+        converge_s = converge(client, driver, boards, prefixes, owners_needed(plan.stages, boards), timeout,
+                              progress)
         progress.log(f"converged in {converge_s:.1f}s: " + " ".join(f"{p}={n}" for p, n in prefixes.items()))
         downs = RelayDowns(faults.relay_downs, driver, plan.relay_urls, progress, disruptions)
         downs.start()
@@ -185,6 +191,8 @@ def converge_and_generate(driver: JobDriver, boards: dict[str, Dashboard], prefi
                               progress, disruptions)
         generation = generate(client, boards["orchestrator"], prompt, max_tokens, timeout, disruptor,
                               prefixes, progress)
+        progress.log(f"generated {len(generation.tokens)} tokens in {generation.gen_s:.1f}s, "
+                     f"{len(generation.tokens) / max(generation.gen_s, 1e-9):.1f} tokens/s")
         if disruptor.restarted:
             rejoin(client, driver, boards, prefixes, plan.stages, disruptor.restarted, timeout, progress)
         again, late = None, [d.spec for d in downs.pending]

@@ -8,32 +8,58 @@ is read from that object, so the two always agree.
 
 from __future__ import annotations
 
+import sys
+import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TextIO
 
 from .failure import Failure, Kind
 
 
 class Progress:
-    """Live progress on a terminal; silent otherwise (and with --json)."""
+    """A run's phases on stderr as they happen, so stdout holds only the report (or
+    ``--json``'s one object): on a terminal one live status line (rich), else a plain line
+    ``smoke-run: PHASE`` when the phase changes, and at most every PLAIN_EVERY_S while it
+    lasts.  ``shown`` False: nothing at all."""
 
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
+    PLAIN_EVERY_S = 2.0
+
+    def __init__(self, shown: bool = True, *, stream: TextIO | None = None) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled = shown
         self._status: Any = None
-        if enabled:
+        self._phase, self._printed = "", 0.0
+        if shown and self.stream.isatty():
             from rich.console import Console
 
-            self.console = Console(stderr=True)
+            self.console = Console(file=self.stream, log_path=False)
             self._status = self.console.status("starting")
             self._status.start()
 
     def update(self, text: str) -> None:
+        """The phase now (``converging: 2 of 4 nodes ...``; the phase is what precedes ':')."""
         if self._status is not None:
-            self._status.update(text)
+            from rich.text import Text
+
+            self._status.update(Text(text))  # as it is: no markup
+            return
+        phase, now = text.split(":", 1)[0], time.monotonic()
+        if self.enabled and (phase != self._phase or now - self._printed >= self.PLAIN_EVERY_S):
+            self._phase, self._printed = phase, now
+            self._line(text)
 
     def log(self, text: str) -> None:
-        if self.enabled:
-            self.console.log(text)
+        """Something that happened (a phase's result), kept above the live line."""
+        if self._status is not None:
+            self.console.log(text, markup=False, highlight=False)
+        elif self.enabled:
+            self._line(text)
+
+    def _line(self, text: str) -> None:
+        try:
+            print(f"smoke-run: {text}", file=self.stream, flush=True)
+        except (BrokenPipeError, ValueError):  # stderr closed or gone: the run goes on
+            self.enabled = False
 
     def stop(self) -> None:
         if self._status is not None:
@@ -133,37 +159,70 @@ class Outcome:
 
 def summary(result: dict[str, Any]) -> str:
     """The lines a person reads at the end of a run, from the JSON object."""
+    return "\n".join(line for _, line in summary_rows(result))
+
+
+def summary_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
+    """The summary's lines, each with what it tells (``paths``, ``timings``, ...)."""
     reason = f" ({result['reason']})" if result.get("reason") else ""
-    lines = [f"smoke-run: {result['status']}{reason}"]
+    rows = [("smoke-run", f"smoke-run: {result['status']}{reason}")]
     if result.get("stage_map"):
-        lines.append("stage map: " + " ".join(f"{p}={n}" for p, n in result["stage_map"].items()))
-    lines += [f"asymmetric: {a['detail']}" for a in result.get("asymmetric", [])]
+        stage_map = " ".join(f"{p}={n}" for p, n in result["stage_map"].items())
+        rows.append(("stage map", f"stage map: {stage_map}"))
+    rows += [("asymmetric", f"asymmetric: {a['detail']}") for a in result.get("asymmetric", [])]
     relays = result.get("relays") or {}
     relay_job = {url: job for job, url in relays.items()} if len(relays) > 1 else {}
     relayed = [_relayed(p, relay_job) for p in result.get("paths", []) if p["path"] != "direct"]
     if result.get("paths"):
         punched = [f"{p['from']}→{p['to']}" for p in result["paths"]
                    if p["path"] == "direct" and p.get("punched")]
-        lines.append(f"paths: {len(result['paths']) - len(relayed)} direct"
+        rows.append(("paths", f"paths: {len(result['paths']) - len(relayed)} direct"
                      + (f" ({len(punched)} punched: {', '.join(punched)})" if punched else "")
-                     + (f", via relay: {', '.join(relayed)}" if relayed else ""))
+                     + (f", via relay: {', '.join(relayed)}" if relayed else "")))
     if "tokens" in result:
         t = result["timings"]
-        lines.append(f"generated {len(result['tokens'])} tokens; matches meshd generate: "
-                     f"{'yes' if result['matches_reference'] else 'NO'}{_ties(result)}")
-        lines.append(f"converge {t['converge_s']}s, first token {t['first_token_s']}s, "
-                     f"{t['tokens_per_s']} tokens/s")
+        rows.append(("generated", f"generated {len(result['tokens'])} tokens; matches meshd generate: "
+                                  f"{'yes' if result['matches_reference'] else 'NO'}{_ties(result)}"))
+        rows.append(("timings", f"converge {t['converge_s']}s, first token {t['first_token_s']}s, "
+                                f"{t['tokens_per_s']} tokens/s"))
     if (again := result.get("again")) is not None:
-        lines.append(f"generated again after {again['after']}: {len(again['tokens'])} tokens; matches meshd "
-                     f"generate: {'yes' if again['matches_reference'] else 'NO'}; "
-                     f"{again['tokens_per_s']} tokens/s")
-    lines += [_disruption_line(d) for d in result.get("disruptions", [])]
-    lines += [failover_line(f) for f in result.get("failovers", [])]
-    lines += [relay_move_line(m) for m in result.get("relay_moves", [])]
+        rows.append(("again", f"generated again after {again['after']}: {len(again['tokens'])} tokens; "
+                              f"matches meshd generate: {'yes' if again['matches_reference'] else 'NO'}; "
+                              f"{again['tokens_per_s']} tokens/s"))
+    rows += [("disruption", _disruption_line(d)) for d in result.get("disruptions", [])]
+    rows += [("failover", failover_line(f)) for f in result.get("failovers", [])]
+    rows += [("relay move", relay_move_line(m)) for m in result.get("relay_moves", [])]
     if result.get("logs"):
-        lines.append(f"logs: {result['logs']}")
-    lines.append(f"leftovers: {result['leftovers']}")
-    return "\n".join(lines)
+        rows.append(("logs", f"logs: {result['logs']}"))
+    rows.append(("leftovers", f"leftovers: {result['leftovers']}"))
+    return rows
+
+
+def print_report(result: dict[str, Any], file: TextIO | None = None) -> None:
+    """The summary as a table for a terminal (rich), with the run's paths one per row."""
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    ok = result.get("ok")
+    table = Table(title=f"smoke-run: {'[green]' if ok else '[red]'}{escape(str(result['status']))}"
+                        f"{'[/green]' if ok else '[/red]'}", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column(overflow="fold")
+    for label, line in summary_rows(result)[1:]:
+        value = escape(line[len(label) + 2:] if line.startswith(f"{label}: ") else line)
+        bad = label == "asymmetric" or (label == "generated" and "generate: NO" in line) \
+            or (label == "leftovers" and result["leftovers"])
+        table.add_row(label, f"[red]{value}[/red]" if bad else value)
+    console = Console(file=file)
+    console.print(table)
+    unusual = [p for p in result.get("paths") or [] if p["path"] != "direct" or p.get("punched")]
+    if unusual:  # the pairs not plainly direct, one per row
+        paths = Table("from", "to", "path", "punched", title="paths not plainly direct", title_justify="left")
+        for p in unusual:
+            path = p["path"] if p["path"] == "direct" else f"[yellow]{p['path']}[/yellow]"
+            paths.add_row(p["from"], p["to"], path, "yes" if p.get("punched") else "")
+        console.print(paths)
 
 
 def _relayed(path: dict[str, Any], relay_job: dict[str, str]) -> str:

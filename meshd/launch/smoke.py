@@ -34,7 +34,7 @@ from .local import LocalProcess
 from .model import job_status_message, new_run, relay_job_names
 from .netns import NetnsProvider
 from .plan import RunPlan, job_argvs, node_names
-from .report import Generated, Outcome, Progress, summary
+from .report import Generated, Outcome, Progress, print_report, summary
 from .state import default_run_dir, next_run_name, save_logs
 
 DEFAULT_PROMPT = "Once upon a time"
@@ -68,7 +68,7 @@ class _Session:
 
 def run_smoke(args: argparse.Namespace) -> int:
     t_start = time.monotonic()
-    progress = Progress(not (args.json or not sys.stderr.isatty()))
+    progress = Progress()
     outcome = Outcome(args.stages, args.replicas)
     session = _Session(Path(tempfile.mkdtemp(prefix="meshd-smoke-")))
 
@@ -99,7 +99,10 @@ def run_smoke(args: argparse.Namespace) -> int:
             outcome.logs = str(save_logs(session.driver.run_dir, outcome.run, {n: p.lines for n, p in procs}))
     outcome.total_s = time.monotonic() - t_start
     result = outcome.to_json()
-    print(json.dumps(result) if args.json else summary(result), flush=True)
+    if args.json or not sys.stdout.isatty():
+        print(json.dumps(result) if args.json else summary(result), flush=True)
+    else:
+        print_report(result)
     return outcome.exit_code
 
 
