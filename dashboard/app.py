@@ -5,8 +5,14 @@ It reads node state only through the mesh's ``snapshot()``, joins only through
 its ``join`` and drives generation only through the orchestrator's
 ``Generator`` interface.  It serves the page (``/``), the dashboard API
 (``/api/peers``, ``/api/peers/add``, ``/api/topology``, ``/api/snapshot``,
-``/api/traces``, ``/api/keys``, ``/metrics``), ``/api/generate``, and OpenAI's
-``/v1/models``, ``/v1/completions`` and ``/v1/chat/completions``.
+``/api/traces``, ``/api/keys``, ``/metrics``), the page's own feed (``/api/state``,
+``/api/history``, and the WebSocket ``/api/live`` that pushes the state: ``dashboard.live``),
+``/api/generate``, and OpenAI's ``/v1/models``, ``/v1/completions`` and
+``/v1/chat/completions``.
+
+``serve_dashboard`` also runs the node's history ring (``dashboard.history``: the
+last minutes of readiness, paths, RTTs, tokens/s and time to first token) and
+the push of ``/api/live``, in its own nursery.
 
 Every request passes ``guard.DashboardGuard`` first: the Host must name this
 dashboard, a state-changing request must come from its own page (Origin) with
@@ -28,14 +34,16 @@ import trio
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
-from starlette.routing import Mount, Route
+from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
 from meshd.pipeline.api import Generator
 from meshd.pipeline.metrics import PipelineMetrics
 
-from . import generation, views
+from . import generation, state, views
 from .guard import HOSTS_ENV, TOKEN_ENV, DashboardGuard
+from .history import History, serve_history
+from .live import MAX_CLIENT_MESSAGE_BYTES, LiveHub, live
 from .requests import MAX_BODY_BYTES, BadRequest, error, is_openai_path, json_body, openai_error
 
 if TYPE_CHECKING:
@@ -77,32 +85,6 @@ def is_loopback_bind(bind: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-def _traces(generator: Generator | None) -> list[dict]:
-    """The orchestrator's recent request traces (hops as dicts), newest last."""
-    if generator is None:
-        return []
-    out = []
-    for item in list(generator.recent_traces)[-32:]:
-        hops = [[{"kind": h[0], "name": h[1], "ms": h[2], "path": h[3]} for h in trace]
-                for trace in item.get("traces", [])]
-        out.append({"req_id": item.get("req_id"), "traces": hops})
-    return out
-
-
-def token_breakdown(traces: list[dict]) -> list[dict]:
-    """Where one token's time goes: mean ms per hop over the recent traces, in pipeline order."""
-    sums: dict[str, list] = {}
-    for item in traces:
-        for trace in item["traces"]:
-            for hop in trace:
-                entry = sums.setdefault(hop["name"], [hop["kind"], hop["path"], 0.0, 0])
-                entry[1] = hop["path"] or entry[1]
-                entry[2] += hop["ms"]
-                entry[3] += 1
-    return [{"name": name, "kind": k, "path": path, "ms": round(total / n, 3)}
-            for name, (k, path, total, n) in sums.items()]
 
 
 def _mesh(request: Request) -> Mesh:
@@ -153,10 +135,32 @@ async def api_topology(request: Request) -> Response:
 
 
 async def api_traces(request: Request) -> Response:
-    generator = request.app.state.generator
-    traces = _traces(generator)
-    return JSONResponse({"orchestrator": generator is not None, "requests": traces,
-                         "per_token": token_breakdown(traces)})
+    return JSONResponse(state.traces_view(request.app.state.generator))
+
+
+def _since(request: Request) -> int:
+    """``?since=SEQ``: history samples after that one (0, the default: all)."""
+    value = request.query_params.get("since", "0")
+    if not value.isdigit() or len(value) > 18:
+        raise BadRequest("'since' must be a sample's seq (a non-negative integer)")
+    return int(value)
+
+
+async def api_history(request: Request) -> Response:
+    try:
+        since = _since(request)
+    except BadRequest as exc:
+        return error(400, str(exc))
+    return JSONResponse(request.app.state.history.view(since))
+
+
+async def api_state(request: Request) -> Response:
+    """What one push of ``/api/live`` carries: the page's polling fallback."""
+    try:
+        since = _since(request)
+    except BadRequest as exc:
+        return error(400, str(exc))
+    return Response(request.app.state.live.message(since), media_type="application/json")
 
 
 async def metrics(request: Request) -> Response:
@@ -194,9 +198,14 @@ def create_app(node: Mesh, generator: Generator | None = None, token: str | None
         Route("/api/keys", api_keys_change, methods=["POST"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/api/snapshot", api_snapshot, methods=["GET"]),
+        Route("/api/history", api_history, methods=["GET"]),
+        Route("/api/state", api_state, methods=["GET"]),
+        WebSocketRoute("/api/live", live),
         *generation.ROUTES,
     ], exception_handlers={Exception: crashed})
     app.state.mesh, app.state.generator, app.state.inference = node, generator, inference
+    app.state.history = History()
+    app.state.live = LiveHub(lambda: state.page_state(node.snapshot(), generator), app.state.history)
     return DashboardGuard(app, token=token, allowed_hosts=allowed_hosts or (), max_body=MAX_BODY_BYTES)
 
 
@@ -222,12 +231,15 @@ async def serve_dashboard(node: Mesh, bind: str, generator: Generator | None = N
     ``NAME`` or ``NAME:PORT``), for a name the user reaches it by (a proxy, /etc/hosts).
     """
     from hypercorn.config import Config
-    from hypercorn.trio import serve
+
+    from .server import serve
 
     config = Config()
     config.bind = [bind]
     config.accesslog = None
     config.errorlog = None
+    # The page sends nothing over /api/live: a bigger message is cut (1009) before it is held.
+    config.websocket_max_message_size = MAX_CLIENT_MESSAGE_BYTES
     host = bind.rpartition(":")[0].strip("[]")
     wildcard = host in ("", "0.0.0.0", "::")
     extra = [*(allowed_hosts or ()), *os.environ.get(HOSTS_ENV, "").split(","),
@@ -241,6 +253,9 @@ async def serve_dashboard(node: Mesh, bind: str, generator: Generator | None = N
         await serve(app, config, task_status=task_status)
 
     async with trio.open_nursery() as nursery:
+        # The history ring fills from the start, so a page opened later draws the minutes before.
+        await nursery.start(serve_history, app.app.state.history, node.snapshot, inference)
+        await nursery.start(app.app.state.live.serve)
         try:
             binds = await nursery.start(run)
         except (OSError, BaseExceptionGroup) as exc:  # the port is taken, or the address is not ours

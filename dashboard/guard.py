@@ -17,6 +17,13 @@ every request is checked here, in one place, before a handler runs:
   as it passes), UTF-8, and nested at most ``max_depth`` arrays/objects deep
   (400), measured without recursion so ``json.loads`` never recurses further.
 
+A **WebSocket** (``/api/live``) passes the same Host and token checks, and its
+Origin is checked whatever it asks for: no CORS stands between a page and a
+WebSocket, so a foreign Origin (or ``Sec-Fetch-Site`` naming another site) is
+refused before the handshake completes, with the HTTP status and message a
+plain request would get.  A browser cannot set headers on a WebSocket, so the
+page passes the token as ``?token=``.
+
 Every response, refused or not, carries a strict Content-Security-Policy and
 the headers that keep the page out of frames and its URL out of Referer.  A
 refusal under ``/v1`` comes in OpenAI's error shape, as every error there.
@@ -127,6 +134,14 @@ class DashboardGuard:
         self.open_prefixes = tuple(open_prefixes)
 
     async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "websocket":
+            try:
+                self._admit_websocket(scope)
+            except Refused as refusal:
+                await self._refuse_websocket(scope, send, refusal)
+                return
+            await self.app(scope, receive, send)
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -157,7 +172,28 @@ class DashboardGuard:
                                 (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})
 
+    async def _refuse_websocket(self, scope, send, refusal: Refused) -> None:
+        """Answer the handshake with the refusal's status and message (ASGI's WebSocket denial
+        response), or, where the server cannot send one, close it (403)."""
+        if "websocket.http.response" not in scope.get("extensions", {}):
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        body = json.dumps({"error": str(refusal)}).encode()
+        await send({"type": "websocket.http.response.start", "status": refusal.status,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode()), *SECURITY_HEADERS]})
+        await send({"type": "websocket.http.response.body", "body": body})
+
     # -- the checks, in order -------------------------------------------------------------
+    def _admit_websocket(self, scope) -> None:
+        """Host, Origin (always: a page may open a WebSocket anywhere) and the token."""
+        headers = Headers(scope=scope)
+        self._check_host(headers, scope.get("server") or (None, None))
+        self._check_origin(headers, "open a live feed of")
+        if not authorized(self.token, headers, scope.get("query_string", b"").decode("latin-1")):
+            raise Refused(401, "this dashboard is bound beyond loopback: open the page as /?token=TOKEN "
+                               "(printed at boot); its live feed passes the token on as ?token=TOKEN")
+
     async def _admit(self, scope, receive):
         """``receive`` for the app (the body replayed, when read here), or None; Refused otherwise."""
         headers = Headers(scope=scope)
@@ -210,7 +246,7 @@ class DashboardGuard:
                                f"someone else is refused); to open it under that name, allow it: "
                                f"{HOSTS_ENV}={raw or 'NAME:PORT'}")
 
-    def _check_origin(self, headers: Headers) -> None:
+    def _check_origin(self, headers: Headers, act: str = "change") -> None:
         """Origin, when sent, must be the Host asked for (already checked to be ours): scheme,
         name and port; without Origin, Sec-Fetch-Site must not name another site."""
         origin = headers.get("origin")
@@ -218,7 +254,7 @@ class DashboardGuard:
             site = headers.get("sec-fetch-site", "").lower()
             if site in ("cross-site", "same-site"):
                 raise Refused(403, f"a request from another site (Sec-Fetch-Site: {site}) cannot "
-                                   "change this node")
+                                   f"{act} this node")
             return
         try:
             parts = urlsplit(origin)
@@ -228,7 +264,7 @@ class DashboardGuard:
             default, theirs = None, None
         name, port = split_host(headers.get("host", "")) or (None, None)
         if default is None or theirs != (name, port or default):
-            raise Refused(403, f"a request from the page at Origin {origin!r} cannot change this node; "
+            raise Refused(403, f"a request from the page at Origin {origin!r} cannot {act} this node; "
                                "only this dashboard's own page can")
 
     async def _read_body(self, headers: Headers, receive) -> bytes | None:

@@ -57,6 +57,7 @@ def peer_view(m: dict, *, me: bool = False) -> dict:
         "out_fail": None if me else m.get("direct_failures", 0),
         "in_seen": None if me else m.get("in_seen", {"direct": 0, "relay": 0}),
         "last_seen_s": None if me else m.get("last_seen_s"),
+        "state_age_s": None if me else m.get("state_age_s"),  # how long it has been in that state
         "last_failure": None if me else m.get("last_failure"),
     }
 

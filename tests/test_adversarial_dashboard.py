@@ -8,20 +8,23 @@ own side shows the same node does act when asked properly.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
 import threading
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
 import pytest
 import trio
+from trio_websocket import ConnectionClosed, ConnectionRejected, open_websocket_url, wrap_client_stream
 
 from dashboard.app import MAX_BODY_BYTES
 from dashboard.guard import HOSTS_ENV
+from dashboard.live import MAX_CLIENT_MESSAGE_BYTES, MAX_CLIENT_MESSAGES, MAX_CLIENTS
 from meshd.node import NodeOptions
 from meshd.testing.inprocess import start_node, wait_converged
 
@@ -274,6 +277,138 @@ async def test_every_response_carries_the_security_headers():
                 "nothing inline: the CSP would block it"
 
 
+# -- the live feed (a WebSocket) ------------------------------------------------------------------
+
+async def _live_refusal(url: str, headers: list[tuple[bytes, bytes]]) -> ConnectionRejected:
+    """The handshake's refusal (raises if the feed was opened)."""
+    try:
+        async with open_websocket_url(url, extra_headers=headers, connect_timeout=10):
+            pass
+    except ConnectionRejected as refused:
+        return refused
+    raise AssertionError(f"{url} {headers}: the feed opened")
+
+
+async def _first_push(url: str, headers: list[tuple[bytes, bytes]] | None = None) -> dict:
+    async with open_websocket_url(url, extra_headers=headers or [], connect_timeout=10,
+                                  max_message_size=16 * MIB) as ws:
+        return json.loads(await ws.get_message())
+
+
+async def _closed_with(ws) -> int | None:
+    """Read until the server closes; its close code."""
+    try:
+        while True:
+            await ws.get_message()
+    except ConnectionClosed as closed:
+        return closed.reason.code
+
+
+@pytest.mark.parametrize("dashboard", ["127.0.0.1:0", "0.0.0.0:0"])
+async def test_a_live_feed_without_the_token_or_from_another_origin_is_refused(dashboard):
+    with trio.fail_after(30):
+        async with victim(dashboard=dashboard) as node:
+            token = node.dashboard_token
+            ws_url = f"ws://127.0.0.1:{node.port}/api/live"
+            with_token = f"{ws_url}?token={token}" if token else ws_url
+            refusals = [(with_token, [(b"Origin", b"http://evil.example")], 403),
+                        (with_token, [(b"Origin", f"http://evil.example:{node.port}".encode())], 403),
+                        (with_token, [(b"Origin", f"http://127.0.0.1:{node.port + 1}".encode())], 403),
+                        (with_token, [(b"Origin", b"null")], 403),
+                        (with_token, [(b"Sec-Fetch-Site", b"cross-site")], 403)]
+            if token:
+                refusals += [(ws_url, [], 401), (ws_url, [(b"Origin", node.local_url.encode())], 401),
+                             (f"{ws_url}?token={'x' * len(token)}", [], 401)]
+            for url, headers, status in refusals:
+                refused = await _live_refusal(url, headers)
+                assert refused.status_code == status, (url, headers, refused.status_code)
+                body = json.loads(refused.body)
+                assert "error" in body and "peers" not in body
+                assert node.identity.prefix not in refused.body.decode(), "nothing of the node's told"
+            # A page whose DNS name was rebound to us: its own name in Host.
+            rebound: list[int] = []
+            try:
+                async with trio.open_nursery() as nursery:
+                    stream = await trio.open_tcp_stream("127.0.0.1", node.port)
+                    path = "/api/live" + (f"?token={token}" if token else "")
+                    await wrap_client_stream(nursery, stream, f"attacker.example:{node.port}", path)
+            except* ConnectionRejected as group:
+                rebound = [e.status_code for e in group.exceptions if isinstance(e, ConnectionRejected)]
+            assert rebound == [421]
+            # The dashboard's own page, and clients without Origin, get the state.
+            for headers in ([(b"Origin", node.local_url.encode())], []):
+                push = await _first_push(with_token, headers)
+                assert push["state"]["peers"]["self"]["prefix"] == node.identity.prefix
+            assert node.acted == []
+
+
+async def test_garbage_on_the_live_feed_does_not_break_the_node():
+    with trio.fail_after(60):
+        async with victim() as node:
+            url = f"ws://127.0.0.1:{node.port}/api/live"
+            # Junk the page never sends: read and dropped, the pushes go on.
+            async with open_websocket_url(url, max_message_size=16 * MIB) as ws:
+                await ws.get_message()
+                for junk in (b"\xff\xfe\x00" * 100, "not json", "{", '{"op": "join", "addr": "127.0.0.1:9"}',
+                             "\u0000" * 1000):
+                    await ws.send_message(junk)
+                state = json.loads(await ws.get_message())  # the next push
+                assert state["state"]["peers"]["self"]["prefix"] == node.identity.prefix
+            # A message past the cap is cut off (1009) before it is held.
+            async with open_websocket_url(url, max_message_size=16 * MIB) as ws:
+                await ws.send_message("x" * (MAX_CLIENT_MESSAGE_BYTES + 1))
+                assert await _closed_with(ws) == 1009
+            # A client that keeps talking is closed (1008).
+            async with open_websocket_url(url, max_message_size=16 * MIB) as ws:
+                try:
+                    for _ in range(MAX_CLIENT_MESSAGES + 10):
+                        await ws.send_message("hello?")
+                    code = await _closed_with(ws)
+                except ConnectionClosed as closed:  # closed while we were still talking
+                    code = closed.reason.code
+                assert code == 1008
+            # Bytes that are not WebSocket frames after the handshake, and no handshake at all.
+            for opening in (b"GET /api/live HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nUpgrade: websocket\r\n"
+                            b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                            b"Sec-WebSocket-Version: 13\r\n\r\n" % node.port,
+                            b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03"):
+                stream = await trio.open_tcp_stream("127.0.0.1", node.port)
+                await stream.send_all(opening)
+                await stream.send_all(bytes(range(256)) * 64)
+                with trio.move_on_after(5):
+                    while await stream.receive_some(65536):
+                        pass
+                await stream.aclose()
+            # The node still serves, the feed too, and every place the garbage took is free again.
+            async with httpx.AsyncClient(base_url=node.local_url, timeout=10) as c:
+                assert (await c.get("/api/peers")).status_code == 200
+            async with AsyncExitStack() as stack:
+                for _ in range(MAX_CLIENTS):
+                    ws = await stack.enter_async_context(open_websocket_url(url, max_message_size=16 * MIB))
+                    assert "state" in json.loads(await ws.get_message())
+            assert node.acted == []
+
+
+async def test_the_live_feed_takes_so_many_listeners_and_then_says_poll():
+    with trio.fail_after(60):
+        async with victim() as node:
+            url = f"ws://127.0.0.1:{node.port}/api/live"
+            async with AsyncExitStack() as stack:
+                listeners = [await stack.enter_async_context(open_websocket_url(url))
+                             for _ in range(MAX_CLIENTS)]
+                refused = await _live_refusal(url, [])
+                assert refused.status_code == 503 and "/api/state" in json.loads(refused.body)["error"]
+                async with httpx.AsyncClient(base_url=node.local_url, timeout=10) as c:
+                    assert "state" in (await c.get("/api/state")).json(), "polling still answers"
+                await listeners[0].aclose()
+                while True:  # its place frees once the server hears it leave
+                    try:
+                        assert "state" in await _first_push(url)
+                        break
+                    except ConnectionRejected:
+                        await trio.sleep(0.05)
+
+
 # -- in a browser -----------------------------------------------------------------------------
 
 needs_chromium = pytest.mark.skipif(not os.access(CHROMIUM, os.X_OK),
@@ -368,9 +503,13 @@ def _browse_dashboard(url: str, wait_for: str) -> dict:
             messages: list[str] = []
             page.on("console", lambda m: messages.append(m.text))
             page.goto(url)
-            page.wait_for_function(wait_for, timeout=20_000)
-            return {"me": page.inner_text("#me"), "rows": page.eval_on_selector_all(
-                "#peers tbody tr", "els => els.length"), "console": messages}
+            # Polled from here: page.wait_for_function would evaluate a string, which the CSP forbids.
+            for _ in range(400):
+                if page.evaluate(wait_for):
+                    break
+                page.wait_for_timeout(50)
+            return {"me": page.inner_text("#me"), "feed": page.inner_text("#feed"), "console": messages,
+                    "rows": page.eval_on_selector_all("#peers tbody tr", "els => els.length")}
         finally:
             browser.close()
 
@@ -401,10 +540,12 @@ async def test_the_page_works_under_its_csp_and_with_a_token_beyond_loopback():
         async with victim(dashboard="0.0.0.0:0") as node:
             url = f"{node.local_url}/?token={node.dashboard_token}"
             shown = await trio.to_thread.run_sync(
-                _browse_dashboard, url, "document.body.dataset.refreshed !== undefined")
+                _browse_dashboard, url, "document.getElementById('feed').textContent === 'live'")
             refused = await trio.to_thread.run_sync(
                 _browse_dashboard, node.local_url + "/", "document.getElementById('me').textContent"
                                                          ".includes('401')")
     assert shown["me"].startswith(node.swim.me.name or node.identity.prefix), shown
+    assert shown["feed"] == "live", "the token opens the pushed feed too"
     assert not [m for m in shown["console"] if "Content Security Policy" in m], shown["console"]
     assert "?token=TOKEN" in refused["me"], refused
+    assert refused["feed"] != "live", "and nothing is pushed without it"

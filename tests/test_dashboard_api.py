@@ -65,6 +65,16 @@ async def test_any_node_sees_the_whole_mesh_and_the_one_way_drop():
                 snap = (await client.get("/api/snapshot")).json()
                 assert set(snap["path_summaries"]) == {n.identity.node_id.hex() for n in nodes.values()}
 
+                # The last minutes, as the node keeps them for the page's charts.
+                history = (await client.get("/api/history")).json()
+                last = history["samples"][-1]
+                assert last["seq"] >= 1 and last["ready"] in (True, False)
+                assert set(last["nodes"].values()) <= {"orchestrator", "stage-0", "stage-1"}
+                state = (await client.get(f"/api/state?since={last['seq']}")).json()
+                [pushed] = state["state"]["topology"]["asymmetric"]
+                assert (pushed["a"], pushed["b"]) == ("stage-1", "orchestrator"), "what the page draws"
+                assert all(s["seq"] > last["seq"] for s in state["samples"])
+
             async with httpx.AsyncClient(base_url=s1.dashboard_url, timeout=10) as client:
                 peers = {p["name"]: p for p in (await client.get("/api/peers")).json()["peers"]}
                 assert peers["orchestrator"]["path_out"] == "relay"
