@@ -52,14 +52,9 @@ def traces_view(generator: Generator | None) -> dict:
 def layers(generator: Generator | None) -> dict[str, dict[str, int]]:
     """``{"stage-K": {"first", "last", "of"}}``: the layers each stage holds, where this node
     knows the model (the orchestrator); empty elsewhere."""
-    config, stages = getattr(generator, "config", None), getattr(generator, "stages", None)
-    total = getattr(config, "num_hidden_layers", None)
-    if not isinstance(total, int) or not isinstance(stages, int) or not 1 <= stages <= total:
-        return {}
-    from meshd.pipeline.model import split_layers
-
-    return {f"stage-{k}": {"first": r.start, "last": r.stop - 1, "of": total}
-            for k, r in enumerate(split_layers(total, stages))}
+    split = generator.layer_split() if generator is not None else {}
+    total = max((r.stop for r in split.values()), default=0)
+    return {name: {"first": r.start, "last": r.stop - 1, "of": total} for name, r in split.items()}
 
 
 def _numbers(counters: Any) -> dict[str, int | float]:

@@ -56,6 +56,10 @@ class Generator(Protocol):
         """Pipeline names that do not resolve now."""
         ...
 
+    def layer_split(self) -> dict[str, range]:
+        """The layers each stage holds: ``{"stage-K": range}``, in stage order."""
+        ...
+
     def busy(self) -> Busy | None:
         """What a new request would get now if the queue is full, else None."""
         ...

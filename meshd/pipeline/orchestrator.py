@@ -45,6 +45,7 @@ from .config import LlamaConfig
 from .generate import check_context, prompt_ids
 from .messages import Activation, Hop, Release, Sampling, StageError, Token
 from .metrics import OrchestratorMetrics, measured
+from .model import split_layers
 from .stops import find_stop
 from .tokenizer import load_tokenizer
 
@@ -147,6 +148,10 @@ class Orchestrator(App):
                             self.mesh.describe(m.id), stage, m.checkpoint or "(none)", self.checkpoint)
             return False
         return True
+
+    def layer_split(self) -> dict[str, range]:
+        split = split_layers(self.config.num_hidden_layers, self.stages)
+        return {f"stage-{k}": layers for k, layers in enumerate(split)}
 
     def missing(self) -> list[str]:
         """Pipeline names with no usable live owner (for 503s)."""
