@@ -1,7 +1,9 @@
-"""docker/: the image, the compose file, and docker-e2e.sh's one line when no engine runs."""
+"""docker/ and the docker scripts, without an engine: what the files promise, and the one line
+each script says when something it needs is missing. tests/test_docker_e2e.py runs them."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -9,6 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+E2E = ROOT / "scripts" / "docker-e2e.sh"
 
 
 def _engine_running() -> bool:
@@ -19,33 +22,103 @@ def _engine_running() -> bool:
 
 @pytest.mark.skipif(_engine_running(), reason="a Docker engine runs here; the no-engine line cannot show")
 def test_docker_e2e_without_an_engine_is_one_clear_line():
-    r = subprocess.run(["bash", str(ROOT / "scripts" / "docker-e2e.sh"), "2"], capture_output=True,
-                       text=True, timeout=60)
-    assert r.returncode != 0
+    r = subprocess.run(["bash", str(E2E), "2"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 3
     assert r.stdout == ""
     lines = r.stderr.splitlines()
     assert len(lines) == 1, r.stderr
     assert lines[0].startswith("docker-e2e: no Docker engine ") and lines[0].endswith("nothing was started")
 
 
-def test_docker_e2e_refuses_a_bad_count():
-    r = subprocess.run(["bash", str(ROOT / "scripts" / "docker-e2e.sh"), "x"], capture_output=True,
-                       text=True, timeout=10)
+def test_docker_e2e_without_compose_says_which_is_missing_in_one_line(tmp_path):
+    # An engine that answers, and neither `docker compose` nor `docker-compose`.
+    fake = tmp_path / "docker"
+    fake.write_text('#!/bin/sh\n[ "$1" = info ] && exit 0\necho "docker: unknown command: docker $1" >&2\n'
+                    "exit 125\n")
+    fake.chmod(0o755)
+    (tmp_path / "dirname").symlink_to(shutil.which("dirname"))
+    r = subprocess.run([shutil.which("bash"), str(E2E), "2"], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PATH": str(tmp_path)})
+    assert r.returncode == 3 and r.stdout == ""
+    assert r.stderr.splitlines() == [
+        "docker-e2e: neither `docker compose` (v2 plugin) nor `docker-compose` (v1) is here; "
+        "nothing was started"]
+
+
+@pytest.mark.parametrize("arg", ["x", "0", "17"])
+def test_docker_e2e_refuses_a_bad_count(arg):
+    r = subprocess.run(["bash", str(E2E), arg], capture_output=True, text=True, timeout=10)
     assert r.returncode == 2 and r.stderr.startswith("usage: ")
 
 
-def test_the_image_is_slim_python_non_root_with_the_package_installed():
+@pytest.mark.parametrize("script", ["docker-e2e.sh", "docker-build.sh", "docker-base.sh"])
+def test_the_scripts_parse(script):
+    subprocess.run(["bash", "-n", str(ROOT / "scripts" / script)], check=True, timeout=10)
+
+
+def test_the_image_takes_its_base_installs_from_wheels_alone_and_runs_as_a_user():
     text = (ROOT / "docker" / "Dockerfile").read_text()
-    assert "FROM python:3.11-slim" in text
-    assert "RUN pip install ." in text
+    assert "ARG BASE=python:3.11-slim\nFROM ${BASE}\n" in text
+    installs = [line for line in text.splitlines() if "pip" in line and " install " in line]
+    assert installs and all("--no-index" in line for line in installs), installs
+    assert "python3 -m venv" in text  # Debian's python refuses system-wide installs (PEP 668)
     user = [line.split()[1] for line in text.splitlines() if line.startswith("USER ")]
     assert user and user[-1] not in ("root", "0")
 
 
-def test_compose_has_a_relay_an_orchestrator_and_scalable_stages():
+def test_compose_gives_each_stage_its_index():
     text = (ROOT / "docker" / "compose.yaml").read_text()
-    services = text.split("\nservices:\n", 1)[1]
+    services = text.split("\nservices:\n", 1)[1].split("\nnetworks:\n", 1)[0]
     names = [line.strip().rstrip(":") for line in services.splitlines()
              if line.startswith("  ") and not line.startswith("   ")]
-    assert names == ["relay", "orchestrator", "stage"]
-    assert "replicas: ${MESHD_STAGES:-3}" in text and "dockerfile: docker/Dockerfile" in text
+    assert names == ["model", "relay", "orchestrator", "stage-0", "stage-1", "stage-2"]
+    for k in range(3):
+        block = services.split(f"  stage-{k}:\n", 1)[1].split("\n  stage-", 1)[0]
+        assert f'command: ["stage", "{k}"]' in block
+    assert "replicas" not in text  # one service per stage: nothing parses a container's name
+
+
+def test_the_node_script_says_how_to_call_it():
+    node = ROOT / "docker" / "meshd-node"
+    subprocess.run(["sh", "-n", str(node)], check=True, timeout=10)
+    for argv in (["bogus"], ["stage", "x"], ["stage"]):
+        r = subprocess.run(["sh", str(node), *argv], capture_output=True, text=True, timeout=10)
+        assert r.returncode == 2 and r.stderr.startswith("meshd-node: usage: "), (argv, r.stderr)
+
+
+def _with_dockerd():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("with_dockerd", ROOT / "scripts" / "with-dockerd.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_firewall_states_compare_rules_not_counters():
+    w = _with_dockerd()
+    ruleset = ("table ip filter {\n\tchain INPUT {\n"
+               "\t\tip saddr 198.51.100.9 counter packets 3 bytes 180 drop\n\t}\n}\n")
+    later = ruleset.replace("packets 3 bytes 180", "packets 7 bytes 420")
+    assert w._normal(ruleset) == w._normal(later)
+    assert w._normal(":FORWARD ACCEPT [12:3400]\n# Generated by iptables-save\n") == ":FORWARD ACCEPT"
+    before = {"nft list ruleset": w._normal(ruleset), "_nft": ruleset}
+    assert w.differences(before, {"nft list ruleset": w._normal(later), "_nft": later}) == []
+    dropped = {"nft list ruleset": w._normal(ruleset + "table ip nat {\n}\n"), "_nft": ""}
+    assert [d.split(":")[0] for d in w.differences(before, dropped)] == ["nft list ruleset"]
+
+
+def test_the_tables_dockerd_made_are_told_from_those_the_host_had():
+    w = _with_dockerd()
+    assert w._nft_tables("") == {}
+    ruleset = ("table ip nat {\n\tchain DOCKER {\n\t}\n}\n"
+               "table ip filter {\n\tchain FORWARD {\n\t\ttype filter hook forward priority filter; "
+               "policy drop;\n\t}\n}\n")
+    tables = w._nft_tables(ruleset)
+    assert list(tables) == [("ip", "nat"), ("ip", "filter")]
+    table = tables[("ip", "filter")]
+    assert table.startswith("table ip filter {") and "policy drop" in table and "DOCKER" not in table
+    dump = "# Generated\n*nat\n:PREROUTING ACCEPT [0:0]\n:DOCKER - [0:0]\n-A DOCKER -j RETURN\nCOMMIT\n"
+    [nat] = w._iptables_tables(dump).values()
+    assert w._emptied(nat) == ["*nat", ":PREROUTING ACCEPT", "COMMIT"]
