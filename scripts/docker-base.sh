@@ -42,31 +42,21 @@ if [[ -f $tarball ]]; then  # made by the one we waited for
 fi
 
 work=$(mktemp -d "${TMPDIR:-/var/tmp}/meshd-base.XXXXXX")
-child=
 cleanup() {
     local rc=$?
     trap - EXIT INT TERM
-    if [[ -n $child ]]; then
-        kill -TERM -- "-$child" 2>/dev/null || true
-        wait "$child" 2>/dev/null || true
-    fi
+    stop_child
     # debootstrap mounts /proc and /sys inside its root: never remove through a mount.
     awk -v d="$work/" 'index($2, d) == 1 {print $2}' /proc/self/mounts | sort -r |
         while read -r m; do umount -l "$m" 2>/dev/null || true; done
     rm -rf --one-file-system "$work" "$tarball.tmp"
     exit "$rc"
 }
-trap cleanup EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
+source "$(dirname "$0")/docker-lib.sh"
 
-# In its own process group, waited for: a signal reaches the trap at once and stops all of it.
-setsid timeout 900 debootstrap --variant=minbase --include="$packages" "$suite" "$work/root" "$mirror" \
-    >"$work/debootstrap.log" 2>&1 &
-child=$!
 rc=0
-wait "$child" || rc=$?
-child=
+run timeout 900 debootstrap --variant=minbase --include="$packages" "$suite" "$work/root" "$mirror" \
+    >"$work/debootstrap.log" 2>&1 || rc=$?
 if [[ $rc -ne 0 ]]; then
     tail -n 5 "$work/debootstrap.log" >&2
     die "debootstrap of $suite from $mirror failed (exit $rc; log above)"

@@ -27,31 +27,14 @@ die() {
 }
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/meshd-build.XXXXXX")
-child=
 cleanup() {
     local rc=$?
     trap - EXIT INT TERM
-    if [[ -n $child ]]; then
-        kill -TERM -- "-$child" 2>/dev/null || kill -TERM "$child" 2>/dev/null || true
-        wait "$child" 2>/dev/null || true
-    fi
+    stop_child
     rm -rf "$work"
     exit "$rc"
 }
-trap cleanup EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
-
-# Runs "$@" in its own process group and waits for it, so a signal reaches the trap at once
-# (bash runs traps only between foreground commands) and the trap can stop all of it.
-run() {
-    setsid "$@" <&0 &  # the caller's stdin: an asynchronous command's is /dev/null otherwise
-    child=$!
-    local rc=0
-    wait "$child" || rc=$?
-    child=
-    return "$rc"
-}
+source scripts/docker-lib.sh
 
 have() { docker image inspect "$1" >/dev/null 2>&1; }
 

@@ -52,7 +52,6 @@ to=stage-1
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/meshd-e2e.XXXXXX")
 files=(-f docker/compose.yaml -f "$work/e2e.yaml")
-child=
 
 # Everything of the run carries the compose project's label.
 leftovers() {
@@ -67,10 +66,7 @@ leftovers() {
 cleanup() {
     local rc=$?
     trap - EXIT INT TERM
-    if [[ -n $child ]]; then
-        kill -TERM -- "-$child" 2>/dev/null || kill -TERM "$child" 2>/dev/null || true
-        wait "$child" 2>/dev/null || true
-    fi
+    stop_child
     if [[ -f $work/e2e.yaml ]]; then
         timeout 120 "${compose[@]}" "${files[@]}" down --volumes --remove-orphans --timeout 5 \
             >"$work/down.log" 2>&1 || cat "$work/down.log" >&2
@@ -93,20 +89,7 @@ cleanup() {
     rm -rf "$work"
     exit "$rc"
 }
-trap cleanup EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
-
-# Runs "$@" in its own process group and waits for it, so a signal reaches the trap at once
-# (bash runs traps only between foreground commands) and the trap can stop all of it.
-run() {
-    setsid "$@" <&0 &  # the caller's stdin: an asynchronous command's is /dev/null otherwise
-    child=$!
-    local rc=0
-    wait "$child" || rc=$?
-    child=
-    return "$rc"
-}
+source scripts/docker-lib.sh
 
 fail() {
     echo "docker-e2e: $*" >&2

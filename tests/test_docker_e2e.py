@@ -11,7 +11,6 @@ it and the wheels.
 
 from __future__ import annotations
 
-import importlib.util
 import signal
 import subprocess
 import time
@@ -22,20 +21,12 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 E2E = ROOT / "scripts" / "docker-e2e.sh"
 
-pytestmark = [pytest.mark.docker, pytest.mark.processes]
-
-
-def _with_dockerd():
-    spec = importlib.util.spec_from_file_location("with_dockerd", ROOT / "scripts" / "with-dockerd.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+pytestmark = [pytest.mark.docker, pytest.mark.processes, pytest.mark.host_network]
 
 
 @pytest.fixture(scope="module")
-def engine():
-    around = _with_dockerd()
+def engine(with_dockerd):
+    around = with_dockerd
     started = None
     if not around.engine_running():
         try:

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.host_network
+
 ROOT = Path(__file__).resolve().parent.parent
 E2E = ROOT / "scripts" / "docker-e2e.sh"
 
@@ -51,7 +53,7 @@ def test_docker_e2e_refuses_a_bad_count(arg):
     assert r.returncode == 2 and r.stderr.startswith("usage: ")
 
 
-@pytest.mark.parametrize("script", ["docker-e2e.sh", "docker-build.sh", "docker-base.sh"])
+@pytest.mark.parametrize("script", ["docker-e2e.sh", "docker-build.sh", "docker-base.sh", "docker-lib.sh"])
 def test_the_scripts_parse(script):
     subprocess.run(["bash", "-n", str(ROOT / "scripts" / script)], check=True, timeout=10)
 
@@ -86,18 +88,8 @@ def test_the_node_script_says_how_to_call_it():
         assert r.returncode == 2 and r.stderr.startswith("meshd-node: usage: "), (argv, r.stderr)
 
 
-def _with_dockerd():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("with_dockerd", ROOT / "scripts" / "with-dockerd.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_firewall_states_compare_rules_not_counters():
-    w = _with_dockerd()
+def test_firewall_states_compare_rules_not_counters(with_dockerd):
+    w = with_dockerd
     ruleset = ("table ip filter {\n\tchain INPUT {\n"
                "\t\tip saddr 198.51.100.9 counter packets 3 bytes 180 drop\n\t}\n}\n")
     later = ruleset.replace("packets 3 bytes 180", "packets 7 bytes 420")
@@ -109,8 +101,8 @@ def test_firewall_states_compare_rules_not_counters():
     assert [d.split(":")[0] for d in w.differences(before, dropped)] == ["nft list ruleset"]
 
 
-def test_the_tables_dockerd_made_are_told_from_those_the_host_had():
-    w = _with_dockerd()
+def test_the_tables_dockerd_made_are_told_from_those_the_host_had(with_dockerd):
+    w = with_dockerd
     assert w._nft_tables("") == {}
     ruleset = ("table ip nat {\n\tchain DOCKER {\n\t}\n}\n"
                "table ip filter {\n\tchain FORWARD {\n\t\ttype filter hook forward priority filter; "

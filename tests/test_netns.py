@@ -17,6 +17,7 @@ import pytest
 pytestmark = [
     pytest.mark.processes,
     pytest.mark.netns,
+    pytest.mark.host_network,
     pytest.mark.skipif(os.geteuid() != 0, reason="netns provider needs root"),
     pytest.mark.skipif(shutil.which("ip") is None or shutil.which("nft") is None,
                        reason="netns provider needs `ip` (iproute2) and `nft` (nftables)"),
