@@ -168,7 +168,7 @@ def test_no_float64_anywhere():
     model = stub_model()
     cache = model.new_cache(32)
     assert cache.k.dtype == np.float32 and cache.v.dtype == np.float32
-    assert model._cos.dtype == np.float32 and model._sin.dtype == np.float32
+    assert model._rope[0].dtype == np.float32 and model._rope[1].dtype == np.float32
     hidden = model.embed(PROMPT)
     assert hidden.dtype == np.float32
     out = model.forward(hidden, cache, 0)

@@ -242,7 +242,8 @@ class StageModel:
         self.has_head = layers.stop == n if head is None else head
         self._eps = F32(config.rms_norm_eps)
         self._scale = F32(1.0 / np.sqrt(config.head_dim))
-        self._cos, self._sin = rope_tables(config, min(ROPE_INITIAL, config.max_position_embeddings))
+        # (cos, sin), replaced whole when it grows: a pass in another thread keeps the pair it took
+        self._rope = rope_tables(config, min(ROPE_INITIAL, config.max_position_embeddings))
         self._layers = [_Layer(weights, f"model.layers.{i}.", config, i) for i in layers]
         self._embed = None
         self._norm = self._head = None
@@ -327,9 +328,9 @@ class StageModel:
                                  f"(filled {cache.length}, size {cache.max_seq})")
             spans.append((cache, start_pos, end))
         top = max(end for _, _, end in spans)
-        if top > self._cos.shape[0]:
-            self._cos, self._sin = rope_tables(c, min(max(top, 2 * self._cos.shape[0]),
-                                                      c.max_position_embeddings))
+        rope = self._rope
+        if top > rope[0].shape[0]:
+            rope = self._rope = rope_tables(c, min(max(top, 2 * rope[0].shape[0]), c.max_position_embeddings))
         masks: dict[tuple[int, int | None], np.ndarray | None] = {}
         x = hidden
         inter = c.intermediate_size
@@ -337,9 +338,9 @@ class StageModel:
             h = rms_norm(x, layer.attn_norm, self._eps)
             qkv = _linear(h, layer.wqkv, layer.bqkv)  # (T, qd + 2 kvd)
             if len(spans) == 1:
-                attn = self._attend(qkv, li, layer.window, *spans[0], masks)
+                attn = self._attend(qkv, li, layer.window, *spans[0], masks, rope)
             else:
-                attn = np.concatenate([self._attend(qkv[i:i + 1], li, layer.window, *span, masks)
+                attn = np.concatenate([self._attend(qkv[i:i + 1], li, layer.window, *span, masks, rope)
                                        for i, span in enumerate(spans)])
             x = x + _linear(attn, layer.wo, layer.bo)
             h = rms_norm(x, layer.mlp_norm, self._eps)
@@ -350,7 +351,8 @@ class StageModel:
         return x
 
     def _attend(self, qkv: np.ndarray, li: int, window: int | None, cache: KVCache, start_pos: int, end: int,
-                masks: dict[tuple[int, int | None], np.ndarray | None]) -> np.ndarray:
+                masks: dict[tuple[int, int | None], np.ndarray | None],
+                rope: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
         """Layer ``li``'s attention for one request's rows: (T, qd + 2 kvd) -> (T, qd).  Writes
         its keys and values at [start_pos, end) of ``cache``."""
         c = self.config
@@ -361,7 +363,7 @@ class StageModel:
         if key not in masks:
             masks[key] = attention_mask(start_pos, T, window)
         mask = masks[key]
-        cos, sin = self._cos[start_pos:end], self._sin[start_pos:end]  # (T, hd/2)
+        cos, sin = rope[0][start_pos:end], rope[1][start_pos:end]  # (T, hd/2)
         q = qkv[:, :qd].reshape(T, H, hd).transpose(1, 0, 2)  # (H, T, hd)
         k = qkv[:, qd:qd + kvd].reshape(T, KV, hd).transpose(1, 0, 2)  # (KV, T, hd)
         v = qkv[:, qd + kvd:].reshape(T, KV, hd).transpose(1, 0, 2)
