@@ -166,7 +166,9 @@ async def api_state(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     from .metrics import render
 
-    body, content_type = render(_mesh(request).snapshot(), request.app.state.inference)
+    hub = request.app.state.live
+    body, content_type = render(_mesh(request).snapshot(), request.app.state.inference,
+                                {**hub.counters, "listeners": hub.clients})
     return Response(body, media_type=content_type)
 
 

@@ -56,9 +56,11 @@ def _family(family: Family) -> Metric:
 
 
 class _SnapshotCollector:
-    def __init__(self, snap: dict, inference: PipelineMetrics | None = None) -> None:
+    def __init__(self, snap: dict, inference: PipelineMetrics | None = None,
+                 live: dict[str, int] | None = None) -> None:
         self.snap = snap
         self.inference = inference
+        self.live = live
 
     def collect(self):
         snap = self.snap
@@ -104,10 +106,22 @@ class _SnapshotCollector:
         if self.inference is not None:
             for family in self.inference.families():
                 yield _family(family)
+        if self.live is not None:
+            live = dict(self.live)
+            yield GaugeMetricFamily("meshd_dashboard_live_listeners", "Pages listening on /api/live now",
+                                    value=live.pop("listeners", 0))
+            events = CounterMetricFamily("meshd_dashboard_live_events", "The /api/live feed: listeners "
+                                         "accepted, refused (full), closed (slow, chatty), pushes",
+                                         labels=["event"])
+            for name, value in live.items():
+                events.add_metric([name], value)
+            yield events
 
 
-def render(snap: dict, inference: PipelineMetrics | None = None) -> tuple[bytes, str]:
-    """The Prometheus text of ``snap`` and of ``inference`` (a pipeline service's metrics)."""
+def render(snap: dict, inference: PipelineMetrics | None = None,
+           live: dict[str, int] | None = None) -> tuple[bytes, str]:
+    """The Prometheus text of ``snap``, of ``inference`` (a pipeline service's metrics) and of
+    the dashboard's live feed (``live``: its counters, and ``listeners``)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_SnapshotCollector(snap, inference))
+    registry.register(_SnapshotCollector(snap, inference, live))
     return generate_latest(registry), CONTENT_TYPE_LATEST

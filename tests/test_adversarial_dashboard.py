@@ -400,6 +400,9 @@ async def test_the_live_feed_takes_so_many_listeners_and_then_says_poll():
                 assert refused.status_code == 503 and "/api/state" in json.loads(refused.body)["error"]
                 async with httpx.AsyncClient(base_url=node.local_url, timeout=10) as c:
                     assert "state" in (await c.get("/api/state")).json(), "polling still answers"
+                    scraped = (await c.get("/metrics")).text  # what an operator sees of the feed
+                assert f"meshd_dashboard_live_listeners {float(MAX_CLIENTS)}" in scraped, scraped
+                assert 'meshd_dashboard_live_events_total{event="refused_full"} 1.0' in scraped
                 await listeners[0].aclose()
                 while True:  # its place frees once the server hears it leave
                     try:
