@@ -630,12 +630,19 @@ function drawCharts(state) {
   const rttSvg = byId("chart-rtt"), pathSvg = byId("chart-paths"), rateSvg = byId("chart-rate"), latSvg = byId("chart-latency");
   if (!win) { for (const s of [rttSvg, pathSvg, rateSvg, latSvg]) emptyChart(s, "no samples yet"); return; }
   const samples = view.samples.filter(s => s.t >= win.t0);
+  const kind = rateCharts(samples);
 
   // RTT per edge, with a tick where its path changed.
   const edges = chartEdges(state, samples, MAX_SERIES);
   const series = edges.map(({k, label, gone}, i) => ({k, label, gone, color: SERIES[i % SERIES.length],
     pts: samples.map(s => [s.t, s.edges && s.edges[k] ? s.edges[k][1] : null])}));
-  const rmax = niceMax(Math.max(0, ...series.flatMap(s => s.pts.map(p => p[1] ?? 0))));
+  // The axis follows the bulk of the round trips, not one slow probe: at most twice their 95th
+  // percentile; a point above that is drawn on the top edge.
+  const values = series.flatMap(s => s.pts.map(p => p[1])).filter(v => v != null).sort((a, b) => a - b);
+  const highest = values.length ? values[values.length - 1] : 0;
+  const p95 = values.length ? values[Math.floor(0.95 * (values.length - 1))] : 0;
+  const rmax = niceMax(Math.min(highest, 2 * p95) || highest);
+  for (const s of series) s.pts = s.pts.map(([t, v]) => [t, v == null ? null : Math.min(v, rmax)]);
   const f = frame(rttSvg, win, rmax, "ms");
   const legend = byId("legend-rtt");
   legend.replaceChildren();
@@ -660,7 +667,7 @@ function drawCharts(state) {
   if (!series.length) emptyChart(rttSvg, "no edges: this node knows no peer");
 
   drawTimeline(pathSvg, win, samples, chartEdges(state, samples, MAX_ROWS - 1));
-  drawRates(rateSvg, latSvg, win, samples);
+  drawRates(rateSvg, latSvg, win, samples, kind);
 }
 
 function drawTimeline(svgEl, win, samples, edges) {
@@ -713,16 +720,23 @@ function drawTimeline(svgEl, win, samples, edges) {
   }
 }
 
-function drawRates(rateSvg, latSvg, win, samples) {
+// Which rate charts this node has: "orchestrator", "stage", or null (no pipeline service: the
+// path charts take the room).  Shown or hidden before any chart is drawn, since each chart is
+// drawn to the width the grid gives it.
+function rateCharts(samples) {
   const orchestrator = samples.some(s => s.tokens_per_s != null || s.in_flight != null);
   const stage = !orchestrator && samples.some(s => s.steps_per_s != null);
+  const kind = orchestrator ? "orchestrator" : stage ? "stage" : null;
   byId("cap-rate").textContent = stage ? "Compute steps/s at this stage" : "Tokens/s";
   byId("cap-latency").textContent = stage ? "Compute per step, ms" : "Time to first token, ms";
-  // A node without a pipeline service measures neither: the path charts take the room.
-  const none = !orchestrator && !stage;
-  byId("fig-rate").hidden = none;
-  byId("fig-latency").hidden = none;
-  if (none) {
+  byId("fig-rate").hidden = !kind;
+  byId("fig-latency").hidden = !kind;
+  return kind;
+}
+
+function drawRates(rateSvg, latSvg, win, samples, kind) {
+  const stage = kind === "stage";
+  if (!kind) {
     byId("history-note").textContent += " · tokens/s and time to first token: on the orchestrator's page";
     return;
   }
