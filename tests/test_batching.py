@@ -149,9 +149,13 @@ async def test_a_long_prefill_runs_in_chunks_and_the_decodes_in_flight_run_betwe
     assert between > 0, "no decode pass ran between a prompt's chunks at any stage"
 
 
-async def test_a_prompt_whose_caller_left_stops_at_the_next_chunk(checkpoint, monkeypatch):
-    """The caller of a long prompt leaves while stage 0 runs its first chunk: the Release
-    reaches stage 0, which computes no further chunk and sends nothing on."""
+@pytest.mark.parametrize("prompt, first_chunk", [("Pipeline stages pass activations along. " * 3, 16),
+                                                 ("Pipeline stage", 15)])
+async def test_a_prompt_whose_caller_left_stops_at_the_next_chunk(checkpoint, monkeypatch, prompt,
+                                                                  first_chunk):
+    """The caller of a prompt leaves while stage 0 runs its first chunk (of several, or its
+    only one): the Release reaches stage 0, which computes no further chunk and sends nothing
+    on, so no stage after it holds a cache for the request."""
     monkeypatch.setattr(model_module, "PREFILL_CHUNK", 16)
     passes: list[tuple[int, int]] = []  # (stage's first layer, rows)
     one_pass = StageModel.forward_batch
@@ -160,7 +164,7 @@ async def test_a_prompt_whose_caller_left_stops_at_the_next_chunk(checkpoint, mo
 
     def counted(self, hidden, parts):
         passes.append((self.layer_range.start, hidden.shape[0]))
-        if self.layer_range.start == 0 and hidden.shape[0] == 16 and not left.is_set():
+        if self.layer_range.start == 0 and hidden.shape[0] == first_chunk and not left.is_set():
             trio.from_thread.run_sync(left.set)  # the caller leaves now; this chunk finishes
             trio.from_thread.run(released_at_stage_0)
         return one_pass(self, hidden, parts)
@@ -176,14 +180,14 @@ async def test_a_prompt_whose_caller_left_stops_at_the_next_chunk(checkpoint, mo
             nodes.extend(await start_pipeline(nursery, checkpoint, 3, lines))
             passes.clear()
             async with trio.open_nursery() as caller:
-                caller.start_soon(nodes[0].app.generate, "Pipeline stages pass activations along. " * 3, 6)
+                caller.start_soon(nodes[0].app.generate, prompt, 6)
                 await left.wait()
                 caller.cancel_scope.cancel()
             await released_at_stage_0()
             await trio.sleep(0.2)  # what stage 0 would send on has had time to arrive
             assert not any(node.app.jobs for node in nodes[1:])
             nursery.cancel_scope.cancel()
-    assert passes == [(0, 16)], passes  # one chunk at stage 0, nothing after it anywhere
+    assert passes == [(0, first_chunk)], passes  # one chunk at stage 0, nothing after it anywhere
 
 
 async def test_past_the_running_limit_requests_wait_their_turn_and_all_complete(checkpoint):

@@ -224,13 +224,17 @@ class StageService(App):
         """A prompt's rows, one chunk (``model.prefill_chunks``) at a time in a worker thread:
         off the event loop, so gossip keeps its timing and the decode passes of the requests
         in flight here go on meanwhile instead of waiting for the whole prompt.  A request
-        that ended (released, or its orchestrator gone) stops at the next chunk."""
+        that ended (released, or its orchestrator gone) stops at the next chunk, and once its
+        last chunk is done nothing of it goes on: None."""
         outs = []
         for rows in prefill_chunks(hidden.shape[0]):
             if self.jobs.get(job.req_id) is not job:
                 return None
+            job.touched = trio.current_time()  # running: draining waits for it
             outs.append(await trio.to_thread.run_sync(self.model.forward, hidden[rows], job.cache,
                                                       pos + rows.start))
+        if self.jobs.get(job.req_id) is not job:  # released during the last chunk: nothing goes on
+            return None
         return outs[0] if len(outs) == 1 else np.concatenate(outs)
 
     async def _activation(self, msg: Activation) -> None:
