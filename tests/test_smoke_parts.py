@@ -3,8 +3,10 @@ the orchestrator, the `--json` object's shape and the summary."""
 
 from __future__ import annotations
 
+import io
 import json
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -301,3 +303,51 @@ def test_an_error_in_the_stream_in_openais_shape_fails_the_run_naming_the_stage(
             seen.append(extra)
     assert seen == [{"token": 5, "index": 0}]
     assert exc.value.failure.status == "lost: stage-1.2 (peer 2b91108e dead)"
+
+
+class _FullDisk:
+    """A stderr that refuses every write, as one on a full disk does (ENOSPC)."""
+
+    def __init__(self) -> None:
+        self.writes = 0
+
+    def isatty(self) -> bool:
+        return False
+
+    def write(self, text: str) -> int:
+        self.writes += 1
+        raise OSError(28, "No space left on device")
+
+    def flush(self) -> None:
+        raise OSError(28, "No space left on device")
+
+
+def test_progress_never_fails_the_run_when_stderr_is_full_closed_or_missing(monkeypatch):
+    full = _FullDisk()
+    progress = Progress(stream=full)
+    progress.update("starting relay")  # the write fails: progress turns off, the run goes on
+    progress.update("converging")
+    progress.log("converged in 2.0s")
+    progress.stop()
+    assert full.writes == 1
+    closed = io.StringIO()
+    closed.close()
+    Progress(stream=closed).update("generating")  # ValueError: I/O on a closed file
+    monkeypatch.setattr(sys, "stderr", None)  # what a process started with 2>&- has
+    missing = Progress()
+    missing.update("tearing down")
+    missing.log("done")
+    missing.stop()
+    assert not missing.enabled
+
+
+def test_progress_piped_is_one_plain_line_per_phase():
+    out = io.StringIO()
+    progress = Progress(stream=out)
+    for text in ("starting relay", "converging", "converging: 1 of 3 nodes see every other alive (0s)",
+                 "generating", "generating: 3/8 tokens, 40.0 tokens/s"):
+        progress.update(text)
+    progress.log("generated 8 tokens in 0.2s, 40.0 tokens/s")
+    assert out.getvalue().splitlines() == ["smoke-run: starting relay", "smoke-run: converging",
+                                           "smoke-run: generating",
+                                           "smoke-run: generated 8 tokens in 0.2s, 40.0 tokens/s"]

@@ -20,16 +20,21 @@ class Progress:
     """A run's phases on stderr as they happen, so stdout holds only the report (or
     ``--json``'s one object): on a terminal one live status line (rich), else a plain line
     ``smoke-run: PHASE`` when the phase changes, and at most every PLAIN_EVERY_S while it
-    lasts.  ``shown`` False: nothing at all."""
+    lasts.  ``shown`` False: nothing at all.  Writing progress never fails the run: a stderr
+    that is closed, full or gone turns it off."""
 
     PLAIN_EVERY_S = 2.0
 
     def __init__(self, shown: bool = True, *, stream: TextIO | None = None) -> None:
-        self.stream = stream if stream is not None else sys.stderr
-        self.enabled = shown
+        self.stream = stream if stream is not None else sys.stderr  # None: started with 2>&-
+        self.enabled = shown and self.stream is not None
         self._status: Any = None
         self._phase, self._printed = "", 0.0
-        if shown and self.stream.isatty():
+        try:
+            live = self.enabled and self.stream.isatty()
+        except (OSError, ValueError):  # closed
+            live = self.enabled = False
+        if live:
             from rich.console import Console
 
             self.console = Console(file=self.stream, log_path=False)
@@ -41,7 +46,7 @@ class Progress:
         if self._status is not None:
             from rich.text import Text
 
-            self._status.update(Text(text))  # as it is: no markup
+            self._live(lambda: self._status.update(Text(text)))  # as it is: no markup
             return
         phase, now = text.split(":", 1)[0], time.monotonic()
         if self.enabled and (phase != self._phase or now - self._printed >= self.PLAIN_EVERY_S):
@@ -51,19 +56,29 @@ class Progress:
     def log(self, text: str) -> None:
         """Something that happened (a phase's result), kept above the live line."""
         if self._status is not None:
-            self.console.log(text, markup=False, highlight=False)
+            self._live(lambda: self.console.log(text, markup=False, highlight=False))
         elif self.enabled:
             self._line(text)
 
     def _line(self, text: str) -> None:
         try:
             print(f"smoke-run: {text}", file=self.stream, flush=True)
-        except (BrokenPipeError, ValueError):  # stderr closed or gone: the run goes on
+        except (OSError, ValueError):  # stderr closed, full or gone: the run goes on
             self.enabled = False
 
+    def _live(self, write: Any) -> None:
+        try:
+            write()
+        except (OSError, ValueError):  # the terminal went away: no more progress
+            self.stop()
+
     def stop(self) -> None:
-        if self._status is not None:
-            self._status.stop()
+        status, self._status, self.enabled = self._status, None, False
+        if status is not None:
+            try:
+                status.stop()
+            except (OSError, ValueError):
+                pass
 
 
 @dataclass
