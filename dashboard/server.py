@@ -5,6 +5,8 @@ inside Hypercorn for one connection ends the whole server, and with it the
 node: a WebSocket upgrade followed at once by bytes that are not frames makes
 h11 raise ``LocalProtocolError`` there.  Here each connection runs under its
 own ``except``: the error is logged, that connection dropped, the server goes on.
+And each connection's writes have a deadline (``DeadlineStream``): a client that
+stops reading cannot hold a task, or a place on ``/api/live``, for ever.
 
 It is built from Hypercorn's own parts, as ``hypercorn.trio.run.worker_serve``
 is (without lifespan events: the dashboard's app has none).  Where the installed
@@ -23,6 +25,39 @@ import trio
 log = logging.getLogger("meshd.dashboard")
 
 _TCP_SERVER_PARAMETERS = ["app", "config", "context", "state", "stream"]
+# A client that takes no byte of one write for this long is cut off.  Hypercorn writes inside a
+# shielded cancel scope, so no deadline of the app's (``/api/live``'s per push, say) can end a
+# write blocked on a client that does not read; this one can, and the connection goes.
+SEND_DEADLINE_S = 30.0
+
+
+class DeadlineStream(trio.abc.HalfCloseableStream):
+    """A connection's stream whose every ``send_all`` has a deadline: past it the connection
+    is closed and the write raises BrokenResourceError (Hypercorn then closes its side)."""
+
+    def __init__(self, stream: trio.SocketStream, deadline: float = SEND_DEADLINE_S) -> None:
+        self.stream = stream
+        self.socket = stream.socket  # Hypercorn reads the peer's address off it
+        self.deadline = deadline
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        with trio.move_on_after(self.deadline) as writing:
+            await self.stream.send_all(data)
+        if writing.cancelled_caught:
+            await trio.aclose_forcefully(self.stream)
+            raise trio.BrokenResourceError(f"the client took no data for {self.deadline:g} s")
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.stream.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        return await self.stream.receive_some(max_bytes)
+
+    async def send_eof(self) -> None:
+        await self.stream.send_eof()
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
 
 
 def _parts() -> tuple[Any, Any, Any, Any] | None:
@@ -59,7 +94,7 @@ async def serve(app: Any, config: Any, *, task_status: trio.TaskStatus[list[str]
 
     async def connection(stream: trio.SocketStream) -> None:
         try:
-            await tcp_server(wrapped, config, context, {}, stream)
+            await tcp_server(wrapped, config, context, {}, DeadlineStream(stream))
         except Exception as exc:  # one connection broke the protocol: it goes, the server stays
             log.warning("dashboard: dropped a connection that broke HTTP or WebSocket (%s: %s)",
                         type(exc).__name__, exc)

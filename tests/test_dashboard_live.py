@@ -244,3 +244,27 @@ def test_state_and_history_over_http_are_the_polling_fallback():
         for bad in ("-1", "x", "9" * 40):
             r = c.get(f"/api/history?since={bad}")
             assert r.status_code == 400 and "since" in r.json()["error"]
+
+
+async def test_a_write_to_a_client_that_never_reads_ends_at_the_deadline():
+    """Hypercorn writes inside a shielded scope, where no deadline of the app's reaches: the
+    connection's own stream cuts a write that the client does not take, and closes it."""
+    import socket
+
+    from dashboard.server import DeadlineStream
+
+    ours, theirs = socket.socketpair()
+    ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    theirs.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    stream = DeadlineStream(trio.SocketStream(trio.socket.from_stdlib_socket(ours)), deadline=0.2)
+    try:
+        # shielded, as Hypercorn's protocol_send runs it; the scope's own deadline ends a write
+        # the stream failed to cut, so the test fails rather than hangs
+        with trio.CancelScope(shield=True, deadline=trio.current_time() + 10) as hypercorn:
+            with pytest.raises(trio.BrokenResourceError, match="took no data for 0.2 s"):
+                await stream.send_all(b"x" * (8 << 20))
+        assert not hypercorn.cancelled_caught
+        with pytest.raises(trio.ClosedResourceError):
+            await stream.send_all(b"more")
+    finally:
+        theirs.close()
