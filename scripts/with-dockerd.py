@@ -173,12 +173,15 @@ class StartedEngine:
             self.proc = subprocess.Popen([dockerd, *DOCKERD_FLAGS], stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + START_WAIT_S
-        while not engine_running():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                tail = (self.log.read_text(errors="replace").strip().splitlines() or ["no output"])[-1]
-                self.stop()
-                raise NoEngine(f"dockerd did not answer within {START_WAIT_S:g} s: {tail}")
-            time.sleep(0.5)
+        try:
+            while not engine_running():
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    tail = (self.log.read_text(errors="replace").strip().splitlines() or ["no output"])[-1]
+                    raise NoEngine(f"dockerd did not answer within {START_WAIT_S:g} s: {tail}")
+                time.sleep(0.5)
+        except BaseException:  # it did not answer, or a signal came meanwhile: nothing stays
+            self.stop()
+            raise
 
     def _children(self) -> list[int]:
         """Processes dockerd started (containerd and its shims), to stop them with it."""
@@ -211,31 +214,53 @@ class StartedEngine:
         return restore_firewall(self.firewall)
 
 
+class _Stopped(Exception):
+    """A signal came before the command ran: stop what was started, run nothing."""
+
+
 def main(argv: list[str]) -> int:
     if not argv:
         print(__doc__.strip().splitlines()[2].strip(), file=sys.stderr)
         return 2
+    proc: subprocess.Popen | None = None
+
+    def on_signal(signum: int, frame: object) -> None:
+        if proc is None:  # still starting dockerd: stop it, and the firewall goes back
+            raise _Stopped(signal.Signals(signum).name)
+        proc.send_signal(signum)  # the command's to handle; we stop dockerd when it ends
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     engine = None
-    if not engine_running():
+    try:
+        if not engine_running():
+            try:
+                engine = StartedEngine()
+            except NoEngine as exc:
+                print(f"with-dockerd: {exc}; nothing was run", file=sys.stderr)
+                return 3
+            print(f"with-dockerd: started dockerd {' '.join(DOCKERD_FLAGS)} (pid {engine.proc.pid}) for "
+                  "this command", file=sys.stderr)
         try:
-            engine = StartedEngine()
-        except NoEngine as exc:
-            print(f"with-dockerd: {exc}; nothing was run", file=sys.stderr)
-            return 3
-        print(f"with-dockerd: started dockerd {' '.join(DOCKERD_FLAGS)} (pid {engine.proc.pid}) for this "
-              "command", file=sys.stderr)
-    proc = subprocess.Popen(argv)
-    forward = lambda signum, frame: proc.send_signal(signum)  # noqa: E731
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-    rc = proc.wait()
-    if engine is not None:
-        left = engine.stop()
-        for line in left:
-            print(f"with-dockerd: the firewall differs from before dockerd: {line}", file=sys.stderr)
-        if left:
-            return 1
-        print("with-dockerd: stopped dockerd; the host's firewall is as it was", file=sys.stderr)
+            proc = subprocess.Popen(argv)
+        except OSError as exc:
+            print(f"with-dockerd: cannot run {argv[0]}: {exc.strerror or exc}", file=sys.stderr)
+            return 127
+        rc = proc.wait()
+    except _Stopped as exc:
+        print(f"with-dockerd: {exc} before the command ran; nothing was run", file=sys.stderr)
+        rc = 143 if str(exc) == "SIGTERM" else 130
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second signal must not skip the restore
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if engine is not None:
+            left = engine.stop()
+            for line in left:
+                print(f"with-dockerd: the firewall differs from before dockerd: {line}", file=sys.stderr)
+            if not left:
+                print("with-dockerd: stopped dockerd; the host's firewall is as it was", file=sys.stderr)
+            else:
+                rc = 1
     return rc
 
 
