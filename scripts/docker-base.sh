@@ -45,6 +45,7 @@ work=$(mktemp -d "${TMPDIR:-/var/tmp}/meshd-base.XXXXXX")
 cleanup() {
     local rc=$?
     trap - EXIT INT TERM
+    restore_output
     stop_child
     # debootstrap mounts /proc and /sys inside its root: never remove through a mount.
     awk -v d="$work/" 'index($2, d) == 1 {print $2}' /proc/self/mounts | sort -r |

@@ -30,6 +30,7 @@ work=$(mktemp -d "${TMPDIR:-/tmp}/meshd-build.XXXXXX")
 cleanup() {
     local rc=$?
     trap - EXIT INT TERM
+    restore_output
     stop_child
     rm -rf "$work"
     exit "$rc"

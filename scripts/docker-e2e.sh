@@ -66,15 +66,19 @@ leftovers() {
 cleanup() {
     local rc=$?
     trap - EXIT INT TERM
+    restore_output
     stop_child
     if [[ -f $work/e2e.yaml ]]; then
         timeout 120 "${compose[@]}" "${files[@]}" down --volumes --remove-orphans --timeout 5 \
             >"$work/down.log" 2>&1 || cat "$work/down.log" >&2
     fi
-    local left
-    left=$(leftovers)
-    if [[ -n $left ]]; then
-        echo "docker-e2e: left behind by the run, now removed by force: $(echo "$left" | tr '\n' ' ')" >&2
+    # What compose down left (a container the engine was still creating when `up` was stopped,
+    # say) goes by force; a few rounds, since one may appear while the last is removed.
+    local left round
+    for round in 1 2 3; do
+        left=$(leftovers)
+        [[ -n $left ]] || break
+        echo "docker-e2e: compose down left $(echo "$left" | tr '\n' ' '); removing by force" >&2
         echo "$left" | while read -r kind id; do
             case $kind in
             container) docker rm -f "$id" ;;
@@ -82,6 +86,11 @@ cleanup() {
             volume) docker volume rm -f "$id" ;;
             esac >/dev/null 2>&1 || true
         done
+        sleep "$round"
+    done
+    left=$(leftovers)
+    if [[ -n $left ]]; then
+        echo "docker-e2e: left behind by the run: $(echo "$left" | tr '\n' ' ')" >&2
         rc=1
     elif [[ -f $work/e2e.yaml ]]; then
         say "torn down: no container, network or volume of $project is left"

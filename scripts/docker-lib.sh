@@ -4,6 +4,11 @@
 
 child=
 
+# The script's own stdout and stderr, on fds 7 and 8: a trap can run while a command's output
+# goes to a file (a signal during `run cmd >log`), and what cleanup says must reach the user.
+exec 7>&1 8>&2
+restore_output() { exec 1>&7 2>&8; }
+
 # Runs "$@" in its own process group and waits for it, so a signal reaches the trap at once
 # (bash runs traps only between foreground commands) and the trap can stop all of it.
 run() {
