@@ -46,6 +46,7 @@ async def test_peers_and_doctor_name_the_broken_direction(capsys):
             code, out, _ = await _run(capsys, "doctor", url)
             assert code == 1 and "stage-1→orchestrator" in out and "firewall" in out
 
+            await wait_asymmetric(nodes["stage-0"])  # a third node learns the pair by gossip
             code, out, _ = await _run(capsys, "doctor", nodes["stage-0"].dashboard_url, "--json")
             assert code == 1 and json.loads(out)["problems"][0]["where"] == "stage-1→orchestrator", \
                 "a third node diagnoses the pair from the gossip"
