@@ -201,6 +201,51 @@ def test_a_relayed_direction_names_its_relay_and_a_direct_one_none():
         ("stage-0", "stage-1", "relay", "ws://b"), ("stage-1", "stage-0", "direct", None)]
 
 
+@pytest.mark.parametrize("reads, reported", [
+    (["relay", "direct"], []),  # one late answer: the recheck moved it back
+    (["relay"] * 100, [("stage-0", "stage-1")]),  # a drop that lasts
+])
+def test_an_asymmetric_pair_is_reported_only_if_it_lasts_past_the_settle_time(monkeypatch, reads, reported):
+    from meshd.launch import drive
+
+    def member(prefix: str, path: str) -> dict:
+        return {"prefix": prefix, "path_out": path, "data_out": path, "last_failure": "unanswered"}
+
+    left = list(reads)
+
+    def snapshot(client, board):
+        if board == "stage-0":
+            return {"members": [member("bbbbbbbb", left.pop(0) if len(left) > 1 else left[0])]}
+        return {"members": [member("aaaaaaaa", "direct")]}
+
+    class Alive:
+        def alive(self) -> bool:
+            return True
+
+    class Driver:
+        procs = {"stage-0": Alive(), "stage-1": Alive()}
+
+    monkeypatch.setattr(drive, "snapshot", snapshot)
+    clock = [0.0]
+
+    class Clock:  # drive's time: each sleep passes at once
+        @staticmethod
+        def monotonic() -> float:
+            return clock[0]
+
+        @staticmethod
+        def sleep(s: float) -> None:
+            clock[0] += s
+
+    monkeypatch.setattr(drive, "time", Clock)
+    prefixes = {"aaaaaaaa": "stage-0", "bbbbbbbb": "stage-1"}
+    final = drive.settled(None, Driver(), {"stage-0": "stage-0", "stage-1": "stage-1"}, prefixes,
+                          Progress(False))
+    _, asymmetric = paths(final, prefixes)
+    assert [(a["from"], a["to"]) for a in asymmetric] == reported
+    assert clock[0] <= drive.SETTLE_S + 0.25, "a lasting pair is read again for SETTLE_S, not longer"
+
+
 def test_a_lost_stage_reads_the_same_in_smoke_run_and_in_the_jobs_status():
     failure = orchestrator_failure("lost: stage-1 (peer 2b91108e dead)")
     assert failure.kind is Kind.LOST

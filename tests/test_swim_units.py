@@ -790,6 +790,56 @@ def test_a_relayed_ping_also_confirms_the_direct_ping_that_got_through():
     assert a.members[b.id].relay_rtt == pytest.approx(0.002)
 
 
+def with_relay(bench: Bench) -> None:
+    """Every Swim of ``bench`` advertises the same relay, and knows the others do."""
+    for s in bench.swims:
+        s.set_meta(replace(s.me.meta, relay_url="ws://relay:1"), 0.0)
+    for s in bench.swims:
+        others = tuple(Alive(o.incarnation, o.id, o.me.addr, o.me.meta) for o in bench.swims if o is not s)
+        s.receive(Packet(STRANGER, others), STRANGER_ADDR, 0.0)
+        s.outbox()
+        s.events()
+
+
+def test_a_direction_moved_to_the_relay_is_probed_again_next_period_and_comes_back():
+    """One direct ping lost (a host too busy to answer in time) moves A->B to the relay; the
+    next probe goes to B again, not a whole round of the probe list later, and its direct
+    answer moves A->B back.  The round's other members still get their probe."""
+    bench = Bench(6)
+    with_relay(bench)
+    a = bench.swims[0]
+    t, (ping,) = bench.tick_until(a, Ping)  # lost
+    b = bench.by_id[ping.node]
+    t2, outs = bench.tick_until(a, lambda m: isinstance(m, Ping) and m.seq != found(ping, Ping)[0].seq,
+                                to=b, limit=t + 5)
+    (relayed,) = [o for o in outs if o.via == "relay"]
+    b.receive(relayed.packet, a.me.addr, t2 + 0.001, via="relay")
+    (answer,) = b.outbox()
+    a.receive(answer.packet, b.me.addr, t2 + 0.002, via="relay")
+    assert [(e.node, e.detail["direct"]) for e in a.events() if e.kind is EventKind.PATH] == [(b.id, False)]
+
+    t3, (again,) = bench.tick_until(a, Ping, limit=t2 + 5)
+    assert again.node == b.id and again.via == "direct", "the next probe rechecks B's direct path"
+    assert t3 - t < 2 * LAN.probe_interval
+    back = bench.hand(again, t3 + 0.001)
+    for out in back:
+        a.receive(out.packet, b.me.addr, t3 + 0.002)
+    assert [(e.node, e.detail["direct"]) for e in a.events() if e.kind is EventKind.PATH] == [(b.id, True)]
+
+    probed = []
+    limit = t3 + 4 * LAN.probe_interval + 0.5
+    while True:
+        try:
+            t4, (p,) = bench.tick_until(a, Ping, limit=limit)
+        except AssertionError:
+            break
+        probed.append(p.node)
+        for out in bench.hand(p, t4 + 0.001):
+            a.receive(out.packet, bench.by_id[p.node].me.addr, t4 + 0.002)
+    others = {s.id for s in bench.swims} - {a.id, b.id}
+    assert set(probed[:4]) == others, "the members after B in the round keep their turn"
+
+
 # --- a stranger cannot turn a member into a reflector or fill its tables ---
 
 

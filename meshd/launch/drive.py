@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .checks import Snapshot, cut_off, names_short, owners_needed, sees_all
+from ..swim import LOCAL
+from .checks import Snapshot, cut_off, names_short, owners_needed, paths, sees_all
 from .disrupt import Disruptor, RelayDowns
 from .failure import Failure, Kind, RunFailed
 from .jobs import JobDriver
@@ -33,6 +34,9 @@ if TYPE_CHECKING:
     import httpx
 
 # The detail may hold one level of parentheses: "peer 65fd2979 stage-1 (65fd2979) is down: ..."
+# How long a pair that reads asymmetric after the generation is read again (see ``settled``):
+# three probe periods of the `local` profile the run's nodes use, each of which rechecks it.
+SETTLE_S = 3 * LOCAL.probe_interval
 _LOST = re.compile(r"^lost: (?P<job>[\w.-]+) \((?P<detail>(?:[^()]|\([^()]*\))*)\)(?P<more>.*)$")
 _PEER = re.compile(r"\bpeer (?P<peer>[0-9a-f]{8})\b")
 
@@ -201,8 +205,33 @@ def converge_and_generate(driver: JobDriver, boards: dict[str, Dashboard], prefi
             downs.wait()
             again = generate_again(client, driver, boards, prefixes, plan.stages, prompt, max_tokens, timeout,
                                    progress, f"after {', '.join(late)}")
-        final = {n: snapshot(client, board) for n, board in boards.items() if driver.procs[n].alive()}
+        final = settled(client, driver, boards, prefixes, progress)
     return Driven(converge_s, generation, final, again, late)
+
+
+def settled(client: httpx.Client, driver: JobDriver, boards: dict[str, Dashboard], prefixes: dict[str, str],
+            progress: Progress) -> dict[str, Snapshot]:
+    """The snapshots of the nodes still up, once their paths settle.
+
+    A direction moves to the relay when one direct ping goes unanswered within the probe
+    timeout: on a loaded host, a node late to answer once.  The next probe period rechecks
+    it, and one direct answer moves it back.  So a pair that reads asymmetric is read again
+    for up to SETTLE_S, and reported only if it still is: a drop that lasts stays
+    asymmetric, and its direct failures count in the paths either way."""
+    def read() -> dict[str, Snapshot]:
+        return {n: snapshot(client, board) for n, board in boards.items() if driver.procs[n].alive()}
+
+    final = read()
+    deadline = time.monotonic() + SETTLE_S
+    while (pairs := paths(final, alive_prefixes(prefixes, final))[1]) and time.monotonic() < deadline:
+        progress.update(f"settling: {len(pairs)} asymmetric pair(s) rechecked for up to {SETTLE_S:g}s")
+        time.sleep(0.25)
+        final = read()
+    return final
+
+
+def alive_prefixes(prefixes: dict[str, str], final: dict[str, Snapshot]) -> dict[str, str]:
+    return {peer: job for peer, job in prefixes.items() if job in final}  # not a killed replica
 
 
 def generate_again(client: httpx.Client, driver: JobDriver, boards: dict[str, Dashboard],

@@ -26,7 +26,16 @@ from typing import Any
 from ..argtypes import positive_int
 from ..keyring import generate_file
 from . import checks
-from .drive import Driven, Generation, converge_and_generate, dashboard, open_netns, place_jobs, prepare_model
+from .drive import (
+    Driven,
+    Generation,
+    alive_prefixes,
+    converge_and_generate,
+    dashboard,
+    open_netns,
+    place_jobs,
+    prepare_model,
+)
 from .env import prepare_env
 from .failure import Failure, Interrupted, RunFailed
 from .jobs import JobDriver
@@ -176,7 +185,7 @@ def _boot_prefix(proc: LocalProcess) -> str:
 def _check(plan: RunPlan, args: argparse.Namespace, driven: Driven, prefixes: dict[str, str]) -> Generated:
     gen = driven.generation
     ref = checks.compare_with_reference(plan.model, args.prompt, args.max_tokens, gen.tokens)
-    up = {peer: job for peer, job in prefixes.items() if job in driven.final}  # not a killed replica
+    up = alive_prefixes(prefixes, driven.final)
     paths, asymmetric = checks.paths(driven.final, up)
     again: dict[str, Any] | None = None
     if (second := driven.again) is not None:

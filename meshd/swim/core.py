@@ -272,15 +272,21 @@ class Swim:
     def probe_soon(self, node: bytes, now: float) -> None:
         """Probe ``node`` next, at once if no probe is under way: its address must answer a
         ping of ours before it gets more than a small budget from us (see the node's guard)."""
+        if self._probe_next(node) and self._probe is None:
+            self._next_probe = min(self._next_probe, now)
+
+    def _probe_next(self, node: bytes) -> bool:
+        """Put ``node`` next in the probe list (the probe under way stays); False: not probed."""
         m = self.members.get(node)
         if m is None or node == self.id or not m.state.live or (self._probe and self._probe.target == node):
-            return
+            return False
         if node in self._probe_list:
-            self._probe_list.remove(node)
-        self._probe_pos = min(self._probe_pos, len(self._probe_list))
+            at = self._probe_list.index(node)
+            del self._probe_list[at]
+            if at < self._probe_pos:  # the members after it keep their turn this round
+                self._probe_pos -= 1
         self._probe_list.insert(self._probe_pos, node)
-        if self._probe is None:
-            self._next_probe = min(self._next_probe, now)
+        return True
 
     def publish_paths(self, summary: PathSummary, now: float) -> None:
         """Gossip our own outbound path summary; a newer one replaces any still queued.
@@ -455,16 +461,23 @@ class Swim:
                 self.members[probe.target].relay_rtt = rtt
             if from_target:
                 self.path_checks[probe.target] = self.path_checks.get(probe.target, 0) + 1
+            recheck = False
             if from_target and self._direct_ok.get(probe.target, True) != direct:
                 # Only the relayed ping was answered (or direct works again): a path
                 # fact, not a failure of the member.
                 self._direct_ok[probe.target] = direct
                 self._emit(EventKind.PATH, probe.target, now, direct=direct, rtt=rtt)
+                # One lost ping (a host too busy to answer in time) must not leave the
+                # direction on the relay for a whole round of the probe list: the next
+                # period's probe goes to this member again, and a direct answer moves it back.
+                recheck = not direct
             if from_target and not direct:
                 # Its NAT may let us in once both ends punch (each round paced by punch.py).
                 self._punch_sends(self.punch.direct_failed(self.members[probe.target], self.me, now))
             if direct or probe.relay_seq is None or msg.seq == probe.relay_seq:
                 self._probe = None
+                if recheck:
+                    self._probe_next(probe.target)
             # else: a helper vouched for the member; keep listening for the relayed
             # ack until the period ends, to learn which path reaches it.
             return
