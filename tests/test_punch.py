@@ -276,6 +276,25 @@ async def test_a_node_behind_an_address_that_does_not_route_is_punched_and_takes
             nursery.cancel_scope.cancel()
 
 
+async def test_a_failed_dial_beside_the_punched_path_leaves_the_data_path_punched():
+    """Data through a punched NAT goes as datagrams while a direct dial is tried beside it; the
+    dial fails (nothing listens at the address the node advertises), and what the node reports
+    of its data path is still the path its messages take: punched, not the relay."""
+    lines: list[str] = []
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            _orch, hidden, peer = await _hidden_mesh(nursery, lines)
+            node = hidden.node_id
+            while not peer.paths.punched(node):
+                await trio.sleep(0.05)
+            assert await peer.send(node, b"step", timeout=30) == "punched"
+            while not (peer.data.view(node)["data_last_failure"] or "").startswith("direct:"):
+                await trio.sleep(0.05)  # the dial beside it failed
+            assert peer.data.view(node)["data_out"] == "punched"
+            assert peer.data.path(node) == "punched", "the next message goes punched too"
+            nursery.cancel_scope.cancel()
+
+
 async def test_an_ack_datagram_from_anywhere_but_the_punched_address_counts_for_nothing():
     # Acks are not sealed: one that does not come from the address our punch opened for its
     # sender is dropped, so a stranger cannot make us think a message arrived.

@@ -429,6 +429,8 @@ class Sender:
         elif path == "punched":
             peer.link.punched_failed_at = trio.current_time()
             peer.link.last_failure = f"{path}: {reason}"
+            if self._ch.relay_send is not None:
+                peer.link.path = "relay"  # what the message, sent again, takes now
         else:
             peer.link.relay_failed_at = trio.current_time()
             peer.link.last_failure = f"{path}: {reason}"
@@ -439,7 +441,8 @@ class Sender:
         link.last_failure, link.direct_failure = f"direct: {reason}", reason
         self.drop_stream(peer)
         self._dialer.back_off(link)
-        if self._ch.relay_send is not None:
+        if self._ch.relay_send is not None and link.path != "punched":
+            # A dial tried beside the punched path (see _choose) leaves that path in use.
             link.path = "relay"
 
     def drop_stream(self, peer: _Peer) -> None:
