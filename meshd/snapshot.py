@@ -125,6 +125,15 @@ class SnapshotWriter:
 
     def write(self, snap: dict) -> None:
         line = json.dumps(snap, separators=(",", ":")) + "\n"
-        # One write() of one line: a reader never sees half a record.
+        # One append of one line.  A reader that reads while it is under way can still
+        # meet the line's first part only (the kernel copies a write page by page):
+        # ``read_snapshots`` leaves an unterminated last line out.
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(line)
+
+
+def read_snapshots(path: str | os.PathLike) -> list[dict]:
+    """The records of a snapshot file, oldest first; a last line still being written (no
+    newline yet) is left out, so a file read while its node runs parses whole."""
+    text = Path(path).read_text(encoding="utf-8")
+    return [json.loads(line) for line in text.split("\n")[:-1] if line]

@@ -60,3 +60,14 @@ def test_a_nodes_log_lines_name_its_stage_and_prefix(tmp_path):
     prefix = re.search(r"^meshd node id=\S+ prefix=(\w{8})", out, re.M).group(1)
     logged = [m.groups() for line in err.splitlines() if (m := LOG_LINE.match(line))]
     assert ("INFO", "stage-0", prefix, "meshd.relay.client") in logged, err
+
+
+def test_a_snapshot_line_still_being_written_is_left_out_and_whole_ones_are_read(tmp_path):
+    from meshd.snapshot import SnapshotWriter, read_snapshots
+
+    writer = SnapshotWriter(tmp_path, "abcd1234")
+    writer.write({"time": 1, "members": [{"prefix": "x", "state": "alive"}]})
+    writer.write({"time": 2, "members": [{"prefix": "x", "state": "dead"}]})
+    with open(writer.path, "a", encoding="utf-8") as f:
+        f.write('{"time":3,"members":[{"prefix":"x","sta')  # what a reader meets mid-write
+    assert [s["time"] for s in read_snapshots(writer.path)] == [1, 2]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import signal
 import socket
 import subprocess
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from meshd.launch.process import BOOT_RE, MeshProcess, parse_stage_map
+from meshd.snapshot import read_snapshots
 from meshd.swim import LOCAL
 from meshd.testing.processes import start_mesh, wait_converged
 
@@ -30,8 +30,7 @@ def mesh(tmp_path):
 def _snapshot_states(path: Path, subject_prefix: str) -> list[str]:
     """Every state the node at ``path`` recorded for ``subject_prefix``, in order."""
     states = []
-    for line in path.read_text().splitlines():
-        snap = json.loads(line)
+    for snap in read_snapshots(path):
         for m in snap["members"]:
             if m["prefix"] == subject_prefix:
                 states.append(m["state"])
@@ -174,7 +173,7 @@ def test_one_way_drop_never_makes_a_live_peer_dead(tmp_path):
         dead = [line for p in procs for line in p.lines if line.startswith("meshd member dead")]
         assert dead == []
         assert all(set(p.latest_stage_map()) == {q.boot.prefix for q in procs} for p in procs)
-        snap = json.loads((tmp_path / "snap" / f"{procs[2].boot.prefix}.jsonl").read_text().splitlines()[-1])
+        snap = read_snapshots(tmp_path / "snap" / f"{procs[2].boot.prefix}.jsonl")[-1]
         assert snap["counters"]["tx_fault_dropped"] > 0, "the fault must really have dropped packets"
     finally:
         for p in procs:
