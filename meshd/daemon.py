@@ -9,8 +9,8 @@ resolves can serve; then it starts the node, the service and the dashboard.
 
 from __future__ import annotations
 
+import logging
 import signal
-import sys
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
@@ -22,6 +22,8 @@ from .node import Node, NodeOptions
 
 if TYPE_CHECKING:
     from .pipeline.service import Orchestrator, StageService
+
+log = logging.getLogger("meshd.daemon")
 
 
 @dataclass
@@ -96,7 +98,7 @@ async def run_daemon(identity: Identity, options: NodeOptions) -> int:
         async with trio.open_nursery() as nursery:
             daemon: Daemon = await nursery.start(serve_daemon, node)
             async for signum in signals:
-                print(f"meshd leaving ({signal.Signals(signum).name})", file=sys.stderr, flush=True)
+                log.info("leaving (%s)", signal.Signals(signum).name)
                 await drain(daemon)
                 with trio.move_on_after(1.5):
                     await daemon.node.leave()

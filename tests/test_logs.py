@@ -8,23 +8,42 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 
 LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z (DEBUG|INFO|WARNING|ERROR|CRITICAL) "
                       r"(\S+) (\S+) (meshd[\w.]*): ")
 
 
-def run_briefly(*args: str, seconds: float, env: dict) -> tuple[str, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "meshd", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
-    time.sleep(seconds)
-    proc.terminate()
-    out, err = proc.communicate(timeout=30)
-    return out, err
+def run_briefly(*args: str, until: Callable[[str, str], bool], env: dict,
+                timeout: float = 60) -> tuple[str, str]:
+    """Run ``meshd *args`` until its (stdout, stderr) so far satisfy ``until``, then stop it with
+    SIGTERM; its whole output.  Waits for the output, not a fixed time: a loaded machine can
+    take seconds just to import the modules."""
+    with tempfile.TemporaryFile("w+") as out_f, tempfile.TemporaryFile("w+") as err_f:
+        proc = subprocess.Popen([sys.executable, "-m", "meshd", *args], stdout=out_f, stderr=err_f,
+                                text=True, env={**os.environ, **env})
+        deadline = time.monotonic() + timeout
+        try:
+            while not until(_read(out_f), _read(err_f)):
+                assert proc.poll() is None, f"meshd {' '.join(args)} exited: {_read(err_f)}"
+                assert time.monotonic() < deadline, f"meshd {' '.join(args)}: not seen in {timeout:g}s"
+                time.sleep(0.1)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+        return _read(out_f), _read(err_f)
+
+
+def _read(f) -> str:
+    f.seek(0)
+    return f.read()
 
 
 def test_text_format(tmp_path):
-    relay_out, relay_err = run_briefly("relay", "--bind", "127.0.0.1:0", seconds=2.5, env={})
+    relay_out, relay_err = run_briefly("relay", "--bind", "127.0.0.1:0", env={},
+                                       until=lambda out, err: "meshd.relay" in err)
     assert relay_out.startswith("meshd relay url=ws://127.0.0.1:")  # the event line, as the contract has it
     logged = [LOG_LINE.match(line) for line in relay_err.splitlines() if line.strip()]
     assert logged and all(logged), relay_err
@@ -32,18 +51,21 @@ def test_text_format(tmp_path):
 
 
 def test_json_format_for_machines(tmp_path):
+    # A relay where nothing listens: the node says so on stderr.
     out, err = run_briefly("--log-format", "json", "run", "--stub", "--role", "stage", "--stage", "0",
-                           "--stages", "1", "--dashboard", "off", seconds=3.0,
-                           env={"XDG_CACHE_HOME": str(tmp_path)})
+                           "--stages", "1", "--dashboard", "off", "--relay", "ws://127.0.0.1:1",
+                           env={"XDG_CACHE_HOME": str(tmp_path)},
+                           until=lambda out, err: '"event":"node"' in out.replace(" ", "") and "\n" in err)
     events = [json.loads(line) for line in out.splitlines() if line.strip()]
     node = next(e for e in events if e["event"] == "node")
     assert node["line"].startswith("meshd node id=") and node["role"] == "stage" and len(node["prefix"]) == 8
     assert all({"ts", "event", "line"} <= set(e) for e in events)
-    for line in err.splitlines():
-        if line.startswith("{"):
-            record = json.loads(line)
-            assert {"ts", "level", "node", "prefix", "logger", "message"} <= set(record)
-            assert record["node"] == "stage-0" and record["prefix"] == node["prefix"]
+    records = [json.loads(line) for line in err.splitlines()]  # every line one JSON object
+    assert records
+    for record in records:
+        assert {"ts", "level", "node", "prefix", "logger", "message"} <= set(record)
+        assert record["node"] == "stage-0" and record["prefix"] == node["prefix"]
+    assert any(r["logger"] == "meshd.relay.client" and "ws://127.0.0.1:1" in r["message"] for r in records)
 
 
 def test_a_nodes_log_lines_name_its_stage_and_prefix(tmp_path):
@@ -52,8 +74,8 @@ def test_a_nodes_log_lines_name_its_stage_and_prefix(tmp_path):
     try:
         url = relay.stdout.readline().split("url=")[1].split()[0]
         out, err = run_briefly("run", "--stub", "--role", "stage", "--stage", "0", "--stages", "1",
-                               "--relay", url, "--dashboard", "off", seconds=3.0,
-                               env={"XDG_CACHE_HOME": str(tmp_path)})
+                               "--relay", url, "--dashboard", "off", env={"XDG_CACHE_HOME": str(tmp_path)},
+                               until=lambda out, err: "meshd node id=" in out and "meshd.relay.client" in err)
     finally:
         relay.terminate()
         relay.wait(timeout=10)
