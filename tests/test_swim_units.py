@@ -747,19 +747,23 @@ def test_set_meta_bumps_generation_and_incarnation_and_others_see_an_update():
     assert [(e.kind, e.node) for e in b.events()] == [(EventKind.UPDATE, a.id)]
 
 
+def with_relay(bench: Bench) -> None:
+    """Every Swim of ``bench`` advertises the same relay, and knows the others do."""
+    for s in bench.swims:
+        s.set_meta(replace(s.me.meta, relay_url="ws://relay:1"), 0.0)
+    for s in bench.swims:
+        others = tuple(Alive(o.incarnation, o.id, o.me.addr, o.me.meta) for o in bench.swims if o is not s)
+        s.receive(Packet(STRANGER, others), STRANGER_ADDR, 0.0)
+        s.outbox()
+        s.events()
+
+
 def test_a_relayed_ping_also_confirms_the_direct_ping_that_got_through():
     """A's direct ping reached B but B's answer was lost: the relayed answer says
     which direction works, so A keeps A->B direct and names no path failure."""
     bench = Bench(2)
+    with_relay(bench)
     a, b = bench.swims
-    relay_meta = {s.id: replace(s.me.meta, relay_url="ws://relay:1") for s in (a, b)}
-    for s in (a, b):
-        s.set_meta(relay_meta[s.id], 0.0)
-        other = b if s is a else a
-        s.receive(Packet(other.id, (Alive(1, other.id, other.me.addr, relay_meta[other.id]),)),
-                  other.me.addr, 0.0)
-        s.outbox()
-        s.events()
     t, (ping,) = bench.tick_until(a, Ping, to=b)
     bench.hand(ping, t)  # B gets it directly; its direct ack is lost (not handed back)
     t2, outs = bench.tick_until(a, lambda m: isinstance(m, Ping) and m.seq != found(ping, Ping)[0].seq,
@@ -788,17 +792,6 @@ def test_a_relayed_ping_also_confirms_the_direct_ping_that_got_through():
     # a probe timeout earlier: 2 ms here, as a relay on loopback shows.
     assert paths[0].detail["rtt"] == pytest.approx(0.002)
     assert a.members[b.id].relay_rtt == pytest.approx(0.002)
-
-
-def with_relay(bench: Bench) -> None:
-    """Every Swim of ``bench`` advertises the same relay, and knows the others do."""
-    for s in bench.swims:
-        s.set_meta(replace(s.me.meta, relay_url="ws://relay:1"), 0.0)
-    for s in bench.swims:
-        others = tuple(Alive(o.incarnation, o.id, o.me.addr, o.me.meta) for o in bench.swims if o is not s)
-        s.receive(Packet(STRANGER, others), STRANGER_ADDR, 0.0)
-        s.outbox()
-        s.events()
 
 
 def test_a_direction_moved_to_the_relay_is_probed_again_next_period_and_comes_back():

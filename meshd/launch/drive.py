@@ -33,10 +33,10 @@ from .report import Progress
 if TYPE_CHECKING:
     import httpx
 
-# The detail may hold one level of parentheses: "peer 65fd2979 stage-1 (65fd2979) is down: ..."
 # How long a pair that reads asymmetric after the generation is read again (see ``settled``):
 # three probe periods of the `local` profile the run's nodes use, each of which rechecks it.
 SETTLE_S = 3 * LOCAL.probe_interval
+# The detail may hold one level of parentheses: "peer 65fd2979 stage-1 (65fd2979) is down: ..."
 _LOST = re.compile(r"^lost: (?P<job>[\w.-]+) \((?P<detail>(?:[^()]|\([^()]*\))*)\)(?P<more>.*)$")
 _PEER = re.compile(r"\bpeer (?P<peer>[0-9a-f]{8})\b")
 
