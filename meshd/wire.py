@@ -171,16 +171,13 @@ def _tuple_of(check: Callable[[Any], Any], limit: int) -> Callable[[Any], tuple]
     def checker(value: Any) -> tuple:
         if type(value) is not list or len(value) > limit:
             raise WireError(f"expected a list of at most {limit} items")
-        return tuple([check(item) for item in value])
+        return tuple(map(check, value))
 
     return checker
 
 
 def _nested(cls: type[_Record]) -> Callable[[Any], Any]:
-    def checker(value: Any) -> Any:
-        return cls.from_body(value)
-
-    return checker
+    return cls.from_body
 
 
 class _Record:
@@ -199,7 +196,7 @@ class _Record:
         fields = cls._fields_
         if type(body) is not list or len(body) != len(fields):
             raise WireError(f"{cls.__name__}: expected {len(fields)} fields")
-        return cls(*[check(value) for check, value in zip(fields, body)])  # noqa: B905 (lengths checked)
+        return cls(*map(operator.call, fields, body))  # each checker on its field (lengths checked)
 
 
 def _plain(value: Any) -> Any:
