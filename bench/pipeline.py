@@ -238,18 +238,22 @@ def _close(clients: dict, meshes: dict) -> None:
             p.stop(timeout=5)
 
 
+SINGLE_PAIRS = 3  # single-stream pairs (monolithic, then pipelined) per pipeline started
+
+
 def batching(model_dir: str, model: StageModel, stages: int, tokens: int, runs: int,
              widths: tuple[int, ...] = (1, 4, 8, 16)) -> None:
     """Two process pipelines of this tree, `--max-batch 16` and `--max-batch 1`, measured in
     turn within each run: aggregate tokens/s for each number of concurrent streams, and the
     single-stream latency ratio.
 
-    One pipeline is up at a time: started, measured, stopped, then the other.  On a host
+    One pipeline is up at a time: started, served one whole request, measured, stopped,
+    then the other.  On a host
     with fewer cores than nodes, the idle processes of a second mesh (each gossiping ten
     times a second) take turns on the cores that the measured pipeline's stages wait for,
     which no deployment has.  Each single stream is paired with a monolithic run just
-    before it, on the same machine state, and the latency ratio is the median of those
-    pairs."""
+    before it, on the same machine state, SINGLE_PAIRS pairs per pipeline started, and
+    the latency ratio is the median of all the pairs."""
     import concurrent.futures
 
     from meshd.testing.processes import start_mesh
@@ -265,27 +269,33 @@ def batching(model_dir: str, model: StageModel, stages: int, tokens: int, runs: 
             clients: dict = {}
             try:
                 client = clients[label] = _ready_client(meshes[label], label)
-                for width in widths:
-                    def one(seed: int, client=client) -> int:
-                        body = {"prompt": PROMPTS[seed % len(PROMPTS)], "max_tokens": tokens,
-                                "temperature": 0.8 if seed % 2 else 0.0, "top_k": 20, "seed": seed}
-                        r = client.post("/api/generate", json=body)
-                        r.raise_for_status()
-                        return len(r.json()["tokens"])
 
-                    if width == 1:
-                        mono.append(1 / monolithic(model_dir, model, tokens))
-                    t0 = time.perf_counter()
-                    if width == 1:
-                        n = one(0)
-                        pairs[label].append(mono[-1] * (time.perf_counter() - t0) / n)
-                    else:
-                        with concurrent.futures.ThreadPoolExecutor(width) as pool:
-                            n = sum(pool.map(one, range(run * width, (run + 1) * width)))
-                    rates.setdefault((label, width), []).append(n / (time.perf_counter() - t0))
+                def one(seed: int, client=client) -> int:
+                    body = {"prompt": PROMPTS[seed % len(PROMPTS)], "max_tokens": tokens,
+                            "temperature": 0.8 if seed % 2 else 0.0, "top_k": 20, "seed": seed}
+                    r = client.post("/api/generate", json=body)
+                    r.raise_for_status()
+                    return len(r.json()["tokens"])
+
+                one(0)  # a whole request first: a mesh that served one, as a running mesh has
+                for width in widths:
+                    # A single stream runs SINGLE_PAIRS times, each just after a monolithic
+                    # run; wider runs once.
+                    for _ in range(SINGLE_PAIRS if width == 1 else 1):
+                        if width == 1:
+                            mono.append(1 / monolithic(model_dir, model, tokens))
+                        t0 = time.perf_counter()
+                        if width == 1:
+                            n = one(0)
+                            pairs[label].append(mono[-1] * (time.perf_counter() - t0) / n)
+                        else:
+                            with concurrent.futures.ThreadPoolExecutor(width) as pool:
+                                n = sum(pool.map(one, range(run * width, (run + 1) * width)))
+                        rates.setdefault((label, width), []).append(n / (time.perf_counter() - t0))
             finally:
                 _close(clients, meshes)
-            cells.append(f"{label}: monolithic {mono[-1]:.1f}, ratio {pairs[label][-1]:.3f}, "
+            ratios = ", ".join(f"{r:.2f}" for r in pairs[label][-SINGLE_PAIRS:])
+            cells.append(f"{label}: monolithic {mono[-1]:.1f}, ratios {ratios}, "
                          + ", ".join(f"x{w} {rates[(label, w)][-1]:.1f}" for w in widths))
         print(f"  run {run + 1}/{runs}: " + "; ".join(cells), flush=True)
     m = statistics.median(mono)
