@@ -518,7 +518,11 @@ class StageService(App):
         await self._head_inputs([(msg, trace, trio.current_time())])
 
     async def _head_inputs(self, inputs: list[tuple[HeadInput, tuple[Hop, ...], float]]) -> None:
-        """At stage 0: our rows of the head for these steps, one matrix product."""
+        """At stage 0: our rows of the head for these steps, one matrix product.
+
+        On the event loop, though the last stage's part then waits to be read until ours
+        is done: in a worker thread the hand-off and the GIL cost more than the overlap
+        saves (docs/performance.md, "Where a single stream's token goes")."""
         dims = self.model.config.hidden_size
         t0 = time.perf_counter()
         normed = np.stack([np.frombuffer(msg.hidden, dtype="<f4") for msg, _, _ in inputs]).reshape(-1, dims)
