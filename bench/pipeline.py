@@ -248,12 +248,11 @@ def batching(model_dir: str, model: StageModel, stages: int, tokens: int, runs: 
     single-stream latency ratio.
 
     One pipeline is up at a time: started, served one whole request, measured, stopped,
-    then the other.  On a host
-    with fewer cores than nodes, the idle processes of a second mesh (each gossiping ten
-    times a second) take turns on the cores that the measured pipeline's stages wait for,
-    which no deployment has.  Each single stream is paired with a monolithic run just
-    before it, on the same machine state, SINGLE_PAIRS pairs per pipeline started, and
-    the latency ratio is the median of all the pairs."""
+    then the other.  On a host with fewer cores than nodes, the idle processes of a
+    second mesh (each gossiping ten times a second) take turns on the cores that the
+    measured pipeline's stages wait for, which no deployment has.  Each single stream is
+    paired with a monolithic run just before it, on the same machine state, SINGLE_PAIRS
+    pairs per pipeline started, and the latency ratio is the median of all the pairs."""
     import concurrent.futures
 
     from meshd.testing.processes import start_mesh
