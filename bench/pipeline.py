@@ -278,19 +278,19 @@ def batching(model_dir: str, model: StageModel, stages: int, tokens: int, runs: 
 
                 one(0)  # a whole request first: a mesh that served one, as a running mesh has
                 for width in widths:
-                    # A single stream runs SINGLE_PAIRS times, each just after a monolithic
-                    # run; wider runs once.
-                    for _ in range(SINGLE_PAIRS if width == 1 else 1):
-                        if width == 1:
+                    if width == 1:  # SINGLE_PAIRS times, each just after a monolithic run
+                        for _ in range(SINGLE_PAIRS):
                             mono.append(1 / monolithic(model_dir, model, tokens))
-                        t0 = time.perf_counter()
-                        if width == 1:
+                            t0 = time.perf_counter()
                             n = one(0)
-                            pairs[label].append(mono[-1] * (time.perf_counter() - t0) / n)
-                        else:
-                            with concurrent.futures.ThreadPoolExecutor(width) as pool:
-                                n = sum(pool.map(one, range(run * width, (run + 1) * width)))
-                        rates.setdefault((label, width), []).append(n / (time.perf_counter() - t0))
+                            took = time.perf_counter() - t0
+                            pairs[label].append(mono[-1] * took / n)
+                            rates.setdefault((label, width), []).append(n / took)
+                        continue
+                    t0 = time.perf_counter()
+                    with concurrent.futures.ThreadPoolExecutor(width) as pool:
+                        n = sum(pool.map(one, range(run * width, (run + 1) * width)))
+                    rates.setdefault((label, width), []).append(n / (time.perf_counter() - t0))
             finally:
                 _close(clients, meshes)
             ratios = ", ".join(f"{r:.2f}" for r in pairs[label][-SINGLE_PAIRS:])
