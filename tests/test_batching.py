@@ -21,6 +21,7 @@ from meshd.pipeline.checkpoint import init_checkpoint
 from meshd.pipeline.generate import LOGITS_TOLERANCE as TOLERANCE
 from meshd.pipeline.generate import NEAR_TIE, diverges, generate, near_ties
 from meshd.pipeline.model import StageModel
+from meshd.pipeline.stage import MIN_GROUP, group_size
 from meshd.testing.inprocess import start_pipeline
 
 PROMPTS = ["Once upon a time", "A", "The quick brown fox jumps over the lazy dog, and then",
@@ -274,3 +275,15 @@ def test_smoke_runs_summary_says_where_a_token_parted_at_a_near_tie():
     out = Outcome(1, run="smoke-1", generated=generated, run_status="done", jobs={}, total_s=2.0).to_json()
     assert out["near_ties"] == [1] and out["diverged_at"] == 1
     assert "matches meshd generate: yes (differs from step 1, a near-tie of the reference" in summary(out)
+
+
+def test_stage_0_splits_the_requests_decoding_into_a_group_per_stage_but_none_too_small():
+    # One batch of everything keeps one stage busy at a time; groups smaller than
+    # MIN_GROUP would pay a weight pass for too few rows.
+    assert MIN_GROUP == 8
+    assert [group_size(n, 3, 16) for n in (1, 4, 8, 15)] == [1, 4, 8, 15]  # one group
+    assert group_size(16, 3, 16) == 8  # two groups of 8 in flight
+    assert group_size(24, 3, 16) == 8 and group_size(30, 3, 16) == 10  # a group per stage
+    assert group_size(48, 3, 12) == 12  # never past --max-batch
+    assert group_size(32, 1, 64) == 32  # one stage: nothing to overlap
+    assert group_size(16, 3, 1) == 1  # --max-batch 1

@@ -121,6 +121,21 @@ def test_complete_messages_waiting_for_a_withheld_first_one_count_against_the_bu
     assert r2.held(A) == 0 and r2.claimed_total == 0
 
 
+def test_a_whole_next_message_is_delivered_at_once_and_still_held_to_the_budgets():
+    # Whole in one chunk and next in order: nothing is held for it, and the opened bytes
+    # given to accept() are what is delivered (not the sealed chunk).
+    r = Reassembler(peer_budget=2 * (1000 + 64 * 1024))
+    assert r.accept(A, DataChunk(S, 1, 5, 0, b"sealed-bytes"[:5]), data=b"plain") == (True, [b"plain"])
+    assert r.held(A) == 0
+    assert r.accept(A, DataChunk(S, 1, 5, 0, b"plain")) == (True, [])  # a copy: ack again only
+    # Past the budget, even a whole message is refused, as its first chunk would be.
+    r.accept(A, DataChunk(S, 3, 1000, 0, b"y" * 1000))  # ahead of 2: held
+    with pytest.raises(ChunkError, match="this peer's unfinished messages"):
+        r.accept(A, DataChunk(S, 2, 70_000, 0, b"z" * 70_000))
+    assert r.accept(A, DataChunk(S, 2, 3, 0, b"two")) == (True, [b"two", b"y" * 1000])
+    assert r.held(A) == 0
+
+
 def test_a_session_that_stops_making_progress_is_dropped_with_what_it_holds():
     r = Reassembler(idle_expiry=60.0)
     r.accept(A, DataChunk(S, 1, BIG, 0, b"x"), now=0.0)

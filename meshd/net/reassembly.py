@@ -115,54 +115,67 @@ class Reassembler:
         """Bytes claimed by ``sender``'s unfinished and undelivered messages."""
         return self._claimed.get(sender, 0)
 
-    def accept(self, sender: bytes, chunk: DataChunk, now: float = 0.0) -> tuple[bool, list[bytes]]:
-        """Take one chunk; returns (acknowledge it?, messages now deliverable in order).
+    def accept(self, sender: bytes, chunk: DataChunk, now: float = 0.0,
+               data: bytes | None = None) -> tuple[bool, list[bytes]]:
+        """Take one chunk, whose bytes are ``data`` (its opened plaintext) or else
+        ``chunk.chunk``; returns (acknowledge it?, messages now deliverable in order).
 
         Raises ChunkError for a chunk that contradicts its message or would run
         over a budget; nothing of it is kept.
         """
+        piece = chunk.chunk if data is None else data
         state = self._session(sender, chunk.session, now)
-        msg_id = chunk.msg_id
+        msg_id, total = chunk.msg_id, chunk.total
         if msg_id < state.next_id or msg_id in state.complete:
             self.duplicates += 1
             return True, []  # already whole: ack again, deliver nothing
         if msg_id >= state.next_id + MAX_AHEAD:
             raise ChunkError(f"message {msg_id} is too far ahead of {state.next_id}")
-        if chunk.total > MAX_DATA_MESSAGE_BYTES:
-            raise ChunkError(f"message {msg_id} claims {chunk.total} bytes")
-        end = chunk.offset + len(chunk.chunk)
-        if end > chunk.total:
+        if total > MAX_DATA_MESSAGE_BYTES:
+            raise ChunkError(f"message {msg_id} claims {total} bytes")
+        end = chunk.offset + len(piece)
+        if end > total:
             raise ChunkError(f"chunk at {chunk.offset} runs past the end of message {msg_id}")
+        if (end == total and chunk.offset == 0 and msg_id == state.next_id and msg_id not in state.assembling
+                and self._fits(sender, total)):
+            # The next message, whole in one chunk (every activation of a pipeline): it is
+            # delivered at once, so nothing is held for it and no claim is needed.
+            state.next_id += 1
+            return True, [piece, *self._in_order(sender, state)]
         asm = state.assembling.get(msg_id)
         if asm is None:
             asm = state.assembling[msg_id] = self._claim(sender, state, msg_id, chunk.total)
-        elif asm.total != chunk.total:
-            raise ChunkError(f"message {msg_id} changed its size from {asm.total} to {chunk.total}")
-        if chunk.offset in asm.pieces and len(asm.pieces[chunk.offset]) == len(chunk.chunk):
+        elif asm.total != total:
+            raise ChunkError(f"message {msg_id} changed its size from {asm.total} to {total}")
+        if chunk.offset in asm.pieces and len(asm.pieces[chunk.offset]) == len(piece):
             self.duplicates += 1  # the same cut, again
         else:
-            if chunk.offset in asm.pieces or asm.overlaps(chunk.offset, len(chunk.chunk)):
+            if chunk.offset in asm.pieces or asm.overlaps(chunk.offset, len(piece)):
                 asm.clear()  # the whole message again, cut for another path: its pieces only
                 self.recut += 1
             if len(asm.pieces) >= _max_pieces(asm.total):
                 self._drop(sender, state, msg_id)
                 raise ChunkError(f"message {msg_id} comes in more pieces than {asm.total} bytes need")
-            asm.add(chunk.offset, chunk.chunk)
+            asm.add(chunk.offset, piece)
         if asm.have < asm.total:
             return False, []
         del state.assembling[msg_id]
-        data = _joined(asm)
-        if data is None:
+        whole = _joined(asm)
+        if whole is None:
             self._release(sender, state, asm.claim)
             raise ChunkError(f"message {msg_id}'s chunks overlap or leave a gap")
-        state.complete[msg_id] = (data, asm.claim)
+        state.complete[msg_id] = (whole, asm.claim)
+        return True, self._in_order(sender, state)
+
+    def _in_order(self, sender: bytes, state: _FromSender) -> list[bytes]:
+        """Take the complete messages that are next in order, giving back their claims."""
         ready = []
         while state.next_id in state.complete:
             data, claim = state.complete.pop(state.next_id)
             self._release(sender, state, claim)
             ready.append(data)
             state.next_id += 1
-        return True, ready
+        return ready
 
     def expire(self, now: float) -> int:
         """Drop sessions that hold data and made no progress for ``idle_expiry``; returns how many."""
@@ -196,6 +209,12 @@ class Reassembler:
             self._forget_session(next(iter(self._senders)))
         state = self._senders[key] = _FromSender(active_at=now)
         return state
+
+    def _fits(self, sender: bytes, total: int) -> bool:
+        """Whether claiming a message of ``total`` bytes from ``sender`` stays within both budgets."""
+        claim = total + MESSAGE_OVERHEAD
+        return (self._claimed.get(sender, 0) + claim <= self.peer_budget
+                and self.claimed_total + claim <= self.total_budget)
 
     def _claim(self, sender: bytes, state: _FromSender, msg_id: int, total: int) -> _Assembly:
         claim = total + MESSAGE_OVERHEAD

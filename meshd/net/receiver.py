@@ -182,9 +182,8 @@ class Receiver:
                     self._ch.counters["rx_data_undecryptable"] += 1
                     log.debug("a chunk from %s does not open: dropped", self._ch.describe(sender))
                     continue
-                msg = DataChunk(msg.session, msg.msg_id, msg.total, msg.offset, plain, msg.ack_now)
                 try:
-                    ack, whole = self._ch.reassembler.accept(sender, msg, trio.current_time())
+                    ack, whole = self._ch.reassembler.accept(sender, msg, trio.current_time(), plain)
                 except ChunkError as exc:
                     self._ch.counters["bad_frames"] += 1
                     log.warning("data from %s refused: %s", self._ch.describe(sender), exc)
