@@ -196,6 +196,7 @@ async def test_a_peer_that_pings_and_never_reads_is_owed_one_pong_not_a_queue():
             for _ in range(200):  # fill the server's socket towards the client, who does not read
                 server.send_nowait(b"x" * 60_000)
             queued = server.queued_bytes
+            nursery.start_soon(client.run_writer, 5.0)  # what the client's socket does not take at once
             for _ in range(5000):
                 client.send_nowait(b"ping", opcode=wsframe.OP_PING)
             client.send_nowait(b"the end")
