@@ -258,3 +258,42 @@ def test_the_head_cut_in_two_gives_the_same_logits_and_the_same_samples():
             assert np.array_equal(np.concatenate([low, high]), logits)
             parts = [shortlist(low, temperature, top_k), shortlist(high, temperature, top_k, cut)]
             assert halves.choose(merge(parts, top_k)) == whole(logits)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "mistral"])
+def test_a_decode_batch_attends_as_each_request_would_alone(preset):
+    # Each request at its own position (one near the start, others deep in a sliding window):
+    # the batch's attention writes the same keys and values and gives the same rows, to the
+    # bit, as each request's attention alone.
+    config = preset_config(preset, max_position_embeddings=64, num_hidden_layers=1)
+    model = StageModel(config, random_weights(config, seed=3))
+    rng = np.random.default_rng(0)
+    c = config
+    width = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+    positions = [0, 3, 17, 40, 63]
+    qkv = rng.standard_normal((len(positions), width)).astype(np.float32)
+
+    def caches():
+        out = []
+        for pos in positions:
+            cache = model.new_cache(64)
+            cache.k[...] = rng.standard_normal(cache.k.shape).astype(np.float32)
+            cache.v[...] = rng.standard_normal(cache.v.shape).astype(np.float32)
+            cache.length = pos
+            out.append(cache)
+        return out
+
+    state = rng.bit_generator.state
+    batched = caches()
+    rng.bit_generator.state = state
+    alone = caches()
+    rope = rope_tables(c, 64)
+    window = c.window(0)
+    spans = [(cache, p, p + 1) for cache, p in zip(batched, positions, strict=True)]
+    got = model._attend_rows(qkv, 0, window, spans, rope)
+    want = np.concatenate([model._attend(qkv[i:i + 1], 0, window, cache, p, p + 1, {}, rope)
+                           for i, (cache, p) in enumerate(zip(alone, positions, strict=True))])
+    np.testing.assert_array_equal(got, want)
+    for a, b in zip(batched, alone, strict=True):
+        np.testing.assert_array_equal(a.k, b.k)
+        np.testing.assert_array_equal(a.v, b.v)

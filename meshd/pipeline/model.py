@@ -340,8 +340,7 @@ class StageModel:
             if len(spans) == 1:
                 attn = self._attend(qkv, li, layer.window, *spans[0], masks, rope)
             else:
-                attn = np.concatenate([self._attend(qkv[i:i + 1], li, layer.window, *span, masks, rope)
-                                       for i, span in enumerate(spans)])
+                attn = self._attend_rows(qkv, li, layer.window, spans, rope)
             x = x + _linear(attn, layer.wo, layer.bo)
             h = rms_norm(x, layer.mlp_norm, self._eps)
             gate_up = _linear(h, layer.w_gate_up, layer.b_gate_up)  # (T, 2I)
@@ -382,6 +381,38 @@ class StageModel:
         scores /= scores.sum(axis=-1, keepdims=True)
         attn = scores @ values[:, None]  # (KV, G, T, hd)
         return attn.reshape(H, T, hd).transpose(1, 0, 2).reshape(T, qd)
+
+    def _attend_rows(self, qkv: np.ndarray, li: int, window: int | None,
+                     spans: Sequence[tuple[KVCache, int, int]],
+                     rope: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+        """Layer ``li``'s attention for a decode batch, one row per request: (B, qd + 2 kvd) ->
+        (B, qd).  RoPE rotates every row's query and key at once (each at its own position;
+        an element's rotation is the same arithmetic as ``_attend``'s, so the same bits), then
+        each request attends over its own cache, as ``_attend`` does for one row."""
+        c = self.config
+        H, KV, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        G, qd, kvd = H // KV, H * hd, KV * hd
+        B = len(spans)
+        at = np.fromiter((start for _, start, _ in spans), dtype=np.intp, count=B)
+        cos, sin = rope[0][at][:, None, :], rope[1][at][:, None, :]  # (B, 1, hd/2)
+        q = apply_rope(qkv[:, :qd].reshape(B, H, hd), cos, sin)  # (B, H, hd)
+        k = apply_rope(qkv[:, qd:qd + kvd].reshape(B, KV, hd), cos, sin)  # (B, KV, hd)
+        v = qkv[:, qd + kvd:].reshape(B, KV, hd)
+        out = np.empty((B, qd), dtype=np.float32)
+        for b, (cache, start_pos, end) in enumerate(spans):
+            cache.k[li, :, start_pos] = k[b]
+            cache.v[li, :, start_pos] = v[b]
+            keys = cache.k[li, :, :end]  # (KV, end, hd)
+            values = cache.v[li, :, :end]
+            scores = q[b].reshape(KV, G, 1, hd) @ keys[:, None].transpose(0, 1, 3, 2)  # (KV, G, 1, end)
+            scores *= self._scale
+            if window is not None and end > window:
+                scores[..., :end - window] = -np.inf  # what _attend's mask hides for one row
+            scores -= scores.max(axis=-1, keepdims=True)
+            np.exp(scores, out=scores)
+            scores /= scores.sum(axis=-1, keepdims=True)
+            out[b] = (scores @ values[:, None]).reshape(qd)  # (KV, G, 1, hd) in head order
+        return out
 
     def final_norm(self, hidden: np.ndarray) -> np.ndarray:
         """The final RMSNorm, hidden (T, D) -> (T, D): what the LM head multiplies."""
