@@ -88,13 +88,15 @@ async def test_a_killed_replica_mid_generation_hands_the_request_to_another_with
     async with running(checkpoint, [1, 2, 1]) as mesh:
         killed = []
 
+        # At its first token streamed (the next ones come some at a time, and a fast host can
+        # finish a short request before they do), with most of the request still to run.
         async def on_token(_token):
-            if not killed and mesh.orch.app.active()[0]["tokens"] >= 5:
+            if not killed:
                 killed.append(mesh.serving(1))
                 mesh.kill(killed[0])
 
-        got = await mesh.orch.app.generate(PROMPT, 20, temperature, top_k, seed, on_token=on_token)
-        assert got["tokens"] == reference(checkpoint, 20, temperature, top_k, seed)
+        got = await mesh.orch.app.generate(PROMPT, 60, temperature, top_k, seed, on_token=on_token)
+        assert got["tokens"] == reference(checkpoint, 60, temperature, top_k, seed)
         (failover,) = got["failovers"]
         assert failover["stage"] == "stage-1" and failover["from"] == killed[0].hex()[:8]
         assert failover["to"] != failover["from"] and failover["ms"] is not None
@@ -104,22 +106,22 @@ async def test_a_killed_replica_mid_generation_hands_the_request_to_another_with
 async def test_with_no_replica_the_request_fails_naming_the_stage_and_the_next_one_needs_a_new_node(
         checkpoint):
     async with running(checkpoint, [1, 1, 1]) as mesh:
-        want = reference(checkpoint, 20, 0.0, 0, 0)
+        want = reference(checkpoint, 60, 0.0, 0, 0)
 
         killed = []
 
-        async def on_token(_token):
-            if not killed and mesh.orch.app.active()[0]["tokens"] >= 5:
+        async def on_token(_token):  # at its first token, as above
+            if not killed:
                 killed.append(mesh.serving(1))
                 mesh.kill(killed[0])
 
         with pytest.raises(StageLost, match=r"stage-1 \(peer [0-9a-f]{8} "):
-            await mesh.orch.app.generate(PROMPT, 20, on_token=on_token)
+            await mesh.orch.app.generate(PROMPT, 60, on_token=on_token)
         assert mesh.orch.app.metrics.requests["error"] == 1  # meshd_requests_total{outcome="error"}
         # A new process for stage-1, under a new identity: it serves as soon as it has joined.
         await mesh.add(1)
         await mesh.settle()
-        assert (await mesh.orch.app.generate(PROMPT, 20))["tokens"] == want
+        assert (await mesh.orch.app.generate(PROMPT, 60))["tokens"] == want
 
 
 async def test_a_stage_restarted_with_its_own_key_serves_the_next_request(checkpoint):
@@ -206,7 +208,7 @@ async def test_the_http_api_shows_the_route_while_it_runs_and_the_failover_after
             async def watch():
                 while not killed:
                     running = (await client.get("/api/requests")).json()["requests"]
-                    if running and running[0]["tokens"] >= 3:
+                    if running and running[0]["tokens"] >= 1:
                         prefix = running[0]["route"]["stage-0"]
                         killed.append(prefix)
                         mesh.kill(next(n for n in mesh.nodes if n.hex()[:8] == prefix))
@@ -235,7 +237,7 @@ async def test_a_replica_gone_silent_mid_generation_is_suspected_and_its_request
             await trio.sleep_forever()
 
         async def on_token(_token):
-            if not silenced and mesh.orch.app.active()[0]["tokens"] >= 5:
+            if not silenced:  # at its first token, as above
                 node, _scope = mesh.nodes[mesh.serving(1)]
                 silenced.append(node.node_id)
                 node.app.on_message = hang
