@@ -118,6 +118,26 @@ async def test_a_thousand_messages_each_way_arrive_once_and_in_order_across_a_on
             nursery.cancel_scope.cancel()
 
 
+async def test_a_members_data_path_says_what_carried_our_data_and_none_before_any():
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            mesh = Mesh(nursery, nursery)
+            await mesh.start([])
+            a, b = mesh.a, mesh.b
+            got: list = []
+            async with trio.open_nursery() as inner:
+                inner.start_soon(_collect, b, 1, got)
+                assert await a.send(b.identity.node_id, b"one") == "direct"
+
+            def view(node, peer):
+                return next(m for m in node.snapshot()["members"] if m["id"] == peer.identity.node_id.hex())
+
+            assert view(a, b)["data_out"] == "direct" and view(a, b)["data_sent"] == 1
+            # B only received and acked: it sent A nothing, so no path carries its data.
+            assert view(b, a)["data_out"] is None and view(b, a)["data_sent"] == 0
+            nursery.cancel_scope.cancel()
+
+
 @pytest.mark.parametrize("size_mib, fault, path", [(64, [], "direct"), (4, ["drop:{a}"], "relay")])
 async def test_large_messages_arrive_intact(size_mib, fault, path):
     payload = bytes(range(256)) * (size_mib * 4096)

@@ -84,21 +84,36 @@ def run_smoke(args: argparse.Namespace) -> int:
     def interrupted(signum: int, frame: FrameType | None) -> None:
         raise Interrupted(signal.Signals(signum).name)
 
+    def noted(signum: int, frame: FrameType | None) -> None:
+        # The run's outcome is settled; what is left is undoing it, which must not stop halfway.
+        print(f"smoke-run: {signal.Signals(signum).name} while tearing down: finishing the teardown",
+              file=sys.stderr, flush=True)
+
     handlers = {sig: signal.signal(sig, interrupted) for sig in _SIGNALS}
     try:
-        _run(args, session, outcome, progress)
-    except RunFailed as exc:
-        session.fail(outcome, exc.failure)
-    except Interrupted as exc:
-        session.fail(outcome, Failure.stopped(str(exc)))
-    except (TimeoutError, RuntimeError, OSError) as exc:
-        session.fail(outcome, Failure.error(str(exc)))
+        try:
+            _run(args, session, outcome, progress)
+        except RunFailed as exc:
+            session.fail(outcome, exc.failure)
+        except Interrupted as exc:
+            session.fail(outcome, Failure.stopped(str(exc)))
+        except (TimeoutError, RuntimeError, OSError) as exc:
+            session.fail(outcome, Failure.error(str(exc)))
+        finally:
+            # Teardown runs to its end whatever comes now, and the report is still printed.
+            for sig in _SIGNALS:
+                signal.signal(sig, noted)
+            progress.update("tearing down")
+            outcome.leftovers = session.tear_down()
+            progress.stop()
+        return _report(args, session, outcome, t_start)
     finally:
-        progress.update("tearing down")
-        outcome.leftovers = session.tear_down()
         for sig, old in handlers.items():
             signal.signal(sig, old)
-        progress.stop()
+
+
+def _report(args: argparse.Namespace, session: _Session, outcome: Outcome, t_start: float) -> int:
+    """Print the run's outcome (JSON, a summary or the full report); returns its exit code."""
     if session.driver is not None:
         outcome.run_status = str(session.driver.run.status)
         outcome.jobs = {j.name: job_status_message(j) for j in session.driver.run.jobs}

@@ -120,7 +120,11 @@ class Sender:
         if peer is None:
             return {"data_out": None, "data_sent": 0, "data_last_failure": None}
         link = peer.link
-        return {"data_out": link.path, "data_sent": peer.sent, "data_last_failure": link.last_failure}
+        # What carries our data to it now: the path our newest unacked message went out on,
+        # else the one that delivered the last; None while none went (a peer we only ack).
+        written = next((item.written for item in reversed(peer.queue) if item.written), None)
+        out = written or (link.path if peer.sent else None)
+        return {"data_out": out, "data_sent": peer.sent, "data_last_failure": link.last_failure}
 
     def on_ack(self, node: bytes, ack: DataAck) -> None:
         peer = self._peers.get(node)
