@@ -123,18 +123,18 @@ async def test_a_members_data_path_says_what_carried_our_data_and_none_before_an
         async with trio.open_nursery() as nursery:
             mesh = Mesh(nursery, nursery)
             await mesh.start([])
-            a, b = mesh.a, mesh.b
-            got: list = []
+            sender, receiver = mesh.a, mesh.b
             async with trio.open_nursery() as inner:
-                inner.start_soon(_collect, b, 1, got)
-                assert await a.send(b.identity.node_id, b"one") == "direct"
+                inner.start_soon(_collect, receiver, 1, [])
+                assert await sender.send(receiver.identity.node_id, b"one") == "direct"
 
             def view(node, peer):
                 return next(m for m in node.snapshot()["members"] if m["id"] == peer.identity.node_id.hex())
 
-            assert view(a, b)["data_out"] == "direct" and view(a, b)["data_sent"] == 1
-            # B only received and acked: it sent A nothing, so no path carries its data.
-            assert view(b, a)["data_out"] is None and view(b, a)["data_sent"] == 0
+            assert view(sender, receiver)["data_out"] == "direct"
+            assert view(sender, receiver)["data_sent"] == 1
+            # The receiver only acked: it sent nothing back, so no path carries its data.
+            assert view(receiver, sender)["data_out"] is None and view(receiver, sender)["data_sent"] == 0
             nursery.cancel_scope.cancel()
 
 
