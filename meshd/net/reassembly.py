@@ -137,14 +137,14 @@ class Reassembler:
         if end > total:
             raise ChunkError(f"chunk at {chunk.offset} runs past the end of message {msg_id}")
         if (end == total and chunk.offset == 0 and msg_id == state.next_id and msg_id not in state.assembling
-                and self._fits(sender, total)):
+                and self._over_budget(sender, total) is None):
             # The next message, whole in one chunk (every activation of a pipeline): it is
             # delivered at once, so nothing is held for it and no claim is needed.
             state.next_id += 1
             return True, [piece, *self._in_order(sender, state)]
         asm = state.assembling.get(msg_id)
         if asm is None:
-            asm = state.assembling[msg_id] = self._claim(sender, state, msg_id, chunk.total)
+            asm = state.assembling[msg_id] = self._claim(sender, state, msg_id, total)
         elif asm.total != total:
             raise ChunkError(f"message {msg_id} changed its size from {asm.total} to {total}")
         if chunk.offset in asm.pieces and len(asm.pieces[chunk.offset]) == len(piece):
@@ -210,22 +210,22 @@ class Reassembler:
         state = self._senders[key] = _FromSender(active_at=now)
         return state
 
-    def _fits(self, sender: bytes, total: int) -> bool:
-        """Whether claiming a message of ``total`` bytes from ``sender`` stays within both budgets."""
+    def _over_budget(self, sender: bytes, total: int) -> str | None:
+        """Which budget claiming a message of ``total`` bytes from ``sender`` would run over
+        (as the end of a sentence), or None when it stays within both."""
         claim = total + MESSAGE_OVERHEAD
-        return (self._claimed.get(sender, 0) + claim <= self.peer_budget
-                and self.claimed_total + claim <= self.total_budget)
+        if self._claimed.get(sender, 0) + claim > self.peer_budget:
+            return f"this peer's unfinished messages hold more than {self.peer_budget} bytes"
+        if self.claimed_total + claim > self.total_budget:
+            return f"all peers' unfinished messages hold more than {self.total_budget} bytes"
+        return None
 
     def _claim(self, sender: bytes, state: _FromSender, msg_id: int, total: int) -> _Assembly:
+        over = self._over_budget(sender, total)
+        if over is not None:
+            raise ChunkError(f"message {msg_id} ({total} bytes) would make {over}")
         claim = total + MESSAGE_OVERHEAD
-        held = self._claimed.get(sender, 0)
-        if held + claim > self.peer_budget:
-            raise ChunkError(f"message {msg_id} ({total} bytes) would make this peer's unfinished "
-                             f"messages hold more than {self.peer_budget} bytes")
-        if self.claimed_total + claim > self.total_budget:
-            raise ChunkError(f"message {msg_id} ({total} bytes) would make all peers' unfinished "
-                             f"messages hold more than {self.total_budget} bytes")
-        self._claimed[sender] = held + claim
+        self._claimed[sender] = self._claimed.get(sender, 0) + claim
         self.claimed_total += claim
         state.claimed += claim
         return _Assembly(total, claim)
