@@ -290,7 +290,7 @@ def test_a_decode_batch_attends_as_each_request_would_alone(preset):
     rope = rope_tables(c, 64)
     window = c.window(0)
     spans = [(cache, p, p + 1) for cache, p in zip(batched, positions, strict=True)]
-    got = model._attend_rows(qkv, 0, window, spans, rope)
+    got = model._attend_rows(qkv, 0, window, spans, {}, rope)
     want = np.concatenate([model._attend(qkv[i:i + 1], 0, window, cache, p, p + 1, {}, rope)
                            for i, (cache, p) in enumerate(zip(alone, positions, strict=True))])
     np.testing.assert_array_equal(got, want)

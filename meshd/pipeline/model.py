@@ -205,6 +205,16 @@ def attention_mask(start_pos: int, T: int, window: int | None) -> np.ndarray | N
     return np.where(hidden, np.float32(-np.inf), np.float32(0.0))
 
 
+def _mask(masks: dict[tuple[int, int | None], np.ndarray | None], start_pos: int, T: int,
+          window: int | None) -> np.ndarray | None:
+    """``attention_mask(start_pos, T, window)``, kept in ``masks`` for the rest of the pass
+    (one row without a window needs none, wherever it is)."""
+    key = (start_pos, window) if T > 1 or window is not None else (-1, None)
+    if key not in masks:
+        masks[key] = attention_mask(start_pos, T, window)
+    return masks[key]
+
+
 # Where a pipeline cuts the LM head's rows between stage 0 and the last stage, as a
 # fraction of the vocabulary for stage 0.  More than half: the last stage sends stage 0
 # its input before starting on its own rows, and its shortlist then still has a hop to go.
@@ -340,7 +350,7 @@ class StageModel:
             if len(spans) == 1:
                 attn = self._attend(qkv, li, layer.window, *spans[0], masks, rope)
             else:
-                attn = self._attend_rows(qkv, li, layer.window, spans, rope)
+                attn = self._attend_rows(qkv, li, layer.window, spans, masks, rope)
             x = x + _linear(attn, layer.wo, layer.bo)
             h = rms_norm(x, layer.mlp_norm, self._eps)
             gate_up = _linear(h, layer.w_gate_up, layer.b_gate_up)  # (T, 2I)
@@ -358,10 +368,6 @@ class StageModel:
         H, KV, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         G, qd, kvd = H // KV, H * hd, KV * hd
         T = end - start_pos
-        key = (start_pos, window) if T > 1 or window is not None else (-1, None)
-        if key not in masks:
-            masks[key] = attention_mask(start_pos, T, window)
-        mask = masks[key]
         cos, sin = rope[0][start_pos:end], rope[1][start_pos:end]  # (T, hd/2)
         q = qkv[:, :qd].reshape(T, H, hd).transpose(1, 0, 2)  # (H, T, hd)
         k = qkv[:, qd:qd + kvd].reshape(T, KV, hd).transpose(1, 0, 2)  # (KV, T, hd)
@@ -369,21 +375,28 @@ class StageModel:
         q = apply_rope(q, cos, sin)
         cache.k[li, :, start_pos:end] = apply_rope(k, cos, sin)
         cache.v[li, :, start_pos:end] = v
+        attn = self._over_cache(q.reshape(KV, G, T, hd), li, cache, end, _mask(masks, start_pos, T, window))
+        return attn.reshape(H, T, hd).transpose(1, 0, 2).reshape(T, qd)
+
+    def _over_cache(self, q: np.ndarray, li: int, cache: KVCache, end: int, mask: np.ndarray | None
+                    ) -> np.ndarray:
+        """Queries (KV, G, T, hd) over layer ``li``'s keys and values [0, end) of ``cache``:
+        softmax of the scaled, masked scores times the values, (KV, G, T, hd)."""
         keys = cache.k[li, :, :end]  # (KV, end, hd)
         values = cache.v[li, :, :end]
         # grouped-query: each kv head serves G query heads, no copy of k/v
-        scores = q.reshape(KV, G, T, hd) @ keys[:, None].transpose(0, 1, 3, 2)  # (KV, G, T, end)
+        scores = q @ keys[:, None].transpose(0, 1, 3, 2)  # (KV, G, T, end)
         scores *= self._scale
         if mask is not None:
             scores += mask
         scores -= scores.max(axis=-1, keepdims=True)
         np.exp(scores, out=scores)
         scores /= scores.sum(axis=-1, keepdims=True)
-        attn = scores @ values[:, None]  # (KV, G, T, hd)
-        return attn.reshape(H, T, hd).transpose(1, 0, 2).reshape(T, qd)
+        return scores @ values[:, None]
 
     def _attend_rows(self, qkv: np.ndarray, li: int, window: int | None,
                      spans: Sequence[tuple[KVCache, int, int]],
+                     masks: dict[tuple[int, int | None], np.ndarray | None],
                      rope: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
         """Layer ``li``'s attention for a decode batch, one row per request: (B, qd + 2 kvd) ->
         (B, qd).  RoPE rotates every row's query and key at once (each at its own position;
@@ -402,16 +415,9 @@ class StageModel:
         for b, (cache, start_pos, end) in enumerate(spans):
             cache.k[li, :, start_pos] = k[b]
             cache.v[li, :, start_pos] = v[b]
-            keys = cache.k[li, :, :end]  # (KV, end, hd)
-            values = cache.v[li, :, :end]
-            scores = q[b].reshape(KV, G, 1, hd) @ keys[:, None].transpose(0, 1, 3, 2)  # (KV, G, 1, end)
-            scores *= self._scale
-            if window is not None and end > window:
-                scores[..., :end - window] = -np.inf  # what _attend's mask hides for one row
-            scores -= scores.max(axis=-1, keepdims=True)
-            np.exp(scores, out=scores)
-            scores /= scores.sum(axis=-1, keepdims=True)
-            out[b] = (scores @ values[:, None]).reshape(qd)  # (KV, G, 1, hd) in head order
+            attn = self._over_cache(q[b].reshape(KV, G, 1, hd), li, cache, end,
+                                    _mask(masks, start_pos, 1, window))
+            out[b] = attn.reshape(qd)  # (KV, G, 1, hd) in head order
         return out
 
     def final_norm(self, hidden: np.ndarray) -> np.ndarray:
