@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+from meshd.testing.processes import smoke_signalled_at
+
 pytestmark = [
     pytest.mark.processes,
     pytest.mark.netns,
@@ -190,21 +192,8 @@ def test_a_bad_fault_is_refused_before_anything_is_built():
 
 
 def test_sigterm_mid_generation_removes_the_testbed_and_a_second_run_passes():
-    import signal
-
-    argv = [sys.executable, "-m", "meshd", "smoke-run", "--provider", "netns", "--stages", "3",
-            "--max-tokens", "200", "--json"]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert proc.stderr is not None
-    said = []
-    for line in proc.stderr:  # its progress: signal it once it generates
-        said.append(line)
-        if line.startswith("smoke-run: generating"):
-            break
-    assert proc.poll() is None, "".join(said)
-    proc.send_signal(signal.SIGTERM)
-    stdout, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 130
+    rc, stdout, _ = smoke_signalled_at("generating", "--provider", "netns")
+    assert rc == 130
     out = json.loads(stdout.strip().splitlines()[-1])
     assert out["status"] == "stopped"
     assert_nothing_left(out)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from meshd.swim import LOCAL
+from meshd.testing.processes import smoke_signalled_at
 
 pytestmark = pytest.mark.processes
 
@@ -175,26 +176,9 @@ def test_a_restarted_serving_replica_comes_back_with_its_key_and_the_run_passes(
     assert out["run_status"] == "done" and set(out["jobs"].values()) == {"exited (0)"}
 
 
-def signalled_at(phase: str) -> tuple[subprocess.Popen, str, str]:
-    """A 3-stage smoke run sent SIGTERM as soon as it says it entered ``phase``: (the process,
-    its stdout, its stderr)."""
-    argv = [sys.executable, "-m", "meshd", "smoke-run", "--stages", "3", "--max-tokens", "200", "--json"]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert proc.stderr is not None
-    said = []
-    for line in proc.stderr:
-        said.append(line)
-        if line.startswith(f"smoke-run: {phase}"):
-            break
-    assert proc.poll() is None, "".join(said)
-    os.kill(proc.pid, signal.SIGTERM)
-    stdout, rest = proc.communicate(timeout=30)
-    return proc, stdout, "".join(said) + rest
-
-
 def test_sigterm_mid_generation_leaves_no_process_behind(run_dir):
-    proc, stdout, _ = signalled_at("generating")
-    assert proc.returncode == 130
+    rc, stdout, _ = smoke_signalled_at("generating", timeout=30)
+    assert rc == 130
     out = json.loads(stdout.strip().splitlines()[-1])
     assert out["status"] == "stopped" and out["leftovers"] == 0
     time.sleep(0.5)
@@ -202,12 +186,12 @@ def test_sigterm_mid_generation_leaves_no_process_behind(run_dir):
 
 
 def test_sigterm_while_tearing_down_lets_the_teardown_finish_and_the_report_out(run_dir):
-    proc, stdout, stderr = signalled_at("tearing down")
+    rc, stdout, stderr = smoke_signalled_at("tearing down", timeout=30)
     assert "Traceback" not in stderr
     assert "SIGTERM while tearing down: finishing the teardown" in stderr
     out = json.loads(stdout.strip().splitlines()[-1])  # the run's own outcome, reported whole
     assert out["status"] == "done" and out["matches_reference"] and out["leftovers"] == 0
-    assert proc.returncode == 0
+    assert rc == 0
     time.sleep(0.5)
     assert meshd_children(run_dir) == []
 

@@ -6,6 +6,9 @@ this module starts a whole mesh with it and waits for the mesh to settle.
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 
@@ -63,3 +66,22 @@ def wait_converged(procs: list[MeshProcess], timeout: float = 20.0) -> dict[str,
     stage_map = procs[0].latest_stage_map()
     assert stage_map is not None  # it was just waited for
     return stage_map
+
+
+def smoke_signalled_at(phase: str, *args: str, timeout: float = 60.0) -> tuple[int, str, str]:
+    """A 3-stage ``meshd smoke-run --json`` of 200 tokens (``args`` added) sent SIGTERM as soon as
+    it says it entered ``phase``: (its exit code, its stdout, its stderr)."""
+    argv = [sys.executable, "-m", "meshd", "smoke-run", "--stages", "3", "--max-tokens", "200", "--json",
+            *args]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    said = []
+    for line in proc.stderr:
+        said.append(line)
+        if line.startswith(f"smoke-run: {phase}"):
+            break
+    if proc.poll() is not None:
+        raise AssertionError(f"the run ended before {phase!r}:\n{''.join(said)}")
+    proc.send_signal(signal.SIGTERM)
+    stdout, rest = proc.communicate(timeout=timeout)
+    return proc.returncode, stdout, "".join(said) + rest
