@@ -17,9 +17,12 @@ import trio
 from meshd.launch.checks import Reference
 from meshd.launch.report import Generated, Outcome, summary
 from meshd.pipeline import model as model_module
+from meshd.pipeline import stage as stage_module
+from meshd.pipeline.app import App
 from meshd.pipeline.checkpoint import init_checkpoint
 from meshd.pipeline.generate import LOGITS_TOLERANCE as TOLERANCE
 from meshd.pipeline.generate import NEAR_TIE, diverges, generate, near_ties
+from meshd.pipeline.messages import Batch
 from meshd.pipeline.model import StageModel
 from meshd.pipeline.stage import MIN_GROUP, group_size
 from meshd.testing.inprocess import start_pipeline
@@ -89,6 +92,51 @@ async def test_sixteen_concurrent_requests_each_meet_the_rule_and_share_batches(
     print(f"near-tie steps: {near}")
     # The steps did share forward passes: on average more than one request per batch.
     assert all(h.sum > h.count for h in sizes), [(h.sum, h.count) for h in sizes]
+
+
+async def test_a_batch_travels_each_hop_as_one_message_and_the_cut_head_samples_every_row(checkpoint,
+                                                                                            monkeypatch):
+    """Greedy and top-k requests cut the LM head between the last stage and stage 0: a
+    batch's activations go on as one Batch, its head inputs as one, its shortlists as one
+    HeadParts; every row still gets its own reference's tokens, and its own trace."""
+    monkeypatch.setattr(stage_module, "HEAD_SPLIT_MIN_MACS", 0)  # cut even the tiny model's head
+    sent: list[tuple[str, ...]] = []
+    send = App.send
+
+    async def spy(self, dst, *msgs):
+        sent.append(tuple(type(m).__name__ + (" head" if isinstance(m, Batch) and m.head else "")
+                          for m in msgs))
+        await send(self, dst, *msgs)
+
+    monkeypatch.setattr(App, "send", spy)
+    specs = [dict(prompt=PROMPTS[i % len(PROMPTS)], max_tokens=6 + i % 5, temperature=0.0 if i % 2 else 0.8,
+                  top_k=0 if i % 2 else 20, seed=i) for i in range(12)]
+    results: list[dict | None] = [None] * len(specs)
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            nodes = await start_pipeline(nursery, checkpoint, 3, [])
+
+            async def one(i: int) -> None:
+                results[i] = await nodes[0].app.generate(**specs[i])
+
+            async with trio.open_nursery() as clients:
+                for i in range(len(specs)):
+                    clients.start_soon(one, i)
+            nursery.cancel_scope.cancel()
+    for spec, got in zip(specs, results, strict=True):
+        assert got is not None
+        want = generate(checkpoint, **spec, return_logits=True)
+        parted = diverges(got["tokens"], want["tokens"])
+        assert parted is None or (spec["temperature"] == 0 and parted in near_ties(want["logits"])), spec
+        hops = {(h["kind"], h["name"]) for h in got["timings"]["hops"]}
+        assert {("compute", "stage-0"), ("compute", "stage-1"), ("compute", "stage-2"),
+                ("compute", "stage-0 head"), ("compute", "stage-2 head"), ("transit", "stage-0->stage-1"),
+                ("transit", "stage-1->stage-2"), ("transit", "stage-2->stage-0")} <= hops, hops
+    kinds = {kind for msgs in sent for kind in msgs}
+    assert {"Batch", "Batch head", "HeadParts"} <= kinds, kinds
+    # What one batch sends to one node is one message: never one per row.
+    assert not [msgs for msgs in sent if len(msgs) > 1 and set(msgs) & {"Activation", "HeadInput", "HeadPart"}
+                and "Release" not in msgs]
 
 
 async def test_one_request_alone_is_bit_identical_batched_or_not(checkpoint):

@@ -18,7 +18,7 @@ import trio
 from ..mesh import Mesh
 from ..wire import Message, WireError
 from .api import PipelineError
-from .messages import Activation, Hop, decode_app, encode_app
+from .messages import Activation, Batch, HeadParts, Hop, decode_app, encode_app
 
 log = logging.getLogger("meshd.pipeline")
 
@@ -39,6 +39,13 @@ async def resolve(mesh: Mesh, name: str, timeout: float = RESOLVE_TIMEOUT_S) -> 
                 return owner
             await trio.sleep(0.05)
     raise PipelineError(f"{mesh.name}: name {name} did not resolve within {timeout:g}s")
+
+
+def per_request(msgs: tuple[Message, ...]) -> list[Message]:
+    """One message of each request that ``msgs`` carry, a batch's rows each their request's
+    own: what is failed, once per request, when they cannot be delivered."""
+    rows = [row for m in msgs for row in (m.rows() if isinstance(m, (Batch, HeadParts)) else (m,))]
+    return list({getattr(m, "req_id", id(m)): m for m in rows}.values())
 
 
 class App:
@@ -67,7 +74,11 @@ class App:
             log.warning("bad pipeline message from %s: %s", self.mesh.describe(src), exc)
             return
         for msg in packet.messages:
-            if isinstance(msg, Activation) and max(msg.rows, len(msg.tokens)) > PREFILL_ROWS:
+            if isinstance(msg, (Batch, HeadParts)):
+                # Each row is its request's own message: one request's failure fails it alone.
+                for row in msg.rows():
+                    await self._on_message(src, row)
+            elif isinstance(msg, Activation) and max(msg.rows, len(msg.tokens)) > PREFILL_ROWS:
                 # Another request's message from the same sender may go first: requests
                 # are independent, and nothing else of this one comes before its prefill ends.
                 assert self._nursery is not None  # messages arrive only while serve() runs
@@ -100,8 +111,7 @@ class App:
             log.warning("%s: %s", self.mesh.name, exc)
             # The channel's error names the peer and every path tried: it is the request's error.
             failure = PipelineError(str(exc))
-            # One failure per request, though a batch may hold several of its tokens.
-            for msg in {getattr(m, "req_id", id(m)): m for m in msgs}.values():
+            for msg in per_request(msgs):
                 await self.failed(msg, failure, dst)
 
         await self.mesh.post(dst, data, SEND_TIMEOUT_S, undelivered)

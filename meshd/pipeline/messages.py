@@ -10,6 +10,7 @@ ONLY APPEND TO THE TAG TABLE.  A tag, once shipped, keeps its meaning.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..wire import (
@@ -36,7 +37,7 @@ def check_peer(value: object) -> bytes:
     return b"" if value == b"" else check_node_id(value)
 
 
-APP_VERSION = 3  # 2: Activation.route and .prefill, StageError.peer; 3: Sampling.top_p
+APP_VERSION = 4  # 2: Activation.route and .prefill, StageError.peer; 3: Sampling.top_p; 4: Batch, HeadParts
 # A message and its envelope: an activation may be as large as the data channel carries.
 MAX_APP_BYTES = MAX_DATA_MESSAGE_BYTES + 4096
 
@@ -175,8 +176,156 @@ class HeadPart(Message):
     _fields_ = (check_str, check_node_id, check_uint, check_blob, check_blob, check_float)
 
 
+MAX_BATCH_ROWS = 4096  # rows of one batch message (``--max-batch`` is far below)
+
+
+_column = tuple_of(check_uint, MAX_BATCH_ROWS)  # one number per row of a batch
+_ids = tuple_of(check_str, MAX_BATCH_ROWS)
+_nodes = tuple_of(check_node_id, MAX_BATCH_ROWS)
+Row = tuple[str, bytes, int, int, Sampling, tuple[bytes, ...], tuple[Hop, ...]]
+
+
+def _shared(items: Sequence) -> tuple[tuple, tuple[int, ...]]:
+    """The distinct ``items`` in first-seen order, and each item's index among them."""
+    index: dict = {}
+    of = tuple(index.setdefault(item, len(index)) for item in items)
+    return tuple(index), of
+
+
+def common_suffix(traces: Sequence[tuple[Hop, ...]]) -> int:
+    """How many hops every trace of ``traces`` ends with alike."""
+    first, k = traces[0], 0
+    most = min(map(len, traces))
+    while k < most:
+        hop = first[-1 - k]
+        if not all(t[-1 - k] is hop or t[-1 - k] == hop for t in traces):
+            break
+        k += 1
+    return k
+
+
+@dataclass(frozen=True, slots=True)
+class Batch(Message):
+    """One-row steps of several requests that travel one hop together, as one message:
+    a batch computed as one forward pass goes on as one.
+
+    Row i of ``hidden`` (rows x dims float32) is request ``req_ids[i]`` at position
+    ``pos[i]`` and step ``steps[i]``.  What rows share travels once: the distinct
+    orchestrators, samplings and routes, which ``origin_of``, ``sampling_of`` and
+    ``route_of`` index per row; and ``trace``, the hops the rows made together, each
+    row's own earlier hops in ``prefixes[i]``.  ``head`` False: decode steps on their
+    way to the next stage, row i the Activation ``rows()`` gives.  True: the last
+    stage's normalised final hidden states to stage 0, row i a HeadInput (``pos`` is
+    where the sampled token goes)."""
+
+    TAG = 7
+    head: bool
+    req_ids: tuple[str, ...]
+    pos: tuple[int, ...]
+    steps: tuple[int, ...]
+    origins: tuple[bytes, ...]
+    origin_of: tuple[int, ...]
+    samplings: tuple[Sampling, ...]
+    sampling_of: tuple[int, ...]
+    routes: tuple[tuple[bytes, ...], ...]
+    route_of: tuple[int, ...]
+    dims: int
+    hidden: bytes
+    sent_at: float
+    trace: tuple[Hop, ...]
+    prefixes: tuple[tuple[Hop, ...], ...]
+    _fields_ = (check_bool, _ids, _column, _column, _nodes, _column,
+                tuple_of(nested(Sampling), MAX_BATCH_ROWS), _column,
+                tuple_of(tuple_of(check_node_id, MAX_STAGES), MAX_BATCH_ROWS), _column,
+                check_uint, check_blob, check_float, _trace, tuple_of(_trace, MAX_BATCH_ROWS))
+
+    def __post_init__(self) -> None:
+        n = len(self.req_ids)
+        if not n or any(len(col) != n for col in (self.pos, self.steps, self.origin_of, self.sampling_of,
+                                                  self.route_of, self.prefixes)):
+            raise WireError(f"batch of {n} requests whose columns are not all {n} long")
+        if not self.dims or len(self.hidden) != 4 * n * self.dims:
+            raise WireError(f"batch of {n} rows of {self.dims} floats carries {len(self.hidden)} bytes")
+        for of, shared, what in ((self.origin_of, self.origins, "origin"),
+                                 (self.sampling_of, self.samplings, "sampling"),
+                                 (self.route_of, self.routes, "route")):
+            if max(of) >= len(shared):
+                raise WireError(f"batch row names {what} {max(of)} of {len(shared)}")
+
+    @classmethod
+    def of(cls, head: bool, rows: list[Row], hidden: bytes, dims: int, sent_at: float, hop: Hop) -> Batch:
+        """A batch of ``rows`` (req_id, origin, pos, step, sampling, route, trace so far)
+        whose traces all go on with ``hop``; ``hidden`` their rows, C order."""
+        req_ids, origins, pos, steps, samplings, routes, traces = zip(*rows, strict=True)
+        k = common_suffix(traces)
+        origins, origin_of = _shared(origins)
+        samplings, sampling_of = _shared(samplings)
+        routes, route_of = _shared(routes)
+        return cls(head, req_ids, pos, steps, origins, origin_of, samplings, sampling_of, routes, route_of,
+                   dims, hidden, sent_at, (*traces[0][len(traces[0]) - k:], hop),
+                   tuple(t[:len(t) - k] for t in traces))
+
+    def rows(self) -> list[Activation] | list[HeadInput]:
+        """The batch as the one-row messages it carries, in order."""
+        size = 4 * self.dims
+        out: list = []
+        for i, req_id in enumerate(self.req_ids):
+            origin, s, at = self.origins[self.origin_of[i]], self.samplings[self.sampling_of[i]], self.sent_at
+            hidden, trace = self.hidden[i * size:(i + 1) * size], (*self.prefixes[i], *self.trace)
+            if self.head:
+                out.append(HeadInput(req_id, origin, self.steps[i], self.pos[i], hidden, s, at, trace))
+            else:
+                out.append(Activation(req_id, origin, self.pos[i], self.steps[i], 1, self.dims, hidden, (), s,
+                                      at, trace, self.routes[self.route_of[i]]))
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class HeadParts(Message):
+    """The last stage's HeadPart of several steps, as one message: row i is request
+    ``req_ids[i]``'s step ``steps[i]``, its shortlist the next ``counts[i]`` entries of
+    ``ids`` (int64) and ``values`` (float32)."""
+
+    TAG = 8
+    req_ids: tuple[str, ...]
+    steps: tuple[int, ...]
+    origins: tuple[bytes, ...]
+    origin_of: tuple[int, ...]
+    counts: tuple[int, ...]
+    ids: bytes
+    values: bytes
+    ms: float
+    _fields_ = (_ids, _column, _nodes, _column, _column, check_blob, check_blob, check_float)
+
+    def __post_init__(self) -> None:
+        n, total = len(self.req_ids), sum(self.counts)
+        if not n or any(len(col) != n for col in (self.steps, self.origin_of, self.counts)):
+            raise WireError(f"head parts of {n} requests whose columns are not all {n} long")
+        if len(self.ids) != 8 * total or len(self.values) != 4 * total:
+            raise WireError(f"head parts of {total} entries carry {len(self.ids)} bytes of ids and "
+                            f"{len(self.values)} of values")
+        if max(self.origin_of) >= len(self.origins):
+            raise WireError(f"head part names origin {max(self.origin_of)} of {len(self.origins)}")
+
+    @classmethod
+    def of(cls, parts: list[HeadPart]) -> HeadParts:
+        origins, origin_of = _shared([p.origin for p in parts])
+        return cls(tuple(p.req_id for p in parts), tuple(p.step for p in parts), origins, origin_of,
+                   tuple(len(p.values) // 4 for p in parts), b"".join(p.ids for p in parts),
+                   b"".join(p.values for p in parts), parts[0].ms)
+
+    def rows(self) -> list[HeadPart]:
+        out, at = [], 0
+        for i, req_id in enumerate(self.req_ids):
+            end = at + self.counts[i]
+            out.append(HeadPart(req_id, self.origins[self.origin_of[i]], self.steps[i],
+                                self.ids[8 * at:8 * end], self.values[4 * at:4 * end], self.ms))
+            at = end
+        return out
+
+
 APP_TYPES: dict[int, type[Message]] = {
-    cls.TAG: cls for cls in (Activation, Token, Release, StageError, HeadInput, HeadPart)
+    cls.TAG: cls for cls in (Activation, Token, Release, StageError, HeadInput, HeadPart, Batch, HeadParts)
 }
 
 

@@ -32,7 +32,19 @@ from .api import PipelineError
 from .app import PREFILL_ROWS, App, arrived
 from .checkpoint import LoadProgress, fingerprint
 from .config import LlamaConfig
-from .messages import Activation, HeadInput, HeadPart, Hop, Release, Sampling, StageError, Token
+from .messages import (
+    Activation,
+    Batch,
+    HeadInput,
+    HeadPart,
+    HeadParts,
+    Hop,
+    Release,
+    Row,
+    Sampling,
+    StageError,
+    Token,
+)
 from .metrics import StageMetrics
 from .model import KVCache, StageModel, head_cut, prefill_chunks, split_layers
 from .sampling import Sampler, Shortlist, is_greedy, merge, shortlist
@@ -380,18 +392,21 @@ class StageService(App):
             if whole:
                 await self._whole_heads(whole)
             return
-        out: dict[bytes, list[Message]] = {}
-        now = time.time()
+        out: dict[bytes, list[_Computed]] = {}
         for st in steps:
-            msg, nxt = st.msg, st.job.route[self.stage + 1]
-            hop = Hop("transit", f"{self.name}->stage-{self.stage + 1}", 0.0, self.path_to(nxt))
-            out.setdefault(nxt, []).append(Activation(
-                msg.req_id, msg.origin, msg.pos, msg.step, st.out.shape[0], st.out.shape[1],
-                np.ascontiguousarray(st.out, dtype=np.float32).tobytes(), (), msg.sampling, now,
-                (*st.trace, hop), st.job.route, msg.prefill,
-            ))
-        for dst, msgs in out.items():
-            await self.send(dst, *msgs)
+            out.setdefault(st.job.route[self.stage + 1], []).append(st)
+        now = time.time()
+        for dst, group in out.items():
+            hop = Hop("transit", f"{self.name}->stage-{self.stage + 1}", 0.0, self.path_to(dst))
+            if len(group) > 1 and all(st.out.shape[0] == 1 and not st.msg.prefill for st in group):
+                await self.send(dst, Batch.of(False, [_row(st) for st in group], _rows_bytes(group),
+                                              group[0].out.shape[1], now, hop))
+                continue
+            await self.send(dst, *[Activation(
+                st.msg.req_id, st.msg.origin, st.msg.pos, st.msg.step, st.out.shape[0], st.out.shape[1],
+                np.ascontiguousarray(st.out, dtype=np.float32).tobytes(), (), st.msg.sampling, now,
+                (*st.trace, hop), st.job.route, st.msg.prefill,
+            ) for st in group])
 
     async def _whole_heads(self, steps: list[_Computed]) -> None:
         """At the last stage: the whole head over the steps' last rows at once, a token each."""
@@ -492,30 +507,36 @@ class StageService(App):
         """At the last stage: stage 0 gets the normalised hidden states first, and computes its
         rows while we compute ours; then it gets our shortlists, and samples."""
         normed = self.model.final_norm(np.concatenate([st.out[-1:] for st in steps]))
-        inputs: dict[bytes, list[Message]] = {}
+        inputs: dict[bytes, list[int]] = {}  # per stage 0: the rows of ``steps`` it gets
+        for i, st in enumerate(steps):
+            inputs.setdefault(st.job.route[0], []).append(i)
         now = time.time()
-        for st, row in zip(steps, normed, strict=True):
-            msg, entry = st.msg, st.job.route[0]
-            hop = Hop("transit", f"{self.name}->stage-0", 0.0, self.path_to(entry))
-            inputs.setdefault(entry, []).append(HeadInput(
-                msg.req_id, msg.origin, msg.step, msg.pos + st.out.shape[0],
-                np.ascontiguousarray(row, dtype="<f4").tobytes(), msg.sampling, now, (*st.trace, hop)))
-        for dst, msgs in inputs.items():
-            await self.send(dst, *msgs)
+        for dst, rows in inputs.items():
+            hop = Hop("transit", f"{self.name}->stage-0", 0.0, self.path_to(dst))
+            if len(rows) > 1:
+                hidden = np.ascontiguousarray(normed[rows], dtype="<f4").tobytes()
+                await self.send(dst, Batch.of(True, [_row(steps[i], head=True) for i in rows], hidden,
+                                              normed.shape[1], now, hop))
+                continue
+            st = steps[rows[0]]
+            await self.send(dst, HeadInput(
+                st.msg.req_id, st.msg.origin, st.msg.step, st.msg.pos + st.out.shape[0],
+                np.ascontiguousarray(normed[rows[0]], dtype="<f4").tobytes(), st.msg.sampling, now,
+                (*st.trace, hop)))
         t0 = time.perf_counter()
         logits_all = self.model.head_logits(normed, self.head_rows)
         picks = [shortlist(logits, st.msg.sampling.temperature, st.msg.sampling.top_k, self.head_rows.start)
                  for st, logits in zip(steps, logits_all, strict=True)]
         took = time.perf_counter() - t0
         self.metrics.computed("head", took)
-        parts: dict[bytes, list[Message]] = {}
+        parts: dict[bytes, list[HeadPart]] = {}
         for st, (ids, values) in zip(steps, picks, strict=True):
             msg = st.msg
             parts.setdefault(st.job.route[0], []).append(HeadPart(
                 msg.req_id, msg.origin, msg.step, ids.astype("<i8").tobytes(), values.astype("<f4").tobytes(),
                 took * 1000))
         for dst, msgs in parts.items():
-            await self.send(dst, *msgs)
+            await self.send(dst, HeadParts.of(msgs) if len(msgs) > 1 else msgs[0])
 
     def _join(self, req_id: str, step: int) -> _HeadJoin:
         join = self._heads.get((req_id, step))
@@ -717,6 +738,19 @@ class _Computed:
     job: _Job
     out: np.ndarray
     trace: tuple[Hop, ...]
+
+
+def _row(st: _Computed, head: bool = False) -> Row:
+    """``st`` as a row of a Batch (see ``Batch.of``); for a head input, its position is
+    where the sampled token goes."""
+    msg = st.msg
+    return (msg.req_id, msg.origin, msg.pos + st.out.shape[0] if head else msg.pos, msg.step, msg.sampling,
+            st.job.route, st.trace)
+
+
+def _rows_bytes(steps: list[_Computed]) -> bytes:
+    """The one-row outputs of ``steps`` as one (rows, dims) float32 block, C order."""
+    return np.ascontiguousarray(np.concatenate([st.out for st in steps]), dtype=np.float32).tobytes()
 
 
 @dataclass
