@@ -325,13 +325,16 @@ def test_smoke_runs_summary_says_where_a_token_parted_at_a_near_tie():
     assert "matches meshd generate: yes (differs from step 1, a near-tie of the reference" in summary(out)
 
 
-def test_stage_0_splits_the_requests_decoding_into_a_group_per_stage_but_none_too_small():
-    # One batch of everything keeps one stage busy at a time; groups smaller than
+def test_stage_0_splits_the_requests_decoding_into_groups_of_about_min_group():
+    # One batch of everything keeps one stage busy at a time; groups much smaller than
     # MIN_GROUP would pay a weight pass for too few rows.
     assert MIN_GROUP == 8
-    assert [group_size(n, 3, 16) for n in (1, 4, 8, 15)] == [1, 4, 8, 15]  # one group
-    assert group_size(16, 3, 16) == 8  # two groups of 8 in flight
-    assert group_size(24, 3, 16) == 8 and group_size(30, 3, 16) == 10  # a group per stage
-    assert group_size(48, 3, 12) == 12  # never past --max-batch
-    assert group_size(32, 1, 64) == 32  # one stage: nothing to overlap
-    assert group_size(16, 3, 1) == 1  # --max-batch 1
+    assert [group_size(n, 3, 16) for n in (1, 4, 8, 11)] == [(1, 1), (4, 4), (8, 8), (11, 11)]  # one group
+    assert group_size(16, 3, 16) == (8, 8)  # two groups of 8 in flight
+    # One request short of two full groups still makes two, of 7 and 8: one group of 15
+    # would leave the other stages idle for the rest of the run.
+    assert group_size(15, 3, 16) == (7, 8) and group_size(12, 3, 16) == (6, 6)
+    assert group_size(24, 3, 16) == (8, 8) and group_size(31, 3, 16) == (10, 11)  # a group per stage
+    assert group_size(48, 3, 12) == (12, 12)  # never past --max-batch
+    assert group_size(32, 1, 64) == (32, 32)  # one stage: nothing to overlap
+    assert group_size(16, 3, 1) == (1, 1)  # --max-batch 1
