@@ -35,7 +35,9 @@ per-token latency of each and the median of the per-pair ratios.
 ``--batching`` runs two process pipelines of this tree in turn, one up at a time, one
 batching (``--max-batch 16``) and one not (``--max-batch 1``), and for 1, 4, 8 and 16
 concurrent streams (mixed prompts; greedy and sampled) prints the aggregate tokens/s of
-each next to the monolithic single stream, and each one's single-stream latency ratio.
+each next to the monolithic single stream, each one's single-stream latency ratio, and
+the share of each pass spent before its last stream's first token (the prompts' prefills,
+which the aggregate includes).
 """
 
 from __future__ import annotations
@@ -261,6 +263,9 @@ def batching(model_dir: str, model: StageModel, stages: int, tokens: int, runs: 
     mono: list[float] = []
     rates: dict[tuple[str, int], list[float]] = {}
     pairs: dict[str, list[float]] = {label: [] for label in labels}
+    # Per pass of W streams: the share of its time before the last stream's first token
+    # (its prompt's prefill waits behind the others'): the pass's aggregate includes it.
+    ramp: dict[tuple[str, int], list[float]] = {}
     for run in range(runs):
         cells = []
         for label, flag in labels.items():
@@ -269,11 +274,15 @@ def batching(model_dir: str, model: StageModel, stages: int, tokens: int, runs: 
             try:
                 client = clients[label] = _ready_client(meshes[label], label)
 
-                def one(seed: int, client=client) -> int:
+                firsts: list[float] = []  # perf_counter of each first token of the pass
+
+                def one(seed: int, client=client, firsts=firsts) -> int:
                     body = {"prompt": PROMPTS[seed % len(PROMPTS)], "max_tokens": tokens,
                             "temperature": 0.8 if seed % 2 else 0.0, "top_k": 20, "seed": seed}
+                    t0 = time.perf_counter()
                     r = client.post("/api/generate", json=body)
                     r.raise_for_status()
+                    firsts.append(t0 + (r.json()["timings"]["first_token_s"] or 0.0))
                     return len(r.json()["tokens"])
 
                 one(0)  # a whole request first: a mesh that served one, as a running mesh has
@@ -287,10 +296,13 @@ def batching(model_dir: str, model: StageModel, stages: int, tokens: int, runs: 
                             pairs[label].append(mono[-1] * took / n)
                             rates.setdefault((label, width), []).append(n / took)
                         continue
+                    firsts.clear()
                     t0 = time.perf_counter()
                     with concurrent.futures.ThreadPoolExecutor(width) as pool:
                         n = sum(pool.map(one, range(run * width, (run + 1) * width)))
-                    rates.setdefault((label, width), []).append(n / (time.perf_counter() - t0))
+                    took = time.perf_counter() - t0
+                    rates.setdefault((label, width), []).append(n / took)
+                    ramp.setdefault((label, width), []).append((max(firsts) - t0) / took)
             finally:
                 _close(clients, meshes)
             ratios = ", ".join(f"{r:.2f}" for r in pairs[label][-SINGLE_PAIRS:])
@@ -311,6 +323,9 @@ def batching(model_dir: str, model: StageModel, stages: int, tokens: int, runs: 
                       for label, r in ratio.items())
           + f"; batched - max-batch 1: {ratio['batched'] - ratio['max-batch 1']:+.3f}; targets <= 1.25, "
           "within 0.05")
+    print("  share of a pass before its last stream's first token (prompts wait for each other): "
+          + "; ".join(f"{label} " + ", ".join(f"x{w} {statistics.median(ramp[(label, w)]):.0%}"
+                                              for w in widths if w > 1) for label in labels))
     print("  targets: 8 streams >= 2x and 16 streams >= 3x the monolithic single stream (batched)")
 
 
