@@ -13,7 +13,7 @@ from meshd.identity import Identity
 from meshd.node import NodeOptions
 from meshd.pipeline.api import StageLost
 from meshd.pipeline.checkpoint import init_checkpoint
-from meshd.pipeline.generate import generate
+from meshd.pipeline.generate import diverges, generate, near_ties
 from meshd.relay.server import serve_relay
 from meshd.testing.inprocess import start_killable, wait_converged
 
@@ -74,6 +74,10 @@ class Mesh:
         (req,) = self.orch.app.requests.values()
         return req.route[stage]
 
+    def serving_any(self, stage: int) -> bytes:
+        """The node serving ``stage`` for the oldest running request."""
+        return next(iter(self.orch.app.requests.values())).route[stage]
+
     def kill(self, node: bytes) -> None:
         self.nodes[node][1].cancel()
 
@@ -101,6 +105,41 @@ async def test_a_killed_replica_mid_generation_hands_the_request_to_another_with
         assert failover["stage"] == "stage-1" and failover["from"] == killed[0].hex()[:8]
         assert failover["to"] != failover["from"] and failover["ms"] is not None
         assert mesh.orch.app.metrics.failovers == 1  # meshd_failovers_total
+
+
+async def test_requests_batched_through_a_killed_replica_each_move_to_another(checkpoint):
+    """Six requests at once, their steps batched: every one routed through the stage-1 node
+    that dies moves to the other replica (the batch that could not be delivered fails each
+    of its requests, which the orchestrator replays), and each still gets its own
+    reference's tokens by the batched rule."""
+    specs = [(0.0 if i % 2 else 0.9, 0 if i % 2 else 20, i) for i in range(6)]
+    async with running(checkpoint, [1, 2, 1]) as mesh:
+        killed: list[bytes] = []
+        through: set[str] = set()  # the requests routed through the killed node
+
+        async def on_token(_token):
+            if not killed:
+                killed.append(mesh.serving_any(1))
+                through.update(r.req_id for r in mesh.orch.app.requests.values() if r.route[1] == killed[0])
+                mesh.kill(killed[0])
+
+        results: list[dict] = [{}] * len(specs)
+
+        async def one(i: int) -> None:
+            temperature, top_k, seed = specs[i]
+            results[i] = await mesh.orch.app.generate(PROMPT, 40, temperature, top_k, seed, on_token=on_token)
+
+        async with trio.open_nursery() as clients:
+            for i in range(len(specs)):
+                clients.start_soon(one, i)
+    assert through
+    for (temperature, top_k, seed), got in zip(specs, results, strict=True):
+        want = generate(checkpoint, PROMPT, 40, temperature, top_k, seed, return_logits=True)
+        parted = diverges(got["tokens"], want["tokens"])
+        assert parted is None or (temperature == 0 and parted in near_ties(want["logits"])), seed
+        moved = [f for f in got["failovers"] if f["stage"] == "stage-1"]
+        assert bool(moved) is (got["request"] in through), (got["request"], got["failovers"])
+        assert all(f["from"] == killed[0].hex()[:8] for f in moved)
 
 
 async def test_with_no_replica_the_request_fails_naming_the_stage_and_the_next_one_needs_a_new_node(
