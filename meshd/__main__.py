@@ -5,6 +5,19 @@ import os
 import sys
 
 
+def _ctrl_c(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is Ctrl-C, or an error the interpreter made of one: a KeyboardInterrupt
+    raised while a class is being made (in a field's ``__set_name__``, as a module loads)
+    comes out as a RuntimeError caused by it."""
+    for _ in range(8):
+        if exc is None:
+            return False
+        if isinstance(exc, KeyboardInterrupt):
+            return True
+        exc = exc.__cause__
+    return False
+
+
 def entry() -> None:
     try:
         from .cli import main  # inside the try: Ctrl-C can come while the modules load
@@ -18,6 +31,10 @@ def entry() -> None:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         code = 141  # as a process SIGPIPE stopped
+    except Exception as exc:
+        if not _ctrl_c(exc):
+            raise
+        code = 130
     sys.exit(code)
 
 

@@ -62,6 +62,36 @@ def test_ctrl_c_at_any_moment_ends_without_a_traceback(tmp_path, after_s):
         assert proc.returncode == 130
 
 
+@pytest.mark.parametrize("raised", [KeyboardInterrupt(), "wrapped"])
+def test_ctrl_c_while_a_module_loads_exits_130_even_as_the_error_python_makes_of_it(monkeypatch, raised):
+    # Ctrl-C inside a dataclass field's __set_name__ (a module loading) reaches us as a
+    # RuntimeError caused by the KeyboardInterrupt.
+    from meshd import __main__ as entry_module
+    from meshd import cli
+
+    def interrupted() -> int:
+        if raised == "wrapped":
+            raise RuntimeError("Error calling __set_name__ on 'Field' instance") from KeyboardInterrupt()
+        raise raised
+
+    monkeypatch.setattr(cli, "main", interrupted)
+    with pytest.raises(SystemExit) as exit_:
+        entry_module.entry()
+    assert exit_.value.code == 130
+
+
+def test_an_error_not_caused_by_ctrl_c_is_not_taken_for_one(monkeypatch):
+    from meshd import __main__ as entry_module
+    from meshd import cli
+
+    def broken() -> int:
+        raise RuntimeError("a real bug") from ValueError("its cause")
+
+    monkeypatch.setattr(cli, "main", broken)
+    with pytest.raises(RuntimeError, match="a real bug"):
+        entry_module.entry()
+
+
 def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
     """`meshd ps --json | head -c 1`: the reader went away."""
     proc = subprocess.Popen([sys.executable, "-m", "meshd", "ps", "--json"], stdout=subprocess.PIPE,
