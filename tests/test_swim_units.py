@@ -897,3 +897,30 @@ def test_a_joiner_tells_a_few_more_members_about_itself_once_its_join_is_answere
     for out in told:
         bench.hand(out, 0.3)
         assert bench.by_addr[out.addr].members[joiner.id].state is State.ALIVE
+
+
+def test_a_member_restarted_under_its_own_key_tells_the_seed_its_refutation_too():
+    """The seed knows the member left; the new process's join push-pull carries the old
+    incarnation, which the seed ignores.  The seed's answer makes the member refute, and the
+    seed must hear the refutation from the member itself: gossip alone may never bring it
+    on a small mesh."""
+    bench = Bench(4)
+    seed, b, c, gone = bench.swims
+    gone.leave(1.0)
+    for out in gone.outbox():
+        if out.addr == seed.me.addr:
+            bench.hand(out, 1.1)
+    assert seed.members[gone.id].state is State.LEFT
+    back = Swim(gone.id, gone.me.addr, Meta(stage=3), LAN, random.Random(7), 2.0)  # the same key
+    back.join([seed.me.addr], 2.0)
+    (join,) = back.outbox()
+    seed.receive(join.packet, back.me.addr, 2.1)
+    assert seed.members[gone.id].state is State.LEFT  # the old incarnation changes nothing
+    (answer,) = [o for o in seed.outbox() if o.addr == back.me.addr]
+    back.receive(answer.packet, seed.me.addr, 2.2)
+    assert back.incarnation > seed.members[gone.id].incarnation  # refuted
+    to_seed = [o for o in back.outbox() if o.addr == seed.me.addr]
+    assert to_seed
+    for out in to_seed:
+        seed.receive(out.packet, back.me.addr, 2.3)
+    assert (seed.members[gone.id].state, seed.members[gone.id].incarnation) == (State.ALIVE, back.incarnation)

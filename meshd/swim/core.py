@@ -509,6 +509,7 @@ class Swim:
         # yet): its word must not fill our member list with made-up members at others'
         # addresses.
         known = sender in self.members or (self._next_join != INF and not msg.reply)
+        incarnation = self.incarnation
         if msg.reply:
             # Our whole state goes only to a member we know, or one that joins in this very
             # push-pull (a restarted one needs it to learn what to refute): a stranger's
@@ -536,7 +537,10 @@ class Swim:
                 self._on_name(claim, now)
         if self.live_count() > 1:
             if self._next_join != INF:
-                self._announce(sender)
+                # A restarted member learns from the seed's answer that it left or died, and
+                # refutes: the seed holds our join push-pull at the old incarnation, which it
+                # ignored, so it hears the refutation from us too, not only by gossip.
+                self._announce(sender, tell_seed=self.incarnation != incarnation)
             self._next_join = INF
 
     def _handle_path_summary(self, msg: PathSummary, sender: bytes, addr: str, now: float) -> None:
@@ -1023,8 +1027,9 @@ class Swim:
         self._out.append(Outgoing(addr, sender, self._packet([self._push_pull(False, True)]), True))
         self.counters["tx_reconnect_followups"] += 1
 
-    def _announce(self, seed: bytes) -> None:
-        """Our join was answered: tell a few more members about us at once.
+    def _announce(self, seed: bytes, tell_seed: bool = False) -> None:
+        """Our join was answered: tell a few more members about us at once (and the seed
+        again, with ``tell_seed``).
 
         Gossip carries our Alive only ``retransmit_limit`` times from each node that
         heard it (2 on the local profile with a handful of members), and some of those
@@ -1032,7 +1037,10 @@ class Swim:
         mesh could first hear of us at the next push-pull, a quarter minute later."""
         intro = self._introduction()
         pp = PushPull(False, False, intro.members, intro.names)
-        for node in self._random_members(JOIN_ANNOUNCE, exclude=seed, alive_only=True):
+        told = self._random_members(JOIN_ANNOUNCE, exclude=seed, alive_only=True)
+        if tell_seed and seed in self.members:
+            told = [*told, seed]
+        for node in told:
             self._out.append(Outgoing(self.members[node].addr, node, self._packet([pp]), True))
             self.counters["tx_join_announce"] += 1
 
