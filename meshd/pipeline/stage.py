@@ -523,25 +523,21 @@ class StageService(App):
                 await self.send(dst, Batch.of(True, [_row(steps[i], head=True) for i in rows], hidden,
                                               normed.shape[1], now, hop))
                 continue
-            st = steps[rows[0]]
-            await self.send(dst, HeadInput(
-                st.msg.req_id, st.msg.origin, st.msg.step, st.msg.pos + st.out.shape[0],
-                np.ascontiguousarray(normed[rows[0]], dtype="<f4").tobytes(), st.msg.sampling, now,
-                (*st.trace, hop)))
+            req_id, origin, pos, step, sampling, _, trace = _row(steps[rows[0]], head=True)
+            await self.send(dst, HeadInput(req_id, origin, step, pos,
+                                           np.ascontiguousarray(normed[rows[0]], dtype="<f4").tobytes(),
+                                           sampling, now, (*trace, hop)))
         t0 = time.perf_counter()
         logits_all = self.model.head_logits(normed, self.head_rows)
         picks = [shortlist(logits, st.msg.sampling.temperature, st.msg.sampling.top_k, self.head_rows.start)
                  for st, logits in zip(steps, logits_all, strict=True)]
         took = time.perf_counter() - t0
         self.metrics.computed("head", took)
-        parts: dict[bytes, list[HeadPart]] = {}
-        for st, (ids, values) in zip(steps, picks, strict=True):
-            msg = st.msg
-            parts.setdefault(st.job.route[0], []).append(HeadPart(
-                msg.req_id, msg.origin, msg.step, ids.astype("<i8").tobytes(), values.astype("<f4").tobytes(),
-                took * 1000))
-        for dst, msgs in parts.items():
-            await self.send(dst, HeadParts.of(msgs) if len(msgs) > 1 else msgs[0])
+        for dst, rows in inputs.items():  # each stage 0 its rows' shortlists, as it got their inputs
+            parts = [HeadPart(steps[i].msg.req_id, steps[i].msg.origin, steps[i].msg.step,
+                              picks[i][0].astype("<i8").tobytes(), picks[i][1].astype("<f4").tobytes(),
+                              took * 1000) for i in rows]
+            await self.send(dst, HeadParts.of(parts) if len(parts) > 1 else parts[0])
 
     def _join(self, req_id: str, step: int) -> _HeadJoin:
         join = self._heads.get((req_id, step))
