@@ -1,0 +1,64 @@
+#!/usr/bin/env python3
+"""A weight product over B rows: numpy's ``x @ W.T`` against ``model.rows_times``, side by side.
+
+For each B in 1..16, the small preset's decode-step shapes (a layer's four
+products and the last stage's share of the LM head), warm in the cache, one
+BLAS thread: the median microseconds of each way and their ratio.  OpenBLAS
+runs a product's rows in blocks of four, and a last partial block costs far
+more than its share; ``rows_times`` pads to a whole block or runs 2-3 rows
+one at a time.
+
+    .venv/bin/python bench/rows.py [--repeats 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from meshd.pipeline.checkpoint import preset_config  # noqa: E402
+from meshd.pipeline.model import head_cut, rows_times  # noqa: E402
+
+
+def median_us(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=200)
+    args = parser.parse_args()
+    c = preset_config("small")
+    d, inter, vocab = c.hidden_size, c.intermediate_size, c.vocab_size
+    kvd = c.num_key_value_heads * c.head_dim
+    rng = np.random.default_rng(0)
+    shapes = {"layer (qkv, o, gate-up, down)": [(d + 2 * kvd, d), (d, d), (2 * inter, d), (d, inter)],
+              "last stage's head share": [(vocab - head_cut(vocab), d)]}
+    weights = {name: [rng.standard_normal(s, dtype=np.float32) for s in ss] for name, ss in shapes.items()}
+    print(f"small preset, one BLAS thread, median of {args.repeats}: x @ W.T against rows_times (µs)")
+    for name, ws in weights.items():
+        print(f"  {name}:")
+        ratios = []
+        for rows in range(1, 17):
+            xs = [rng.standard_normal((rows, w.shape[1]), dtype=np.float32) for w in ws]
+            plain = median_us(lambda: [x @ w.T for x, w in zip(xs, ws, strict=True)], args.repeats)
+            blocked = median_us(lambda: [rows_times(x, w) for x, w in zip(xs, ws, strict=True)], args.repeats)
+            ratios.append(plain / blocked)
+            print(f"    {rows:2d} rows: {plain:8.1f} against {blocked:8.1f}  ({plain / blocked:.2f}x)")
+        print(f"    median ratio over 1-16 rows: {statistics.median(ratios):.2f}x")
+
+
+if __name__ == "__main__":
+    main()
