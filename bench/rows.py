@@ -53,8 +53,9 @@ def main() -> None:
         ratios = []
         for rows in range(1, 17):
             xs = [rng.standard_normal((rows, w.shape[1]), dtype=np.float32) for w in ws]
-            plain = median_us(lambda: [x @ w.T for x, w in zip(xs, ws, strict=True)], args.repeats)
-            blocked = median_us(lambda: [rows_times(x, w) for x, w in zip(xs, ws, strict=True)], args.repeats)
+            pairs = list(zip(xs, ws, strict=True))
+            plain = median_us(lambda pairs=pairs: [x @ w.T for x, w in pairs], args.repeats)
+            blocked = median_us(lambda pairs=pairs: [rows_times(x, w) for x, w in pairs], args.repeats)
             ratios.append(plain / blocked)
             print(f"    {rows:2d} rows: {plain:8.1f} against {blocked:8.1f}  ({plain / blocked:.2f}x)")
         print(f"    median ratio over 1-16 rows: {statistics.median(ratios):.2f}x")

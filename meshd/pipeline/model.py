@@ -426,24 +426,39 @@ class StageModel:
         """Layer ``li``'s attention for a decode batch, one row per request: (B, qd + 2 kvd) ->
         (B, qd).  RoPE rotates every row's query and key at once (each at its own position;
         an element's rotation is the same arithmetic as ``_attend``'s, so the same bits), then
-        each request attends over its own cache, as ``_attend`` does for one row."""
+        each request attends over its own cache, the very arithmetic ``_over_cache`` does for
+        one row: the products and each row's sum per request, and what is the same for every
+        element (the scale, the maximum, the exponential, the division) once over all rows'
+        scores, laid side by side with the positions past a request's end at -inf."""
         c = self.config
         H, KV, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         G, qd, kvd = H // KV, H * hd, KV * hd
         B = len(spans)
         at = np.fromiter((start for _, start, _ in spans), dtype=np.intp, count=B)
         cos, sin = rope[0][at][:, None, :], rope[1][at][:, None, :]  # (B, 1, hd/2)
-        q = apply_rope(qkv[:, :qd].reshape(B, H, hd), cos, sin)  # (B, H, hd)
+        q = apply_rope(qkv[:, :qd].reshape(B, H, hd), cos, sin).reshape(B, KV, G, 1, hd)
         k = apply_rope(qkv[:, qd:qd + kvd].reshape(B, KV, hd), cos, sin)  # (B, KV, hd)
         v = qkv[:, qd + kvd:].reshape(B, KV, hd)
-        out = np.empty((B, qd), dtype=np.float32)
+        scores = np.full((B, KV, G, 1, max(end for _, _, end in spans)), -np.inf, dtype=np.float32)
         for b, (cache, start_pos, end) in enumerate(spans):
             cache.k[li, :, start_pos] = k[b]
             cache.v[li, :, start_pos] = v[b]
-            attn = self._over_cache(q[b].reshape(KV, G, 1, hd), li, cache, end,
-                                    _mask(masks, start_pos, 1, window))
-            out[b] = attn.reshape(qd)  # (KV, G, 1, hd) in head order
-        return out
+            np.matmul(q[b], cache.k[li, :, :end][:, None].transpose(0, 1, 3, 2), out=scores[b, ..., :end])
+        scores *= self._scale
+        for b, (_, start_pos, end) in enumerate(spans):
+            mask = _mask(masks, start_pos, 1, window)
+            if mask is not None:
+                scores[b, ..., :end] += mask
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        sums = np.empty((B, KV, G, 1, 1), dtype=np.float32)
+        for b, (_, _, end) in enumerate(spans):
+            np.sum(scores[b, ..., :end], axis=-1, keepdims=True, out=sums[b])
+        scores /= sums
+        out = np.empty((B, KV, G, 1, hd), dtype=np.float32)
+        for b, (cache, _, end) in enumerate(spans):
+            np.matmul(scores[b, ..., :end], cache.v[li, :, :end][:, None], out=out[b])
+        return out.reshape(B, qd)  # (KV, G, 1, hd) in head order
 
     def final_norm(self, hidden: np.ndarray) -> np.ndarray:
         """The final RMSNorm, hidden (T, D) -> (T, D): what the LM head multiplies."""
