@@ -47,6 +47,13 @@ async def test_pipelined_tokens_and_logits_equal_the_reference(checkpoint, stage
             hops = {(h["kind"], h["name"]) for h in got["timings"]["hops"]}
             assert {("compute", f"stage-{k}") for k in range(stages)} <= hops
             assert ("transit", "orchestrator->stage-0") in hops
+            # The orchestrator keeps the traces of steps 0, 4 and 8 of the 12: the others
+            # came without one.  Each traced step holds every stage's compute.
+            traced = orch.recent_traces[-1]["traces"]
+            assert len(traced) == 3
+            for trace in traced:
+                computed = {name for kind, name, *_ in trace if kind == "compute"}
+                assert {f"stage-{k}" for k in range(stages)} <= computed
             nursery.cancel_scope.cancel()
 
 

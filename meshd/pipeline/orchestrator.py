@@ -421,8 +421,10 @@ class Orchestrator(App):
             if req is None or req.finish_reason is not None or msg.step != req.next_step:
                 return  # a request that ended (a stop string) or moved, or a step we have
             req.next_step += 1
-            req.traces.append(arrived(msg.trace, msg.sent_at))
-            self.metrics.arrived(req.traces[-1])
+            trace = arrived(msg.trace, msg.sent_at)
+            self.metrics.arrived(trace)
+            if len(trace) > 1:  # a whole step's (one in stage.TRACE_EVERY), not its last transit alone
+                req.traces.append(trace)
             if msg.logits:
                 req.logits.append(np.frombuffer(msg.logits, dtype=np.float32).copy())
             if msg.done != "eos":
