@@ -255,7 +255,8 @@ def batching(model_dir: str, model: StageModel, stages: int, tokens: int, runs: 
     second mesh (each gossiping ten times a second) take turns on the cores that the
     measured pipeline's stages wait for, which no deployment has.  Each single stream is
     paired with a monolithic run just before it, on the same machine state, SINGLE_PAIRS
-    pairs per pipeline started, and the latency ratio is the median of all the pairs."""
+    pairs per pipeline started, and the latency ratio is the median of all the pairs.  The
+    pipeline measured first alternates from one run to the next."""
     import concurrent.futures
 
     from meshd.testing.processes import start_mesh
@@ -269,7 +270,10 @@ def batching(model_dir: str, model: StageModel, stages: int, tokens: int, runs: 
     ramp: dict[tuple[str, int], list[float]] = {}
     for run in range(runs):
         cells = []
-        for label, flag in labels.items():
+        # Which pipeline goes first alternates from run to run, so a drift of the VM's speed
+        # over a run weighs on both alike.
+        order = list(labels.items()) if run % 2 == 0 else list(labels.items())[::-1]
+        for label, flag in order:
             meshes = {label: start_mesh(stages, extra=["--model", model_dir, "--max-batch", flag])}
             clients: dict = {}
             try:
