@@ -330,3 +330,61 @@ async def test_the_orchestrator_page_draws_where_a_tokens_time_goes_and_its_thro
     assert "layers" in shown["stages"] and "of 4" in shown["stages"], shown["stages"]
     layout = shown["layout"]
     assert layout["outside"] == [] and layout["clipped"] == [] and layout["overlaps"] == [], layout
+
+
+# Each edge label's edge: a pipeline hop, or an edge in trouble (asymmetric, relayed, no path).
+LABELLED = """() => [...document.querySelectorAll('#labels text')].map(t => {
+  const e = document.querySelector(`#topology path.edge[data-key="${t.dataset.key}"]`);
+  return [t.textContent, e ? [...e.classList].join(' ') : 'no edge', e ? e.dataset.path : ''];
+})"""
+
+
+def _dense_page(url: str, shot: Path, nodes: int) -> dict:
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
+        try:
+            page = browser.new_page(viewport={"width": 1920, "height": 1080})
+            page.goto(url)
+            _until(page, f"document.querySelectorAll('#topology g.node').length === {nodes}")
+            _until(page, f"document.querySelectorAll('#peers tbody tr').length === {nodes}")
+            shown = {"layout": page.evaluate(LAYOUT), "labelled": page.evaluate(LABELLED),
+                     "faint": page.evaluate("document.querySelectorAll('#topology path.edge.faint').length"),
+                     "banner": page.inner_text("#banner")}
+            page.screenshot(path=str(shot))
+            return shown
+        finally:
+            browser.close()
+
+
+async def test_a_dense_mesh_labels_only_the_pipeline_hops_and_the_trouble(tmp_path):
+    # Four stages of two replicas each: 72 directed pairs.  The hops between consecutive
+    # stages and any edge in trouble carry a label; the others are drawn faint, unlabelled,
+    # and nothing overlaps or runs off a 1920x1080 page.
+    lines: list[str] = []
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            def options(**more) -> NodeOptions:
+                return NodeOptions(profile="local", stages=4, dashboard="127.0.0.1:0", **more)
+
+            orch = await start_node(nursery, options(role="orchestrator"), lines)
+            nodes = [orch]
+            for k in (0, 0, 1, 1, 2, 2, 3, 3):
+                nodes.append(await start_node(nursery, options(stage=k, seeds=[orch.addr]), lines))
+            await wait_converged(nodes)
+            shot = tmp_path / "dense-1920x1080.png"
+            shown = await trio.to_thread.run_sync(_dense_page, orch.dashboard_url, shot, len(nodes))
+            nursery.cancel_scope.cancel()
+    _keep(shot)
+
+    assert shown["banner"].startswith("ready: the pipeline can serve"), shown["banner"]
+    layout = shown["layout"]
+    assert layout["outside"] == [] and layout["clipped"] == [] and layout["overlaps"] == [], layout
+    assert layout["scroll_width"] <= layout["vw"]
+    assert shown["faint"] > 0, "the edges that are neither hops nor trouble are drawn faint"
+    assert shown["labelled"], "the hops are labelled"
+    for text, classes, path in shown["labelled"]:
+        assert "hop" in classes.split() or "asymmetric" in classes.split() or path in ("relay", "none"), \
+            (text, classes, path)
+        assert text != "not reported" or "hop" in classes.split(), text

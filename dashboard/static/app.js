@@ -182,8 +182,9 @@ function drawTopology(state) {
                                                        w: NODE_W + 6, h: NODE_H + 6}));
 
   // Edges: the curve, its arrow, a halo under an asymmetric one.  Past a few nodes, an edge
-  // that is neither a pipeline hop nor in trouble is drawn faint and unlabelled (hover a node
-  // to see its edges): the hops and the trouble are what a reader looks for.
+  // that is neither a pipeline hop nor in trouble (direct, or with no path reported yet: two
+  // replicas that never exchanged a message) is drawn faint and unlabelled (hover a node to
+  // see its edges): the hops and the trouble are what a reader looks for.
   const dense = topo.edges.length > 8;
   const drawn = [];
   for (const e of topo.edges) {
@@ -197,7 +198,7 @@ function drawTopology(state) {
     if (bad) edgesG.appendChild(el("path", {d, stroke: "#ffcdd2", "stroke-width": 12, fill: "none",
                                             "stroke-linecap": "round", class: "asym-halo"}));
     const blamedHop = blame.hops.has(`${e.from_name}>${e.to_name}`);
-    const minor = !hop && e.path === "direct" && !bad;
+    const minor = !hop && (e.path === "direct" || e.path === "unknown") && !bad;
     const key = edgeKey(e);
     const cls = ["edge", "path-" + e.path, bad ? "asymmetric" : "", hop ? "hop" : "", minor ? "minor" : "",
                  minor && dense ? "faint" : "",
