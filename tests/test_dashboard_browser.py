@@ -353,9 +353,29 @@ def _dense_page(url: str, shot: Path, nodes: int) -> dict:
                      "faint": page.evaluate("document.querySelectorAll('#topology path.edge.faint').length"),
                      "banner": page.inner_text("#banner")}
             page.screenshot(path=str(shot))
+            narrow = browser.new_page(viewport={"width": 1280, "height": 800})
+            narrow.goto(url)
+            _until(narrow, "document.querySelectorAll('#details table.stages tr').length === 6")
+            shown["stage_lines"] = narrow.evaluate(LINES)
+            shown["layout_1280"] = narrow.evaluate(LAYOUT)
+            narrow.screenshot(path=str(shot.with_name("dense-1280x800.png")))
             return shown
         finally:
             browser.close()
+
+
+# Lines each cell of the stages table takes at 1280x800, and each replica in its cell.
+LINES = """() => {
+  const lines = e => {
+    const r = document.createRange();
+    r.selectNodeContents(e);
+    return r.getClientRects().length;
+  };
+  return [...document.querySelectorAll('#details table.stages tr')].slice(1).map(tr => [
+    tr.cells[0].textContent,
+    [...tr.cells].filter(td => !td.classList.contains('replicas')).map(lines),
+    [...tr.querySelectorAll('.replica')].map(lines)]);
+}"""
 
 
 async def test_a_dense_mesh_labels_only_the_pipeline_hops_and_the_trouble(tmp_path):
@@ -388,3 +408,13 @@ async def test_a_dense_mesh_labels_only_the_pipeline_hops_and_the_trouble(tmp_pa
         assert "hop" in classes.split() or "asymmetric" in classes.split() or path in ("relay", "none"), \
             (text, classes, path)
         assert text != "not reported" or "hop" in classes.split(), text
+    # At 1280x800 a stage's name, its serving count and its layers each keep to one line,
+    # and each replica stays whole: the replicas' cell wraps between them.
+    names = [name for name, _, _ in shown["stage_lines"]]
+    assert names == ["orchestrator", *(f"stage-{k}" for k in range(4))]
+    for name, cells, replicas in shown["stage_lines"]:
+        assert cells == [1] * len(cells), (name, cells)
+        assert all(n == 1 for n in replicas) and len(replicas) == (0 if name == "orchestrator" else 2), name
+    layout = shown["layout_1280"]
+    assert layout["outside"] == [] and layout["clipped"] == [] and layout["overlaps"] == [], layout
+    _keep(shot.with_name("dense-1280x800.png"))

@@ -412,13 +412,15 @@ function drawDetails(state) {
   table.appendChild(head);
   const orch = topo.nodes.filter(n => n.role === "orchestrator");
   const tr0 = h("tr"); cell(tr0, "orchestrator"); cell(tr0, orch.length ? "yes" : "no", orch.length ? "ok" : "none");
-  cell(tr0, orch.map(n => n.prefix).join(", ") || "–");
+  cell(tr0, orch.map(n => n.prefix).join(", ") || "–", "replicas");
   if (known) cell(tr0, "–");
   table.appendChild(tr0);
   for (const r of rows) {
     const tr = h("tr");
     cell(tr, r.name); cell(tr, r.live ? `${r.live} of ${r.replicas.length}` : "no", r.live ? "ok" : "none");
-    cell(tr, r.replicas.map(x => `${x.prefix} ${x.state}`).join(", ") || "–");
+    // One replica a line's worth, whole: the cell wraps between replicas, never inside one.
+    const reps = cell(tr, r.replicas.length ? "" : "–", "replicas");
+    r.replicas.forEach((x, i) => reps.appendChild(h("span", "replica", `${x.prefix} ${x.state}${i + 1 < r.replicas.length ? "," : ""}`)));
     if (known) cell(tr, layersOf(state, r.name));
     table.appendChild(tr);
   }
