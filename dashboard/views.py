@@ -190,16 +190,25 @@ def problems(snap: dict, topo: dict | None = None) -> list[dict[str, Any]]:
                      f"or a forwarded UDP and TCP port lets it be reached directly")
         out.append({"kind": "asymmetric", "where": f"{a['a']}→{a['b']}", "detail": a["detail"],
                     "check": check})
+    end = _end_names(topo["nodes"])
+    unreported: dict[str, list[str]] = {}  # a node whose summary has not come: the pairs from it
     for e in topo["edges"]:
+        a, b = end[e["from"]], end[e["to"]]
         if e["path"] == "none":
-            out.append({"kind": "no-path", "where": f"{e['from_name']}→{e['to_name']}",
+            out.append({"kind": "no-path", "where": f"{a}→{b}",
                         "detail": e.get("reason") or "neither direct nor relay answered",
-                        "check": f"is {e['to_name']} up, and do both reach the relay?"})
+                        "check": f"is {b} up, and do both reach the relay?"})
         elif e["path"] == "unknown" and e["from"] != snap["self"]["id"]:
-            out.append({"kind": "unreported", "where": f"{e['from_name']}→{e['to_name']}",
-                        "detail": f"no path summary from {e['from_name']} yet",
-                        "check": f"wait a few seconds; if it persists, {e['from_name']}'s gossip "
-                                 "does not reach us"})
+            unreported.setdefault(a, []).append(b)
+    reported = set(topo.get("reported", []))
+    ids = {name: i for i, name in end.items()}
+    for a, peers in unreported.items():  # one line for each such node, not one for each pair
+        where = f"{a}→{peers[0]}" if len(peers) == 1 else f"{a}→{len(peers)} peers"
+        to = ", ".join(peers) if len(peers) <= 3 else f"{len(peers)} peers"
+        detail = f"{a} has not reported its path to {to} yet" if ids[a] in reported else \
+            f"no path summary from {a} yet"
+        out.append({"kind": "unreported", "where": where, "detail": detail,
+                    "check": f"wait a few seconds; if it persists, {a}'s gossip does not reach us"})
     # A dead or suspect node whose run name another node serves, alive, was replaced (a
     # restart under a new identity) or has a replica: readiness warns of it; not a problem.
     served = {_name(m) for m in snap.get("members", []) if m.get("state") == "alive"}
@@ -222,6 +231,15 @@ def problems(snap: dict, topo: dict | None = None) -> list[dict[str, Any]]:
                         "check": "is the relay running and reachable over TCP (WebSocket)?"})
     out.extend(_unresolved(snap))
     return out
+
+
+def _end_names(nodes: list[dict]) -> dict[str, str]:
+    """Node id -> how a problem names it: its name, and its prefix too where replicas share
+    the name (``stage-1 (c0445736)``), so each problem says which replica."""
+    count: dict[str, int] = {}
+    for n in nodes:
+        count[n["name"]] = count.get(n["name"], 0) + 1
+    return {n["id"]: n["name"] if count[n["name"]] == 1 else f"{n['name']} ({n['prefix']})" for n in nodes}
 
 
 def _unresolved(snap: dict) -> list[dict[str, Any]]:

@@ -192,6 +192,26 @@ def test_topology_peers_and_problems_carry_it():
     assert f"owners: {S2} dead" in unresolved["detail"]
 
 
+
+def test_a_problem_names_which_replica_and_says_once_what_a_node_has_not_reported():
+    # Every path known but those from stage-1's second replica (no summary at all) and one
+    # from stage-0 (its summary lacks stage-1's first replica); stage-0 has no path to stage-2.
+    me, others = healthy()
+    everyone = [me, *others]
+    summaries = {v["prefix"]: {w["prefix"]: "direct" for w in everyone if w is not v}
+                 for v in everyone if v["prefix"] not in (ORCH, S1B)}
+    del summaries[S0][S1A]
+    summaries[S0][S2] = "none"
+    found = problems(snap_of(me, others, summaries=summaries))
+    unreported = sorted((p["where"], p["detail"]) for p in found if p["kind"] == "unreported")
+    assert unreported == [
+        (f"stage-0→stage-1 ({S1A})", f"stage-0 has not reported its path to stage-1 ({S1A}) yet"),
+        (f"stage-1 ({S1B})→4 peers", f"no path summary from stage-1 ({S1B}) yet"),
+    ]
+    [no_path] = [p for p in found if p["kind"] == "no-path"]
+    assert no_path["where"] == "stage-0→stage-2" and "is stage-2 up" in no_path["check"]
+
+
 # ------------------------------------------------------------- through the CLI, on real nodes
 
 
