@@ -248,15 +248,25 @@ async def test_past_the_running_limit_requests_wait_their_turn_and_all_complete(
         async with trio.open_nursery() as nursery:
             nodes = await start_pipeline(nursery, checkpoint, 3, lines, max_running=2, max_queued=16)
             orch = nodes[0].app
+            gauges: list[tuple[float, float]] = []  # (running, waiting) as /metrics says
+
+            def read() -> tuple[float, float]:
+                now = {f.name: f.series[0][1] for f in orch.metrics.families()
+                       if f.name in ("meshd_requests_running", "meshd_requests_waiting")}
+                return now["meshd_requests_running"], now["meshd_requests_waiting"]
 
             async def one(i: int) -> None:
                 results.append(await orch.generate(PROMPTS[i % len(PROMPTS)], 8, seed=i))
+                gauges.append(read())
 
             async with trio.open_nursery() as clients:
                 for i in range(12):
                     clients.start_soon(one, i)
             assert orch.admission.running == 0 and not orch.admission.waiting
+            assert read() == (0, 0)
             nursery.cancel_scope.cancel()
+    # While the first ones ended, two ran and the rest waited; the queue emptied as they went.
+    assert max(r for r, _ in gauges) <= 2 and max(w for _, w in gauges) >= 8
     assert len(results) == 12 and all(r["finish_reason"] in ("length", "eos") for r in results)
     waited = [r for r in results if r["timings"]["queued_s"] > 0]
     assert len(waited) >= 12 - 2

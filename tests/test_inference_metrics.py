@@ -20,7 +20,8 @@ from meshd.testing.inprocess import start_node, wait_converged
 
 PROMPT = "Hello"
 ORCHESTRATOR_FAMILIES = {
-    "meshd_requests": "counter", "meshd_requests_in_flight": "gauge", "meshd_prompt_tokens": "counter",
+    "meshd_requests": "counter", "meshd_requests_in_flight": "gauge", "meshd_requests_running": "gauge",
+    "meshd_requests_waiting": "gauge", "meshd_prompt_tokens": "counter",
     "meshd_generation_tokens": "counter", "meshd_failovers": "counter",
     "meshd_time_to_first_token_seconds": "histogram", "meshd_time_per_output_token_seconds": "histogram",
     "meshd_e2e_request_latency_seconds": "histogram", "meshd_hop_transit_seconds": "histogram",
@@ -131,6 +132,8 @@ async def test_a_request_moves_each_inference_counter_by_what_it_did(checkpoint)
     assert moved(b, a, "meshd_generation_tokens", "meshd_generation_tokens_total") == n
     assert moved(b, a, "meshd_failovers", "meshd_failovers_total") == 0
     assert value(a, "meshd_requests_in_flight", "meshd_requests_in_flight") == 0
+    assert value(a, "meshd_requests_running", "meshd_requests_running") == 0
+    assert value(a, "meshd_requests_waiting", "meshd_requests_waiting") == 0
     for family in ("meshd_time_to_first_token_seconds", "meshd_time_per_output_token_seconds",
                    "meshd_e2e_request_latency_seconds"):
         assert moved(b, a, family, f"{family}_count") == 1, family

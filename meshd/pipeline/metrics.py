@@ -7,6 +7,7 @@ is touched only from the service's trio thread, so nothing needs a lock; the
 dashboard renders :meth:`families` into Prometheus text (``dashboard.metrics``).
 
 Orchestrator: ``meshd_requests_total{outcome}`` (OUTCOMES), ``meshd_requests_in_flight``,
+``meshd_requests_running``, ``meshd_requests_waiting``,
 ``meshd_prompt_tokens_total``, ``meshd_generation_tokens_total``, ``meshd_failovers_total``,
 ``meshd_time_to_first_token_seconds``, ``meshd_time_per_output_token_seconds``,
 ``meshd_e2e_request_latency_seconds``, ``meshd_request_queue_seconds``.  Stage:
@@ -54,7 +55,9 @@ HELP = {
     "requests": "Generation requests by how they ended: stop (end-of-sequence token or a stop string), "
                 "length (max_tokens), error (the pipeline failed it), cancelled (the caller went away), "
                 "refused (never started: prompt too long, or a stage without a usable owner)",
-    "in_flight": "Generation requests running at the orchestrator now",
+    "in_flight": "Generation requests at the orchestrator now: running, or waiting in its queue",
+    "running": "Requests admitted and running now (--max-running and the stages' KV budget cap them)",
+    "waiting": "Requests waiting in the orchestrator's queue for a free slot now (--max-queued caps them)",
     "prompt_tokens": "Prompt tokens of the requests the orchestrator started",
     "generation_tokens": "Tokens generated for the orchestrator's requests, as they reach it (an "
                          "end-of-sequence token is not counted, as usage.completion_tokens)",
@@ -179,6 +182,8 @@ class OrchestratorMetrics(PipelineMetrics):
         super().__init__()
         self.requests = dict.fromkeys(OUTCOMES, 0)
         self.in_flight = 0
+        # Admitted and queued requests now: the orchestrator's admission says (``admitted``).
+        self.admitted: Callable[[], tuple[int, int]] = lambda: (0, 0)
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.failovers = 0
@@ -213,10 +218,13 @@ class OrchestratorMetrics(PipelineMetrics):
         self.requests[outcome] += 1
 
     def families(self) -> list[Family]:
+        running, waiting = self.admitted()
         return [
             Family("meshd_requests_total", HELP["requests"], "counter", ("outcome",),
                    [((outcome,), n) for outcome, n in self.requests.items()]),
             Family("meshd_requests_in_flight", HELP["in_flight"], "gauge", (), [((), self.in_flight)]),
+            Family("meshd_requests_running", HELP["running"], "gauge", (), [((), running)]),
+            Family("meshd_requests_waiting", HELP["waiting"], "gauge", (), [((), waiting)]),
             Family("meshd_prompt_tokens_total", HELP["prompt_tokens"], "counter", (),
                    [((), self.prompt_tokens)]),
             Family("meshd_generation_tokens_total", HELP["generation_tokens"], "counter", (),

@@ -111,6 +111,7 @@ class Orchestrator(App):
         self.recent_traces: deque[dict] = deque(maxlen=256)
         self.recent_failovers: deque[dict] = deque(maxlen=64)
         self.metrics = OrchestratorMetrics()
+        self.metrics.admitted = lambda: (self.admission.running, len(self.admission.waiting))
         self._refused: set[tuple[bytes, str]] = set()  # (node, checkpoint) already logged as refused
         # Nodes a stage saw go down, with their process epoch then: not picked again until
         # the mesh says more (a new epoch), bounded.
