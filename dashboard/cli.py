@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+from collections import Counter
 from typing import Any
 
 from . import views
@@ -152,10 +153,8 @@ def _cmd_doctor(args: argparse.Namespace, parser: argparse.ArgumentParser | None
 
     console = Console(width=max(Console().width, 120))
     _print_readiness(console, ready)
-    count: dict[str, int] = {}
-    for n in topo["nodes"]:
-        count[n["name"]] = count.get(n["name"], 0) + 1
-    names = ", ".join(f"{name}×{k}" if k > 1 else name for name, k in count.items())
+    names = ", ".join(f"{name}×{k}" if k > 1 else name
+                      for name, k in Counter(n["name"] for n in topo["nodes"]).items())
     seen = (f"{len(topo['nodes'])} live nodes ({escape(names)}), {len(topo['edges'])} directed pairs, "
             f"no problem seen from {escape(me.get('name') or '?')}")
     if not found:

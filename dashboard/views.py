@@ -6,6 +6,7 @@ no protocol objects, so the terminal commands and the page cannot disagree.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from meshd.readiness import path, readiness
@@ -191,7 +192,7 @@ def problems(snap: dict, topo: dict | None = None) -> list[dict[str, Any]]:
         out.append({"kind": "asymmetric", "where": f"{a['a']}→{a['b']}", "detail": a["detail"],
                     "check": check})
     end = _end_names(topo["nodes"])
-    unreported: dict[str, list[str]] = {}  # a node whose summary has not come: the pairs from it
+    unreported: dict[str, list[str]] = {}  # node id -> the peers it has not reported a path to
     for e in topo["edges"]:
         a, b = end[e["from"]], end[e["to"]]
         if e["path"] == "none":
@@ -199,13 +200,13 @@ def problems(snap: dict, topo: dict | None = None) -> list[dict[str, Any]]:
                         "detail": e.get("reason") or "neither direct nor relay answered",
                         "check": f"is {b} up, and do both reach the relay?"})
         elif e["path"] == "unknown" and e["from"] != snap["self"]["id"]:
-            unreported.setdefault(a, []).append(b)
+            unreported.setdefault(e["from"], []).append(b)
     reported = set(topo.get("reported", []))
-    ids = {name: i for i, name in end.items()}
-    for a, peers in unreported.items():  # one line for each such node, not one for each pair
+    for node, peers in unreported.items():  # one line for each such node, not one for each pair
+        a = end[node]
         where = f"{a}→{peers[0]}" if len(peers) == 1 else f"{a}→{len(peers)} peers"
         to = ", ".join(peers) if len(peers) <= 3 else f"{len(peers)} peers"
-        detail = f"{a} has not reported its path to {to} yet" if ids[a] in reported else \
+        detail = f"{a} has not reported its path to {to} yet" if node in reported else \
             f"no path summary from {a} yet"
         out.append({"kind": "unreported", "where": where, "detail": detail,
                     "check": f"wait a few seconds; if it persists, {a}'s gossip does not reach us"})
@@ -236,9 +237,7 @@ def problems(snap: dict, topo: dict | None = None) -> list[dict[str, Any]]:
 def _end_names(nodes: list[dict]) -> dict[str, str]:
     """Node id -> how a problem names it: its name, and its prefix too where replicas share
     the name (``stage-1 (c0445736)``), so each problem says which replica."""
-    count: dict[str, int] = {}
-    for n in nodes:
-        count[n["name"]] = count.get(n["name"], 0) + 1
+    count = Counter(n["name"] for n in nodes)
     return {n["id"]: n["name"] if count[n["name"]] == 1 else f"{n['name']} ({n['prefix']})" for n in nodes}
 
 

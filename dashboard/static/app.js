@@ -420,7 +420,10 @@ function drawDetails(state) {
     cell(tr, r.name); cell(tr, r.live ? `${r.live} of ${r.replicas.length}` : "no", r.live ? "ok" : "none");
     // One replica a line's worth, whole: the cell wraps between replicas, never inside one.
     const reps = cell(tr, r.replicas.length ? "" : "–", "replicas");
-    r.replicas.forEach((x, i) => reps.appendChild(h("span", "replica", `${x.prefix} ${x.state}${i + 1 < r.replicas.length ? "," : ""}`)));
+    r.replicas.forEach((x, i) => {
+      const comma = i + 1 < r.replicas.length ? "," : "";
+      reps.appendChild(h("span", "replica", `${x.prefix} ${x.state}${comma}`));
+    });
     if (known) cell(tr, layersOf(state, r.name));
     table.appendChild(tr);
   }
