@@ -174,12 +174,23 @@ def _busy(exc: Busy, fail) -> Response:
     return response
 
 
-async def _generate(orch: Generator, params: dict, openai: bool = False) -> dict | Response:
+# What a request whose client went away gets (nginx's "client closed request"): nobody reads it.
+CLIENT_GONE = 499
+
+
+async def _generate(request: Request, orch: Generator, params: dict, openai: bool = False) -> dict | Response:
     """The result, or the error response: 400 for a request that cannot run (e.g. the
-    context does not fit), 503 for a pipeline that failed it."""
+    context does not fit), 503 for a pipeline that failed it.
+
+    A client that disconnects (a timeout, Ctrl-C) cancels its request, as a stream's does:
+    it leaves the queue, or its stages free its place in their batches and its KV cache,
+    and ``meshd_requests_total{outcome="cancelled"}`` counts it."""
     fail = openai_error if openai else error
     try:
-        return await orch.generate(**params)
+        result = await _unless_gone(request, lambda: orch.generate(**params))
+        if result is None:
+            return Response(status_code=CLIENT_GONE)
+        return result
     except ValueError as exc:
         return fail(400, str(exc))
     except Busy as exc:
@@ -188,12 +199,35 @@ async def _generate(orch: Generator, params: dict, openai: bool = False) -> dict
         return fail(503, str(exc))
 
 
+async def _unless_gone(request: Request, run) -> dict | None:
+    """``await run()``, or None once the client has disconnected (run is then cancelled).
+
+    The body is read by now, so the next ASGI message is the disconnect."""
+    outcome: list[dict] = []
+    failure: list[Exception] = []
+    async with trio.open_nursery() as nursery:
+        async def watch() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(watch)
+        try:
+            outcome.append(await run())
+        except Exception as exc:  # raised as itself, not inside the nursery's group
+            failure.append(exc)
+        nursery.cancel_scope.cancel()
+    if failure:
+        raise failure[0]
+    return outcome[0] if outcome else None
+
+
 async def api_generate(request: Request) -> Response:
     ready = await _prepare(request)
     if isinstance(ready, Response):
         return ready
     orch, _body, params = ready
-    result = await _generate(orch, params)
+    result = await _generate(request, orch, params)
     if isinstance(result, Response):
         return result
     return JSONResponse({"tokens": result["tokens"], "text": result["text"],
@@ -257,7 +291,7 @@ async def _openai(request: Request, chat: bool) -> Response:
     events = _Events(body, chat, params["stop"])
     if body.get("stream"):
         return StreamingResponse(events.stream(orch, params), media_type="text/event-stream")
-    result = await _generate(orch, params, openai=True)
+    result = await _generate(request, orch, params, openai=True)
     if isinstance(result, Response):
         return result
     reason = _finish_reason(result)

@@ -10,6 +10,8 @@ reference's top-2 logit margin exceeds 1e-3.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 import trio
@@ -22,7 +24,7 @@ from meshd.pipeline.app import App
 from meshd.pipeline.checkpoint import init_checkpoint
 from meshd.pipeline.generate import LOGITS_TOLERANCE as TOLERANCE
 from meshd.pipeline.generate import NEAR_TIE, diverges, generate, near_ties
-from meshd.pipeline.messages import Batch
+from meshd.pipeline.messages import Activation, Batch, HeadPart, Sampling, Token
 from meshd.pipeline.model import StageModel
 from meshd.pipeline.stage import MIN_GROUP, group_size
 from meshd.testing.inprocess import start_pipeline
@@ -272,6 +274,85 @@ async def test_past_the_running_limit_requests_wait_their_turn_and_all_complete(
     assert len(waited) >= 12 - 2
     assert all(any(h["kind"] == "wait" and h["name"] == "orchestrator queue" for h in r["timings"]["hops"])
                for r in waited)
+
+
+async def test_a_client_that_disconnects_cancels_its_request_running_or_queued(checkpoint, caplog):
+    """Two HTTP clients give up (a timeout, Ctrl-C): one whose request runs, one whose request
+    waits behind it.  Both requests end there: the running one frees its slot and every
+    stage's state for it well before its max_tokens, the queued one never starts, both count
+    as cancelled, and the next request is served.  A step still on its way when the end
+    lands is dropped quietly, not reported as a stage that lost its state."""
+    import httpx
+
+    lines: list[str] = []
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nodes = await start_pipeline(nursery, checkpoint, 3, lines, max_running=1,
+                                         dashboard="127.0.0.1:0")
+            orch, stages = nodes[0].app, [n.app for n in nodes[1:]]
+            async with httpx.AsyncClient(base_url=nodes[0].dashboard_url, timeout=60) as client:
+                async def give_up(prompt: str) -> None:
+                    await client.post("/api/generate", json={"prompt": prompt, "max_tokens": 100})
+                    raise AssertionError("a request ran to its end")
+
+                async with trio.open_nursery() as clients:
+                    for prompt in PROMPTS[:2]:
+                        clients.start_soon(give_up, prompt)
+                    while not (orch.admission.waiting and any(r["tokens"] >= 2 for r in orch.active())):
+                        await trio.sleep(0.005)
+                    clients.cancel_scope.cancel()
+                while orch.admission.running or orch.admission.waiting or any(s.jobs for s in stages):
+                    await trio.sleep(0.005)
+                generated = orch.metrics.generation_tokens
+                after = await client.post("/api/generate", json={"prompt": PROMPTS[2], "max_tokens": 3})
+            outcomes = dict(orch.metrics.requests)
+            nursery.cancel_scope.cancel()
+    assert generated < 100, "the request ran on after its client left"
+    assert outcomes["cancelled"] == 2 and outcomes["length"] == 1, outcomes  # the last request's
+    assert after.status_code == 200 and len(after.json()["tokens"]) == 3
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "meshd.pipeline" in r.name], \
+        [r.getMessage() for r in caplog.records]
+
+
+async def test_a_step_arriving_after_its_request_ended_is_dropped_and_a_stranger_step_is_lost_state(
+        checkpoint):
+    """Steps of a request that ended here (sent before the end was known) are dropped without
+    a word to the orchestrator; a step of a request this stage never held still says the
+    stage has no state for it (the orchestrator replays it); and a new start of an ended
+    request (a failover's replay) runs."""
+    lines: list[str] = []
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nodes = await start_pipeline(nursery, checkpoint, 3, lines)
+            orch, stage0, stage1 = nodes[0].app, nodes[1].app, nodes[2].app
+            result = await orch.generate(PROMPTS[0], 3)
+            told: list = []
+
+            async def tell(origin, error) -> None:
+                told.append(error)
+
+            stage0._tell = stage1._tell = tell
+            ended = result["request"]  # its first attempt: the id on the wire
+            sampling = Sampling(3, 0.0, 0, 0, False)
+            origin = orch.mesh.node_id
+            route = tuple(n.app.mesh.node_id for n in nodes[1:])
+            hidden = bytes(4 * 64)
+            late = [(stage0, Token(ended, origin, 1, 5, 9, "", b"", sampling, 0.0, ())),
+                    (stage0, HeadPart(ended, origin, 2, b"", b"", 0.1)),
+                    (stage1, Activation(ended, origin, 9, 2, 1, 64, hidden, (), sampling, 0.0, (), route))]
+            for stage, msg in late:
+                await stage._on_message(origin, msg)
+            assert told == []
+            assert (stage0.counters["late_after_end"], stage1.counters["late_after_end"]) == (2, 1)
+            stranger = Token("0123456789ab", origin, 1, 5, 9, "", b"", sampling, 0.0, ())
+            await stage0._on_message(origin, stranger)
+            assert [e.message for e in told] == ["stage-0 has no KV cache for request 0123456789ab at step 2 "
+                                                 "(did this stage restart?)"]
+            restarted = Activation(ended, origin, 0, 0, 0, 0, b"", (1, 5), sampling, 0.0, (), route)
+            await stage0._on_message(origin, restarted)
+            assert ended in stage0.jobs
+            nursery.cancel_scope.cancel()
+    assert result["finish_reason"] == "length"
 
 
 async def test_a_hundred_concurrent_http_requests_all_complete_within_the_kv_budget(checkpoint):

@@ -52,6 +52,7 @@ from .sampling import Sampler, Shortlist, is_greedy, merge, shortlist
 log = logging.getLogger("meshd.pipeline")
 
 MAX_CACHED_REQUESTS = 64  # bounds what is kept of requests that ended or died (not their caches)
+ENDED_KEPT = 4096  # ids of the requests that ended last, each a few dozen bytes
 JOB_IDLE_S = 600.0  # a request without a message for this long lost its end: its cache goes
 # Decode steps of up to this many requests run as one forward pass (``--max-batch``): each
 # weight is read once per batch, not once per request.  1 runs each step alone.
@@ -167,11 +168,12 @@ class StageService(App):
         self._heads: dict[tuple[str, int], _HeadJoin] = {}  # at stage 0: (req_id, step) -> the two halves
         self._outbox: dict[bytes, list[Message]] = {}  # per orchestrator: tokens (and errors) not yet sent
         self.counters = {"activations": 0, "tokens": 0, "errors": 0, "dropped_orphans": 0,
-                         "reported_down": 0, "handed_over": 0}
+                         "reported_down": 0, "handed_over": 0, "late_after_end": 0}
         self.metrics = StageMetrics(self.name)
         self.metrics.holding = lambda: (len(self.jobs), self.kv_in_use())
         self.draining = False
         self._lost: dict[str, None] = {}  # requests we said we have no state for (bounded)
+        self._ended: dict[str, None] = {}  # requests that ended here (their last token, a Release)
         # Decode steps and head inputs waiting for the next batch, in arrival order (FIFO:
         # the oldest go first, so none starves), and the event that wakes the batcher.
         self._ready: list[_Step] = []
@@ -194,6 +196,14 @@ class StageService(App):
         return self.split_head and not s.want_logits and (is_greedy(s.temperature, s.top_k) or s.top_k > 0)
 
     async def on_message(self, src: bytes, msg: Message) -> None:
+        req_id = getattr(msg, "req_id", None)
+        if req_id in self._ended:
+            if not (isinstance(msg, Activation) and msg.pos == 0):
+                # A step that was on its way when the request ended (its client left, a stop
+                # string): nothing is lost, and nobody waits for it.
+                self.counters["late_after_end"] += 1
+                return
+            del self._ended[req_id]  # started again (a failover's replay)
         if isinstance(msg, Activation):
             await self._activation(msg)
         elif isinstance(msg, Token):  # the feedback edge, at stage 0
@@ -210,7 +220,7 @@ class StageService(App):
         elif isinstance(msg, HeadPart):
             await self._head_part(msg)
         elif isinstance(msg, Release):
-            job = self._forget(msg.req_id)
+            job = self._end(msg.req_id)
             if job is not None and not self.last:
                 await self.send(job.route[self.stage + 1], msg)
 
@@ -442,7 +452,7 @@ class StageService(App):
                 feedback.setdefault(entry, []).append(
                     Token(msg.req_id, msg.origin, msg.step, token, pos, "", b"", s, time.time(), (hop,)))
             else:
-                self._forget(msg.req_id)
+                self._end(msg.req_id)
                 if self.stages > 1:
                     feedback.setdefault(entry, []).append(Release(msg.req_id))
             raw = logits.astype(np.float32).tobytes() if s.want_logits else b""
@@ -511,6 +521,14 @@ class StageService(App):
         for key in [k for k in self._heads if k[0] == req_id]:
             del self._heads[key]
         return self.jobs.pop(req_id, None)
+
+    def _end(self, req_id: str) -> _Job | None:
+        """Forget a request that ended, and keep its id a while: a step of it still on its
+        way (sent before the end was known) is then dropped quietly, not taken for lost state."""
+        self._ended[req_id] = None
+        while len(self._ended) > ENDED_KEPT:
+            self._ended.pop(next(iter(self._ended)))
+        return self._forget(req_id)
 
     def _drop_orphan(self, req_id: str) -> None:
         """Forget a request whose orchestrator is gone: nobody would read what we compute."""
@@ -626,7 +644,7 @@ class StageService(App):
                  Hop("compute", f"{self.name} head", head_ms, ""),
                  Hop("compute", f"stage-{self.stages - 1} head", join.their_ms, ""))
         if done:
-            self._forget(req_id)
+            self._end(req_id)
             await self.send(job.route[self.stage + 1], Release(req_id))
         else:
             # The next step first: it is the critical path; the orchestrator's copy after.
