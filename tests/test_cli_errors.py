@@ -36,22 +36,50 @@ def test_a_dashboard_port_in_use_is_one_line_and_exit_2(tmp_path):
     assert line.startswith("meshd: error: cannot serve the dashboard on 127.0.0.1:") and "in use" in line
 
 
+def _ignores_sigint(pid: int) -> bool:
+    """Whether process ``pid`` ignores SIGINT now (its SigIgn mask in /proc)."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("SigIgn:"):
+                return bool(int(line.split()[1], 16) & 1 << (signal.SIGINT - 1))
+    return False
+
+
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _default_sigint() -> None:  # whatever the test runner was started with
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.mark.parametrize("inherited", ["default", "ignored"])
 @pytest.mark.parametrize("after_s", [0.15, 0.3, 3.0])
-def test_ctrl_c_at_any_moment_ends_without_a_traceback(tmp_path, after_s):
+def test_ctrl_c_at_any_moment_ends_without_a_traceback(tmp_path, after_s, inherited):
     """Through the `meshd` script, as a user types it.  Before the node runs: exit 130.  Once
     it runs, Ctrl-C is its graceful leave: exit 0.  Python's own start-up (its site module,
     before any of meshd loads) is the interpreter's: a Ctrl-C that lands there is tried
-    again a little later."""
+    again a little later.  A shell starts a script's background job with SIGINT ignored
+    ("ignored"); meshd takes SIGINT all the same from its first line on."""
     script = os.path.join(os.path.dirname(sys.executable), "meshd")
     if not os.path.exists(script):
         pytest.skip(f"{script}: the meshd script is not installed beside this Python")
     argv = [script, "run", "--stub", "--role", "stage", "--stage", "0", "--stages", "1", "--dashboard", "off"]
     for _ in range(5):
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)})
+                                env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)},
+                                preexec_fn=_ignore_sigint if inherited == "ignored" else _default_sigint)
         time.sleep(after_s)
+        while inherited == "ignored" and proc.poll() is None and _ignores_sigint(proc.pid):
+            time.sleep(0.01)  # the interpreter's start-up keeps what it inherited: not meshd's yet
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=30)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            lost = f"SIGINT {after_s}s after start was lost: still running 30s later"
+            raise AssertionError(f"{lost}\n{out}{err}") from None
         if "<frozen site>" not in err:
             break
         after_s += 0.1
@@ -78,6 +106,23 @@ def test_ctrl_c_while_a_module_loads_exits_130_even_as_the_error_python_makes_of
     with pytest.raises(SystemExit) as exit_:
         entry_module.entry()
     assert exit_.value.code == 130
+
+
+def test_started_with_sigint_ignored_meshd_takes_it_before_its_first_module_loads(monkeypatch):
+    """A script's background job inherits SIGINT ignored: from meshd's first line on a SIGINT
+    is Ctrl-C all the same, not lost while the node starts and then waited for forever."""
+    from meshd import __main__ as entry_module
+    from meshd import cli
+
+    seen = []
+    monkeypatch.setattr(cli, "main", lambda: seen.append(signal.getsignal(signal.SIGINT)) or 0)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with pytest.raises(SystemExit):
+            entry_module.entry()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert seen == [signal.default_int_handler]
 
 
 def test_an_error_not_caused_by_ctrl_c_is_not_taken_for_one(monkeypatch):
