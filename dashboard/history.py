@@ -40,8 +40,10 @@ def edge_key(edge: dict) -> str:
 def reading(inference: PipelineMetrics | None) -> dict[str, float] | None:
     """The service's counters a rate is taken from; None without a service."""
     if isinstance(inference, OrchestratorMetrics):
+        running, waiting = inference.admitted()
         return {"tokens": float(inference.generation_tokens), "ttft_sum": inference.first_token.sum,
-                "ttft_n": float(inference.first_token.count), "in_flight": float(inference.in_flight)}
+                "ttft_n": float(inference.first_token.count), "in_flight": float(inference.in_flight),
+                "running": float(running), "waiting": float(waiting)}
     if isinstance(inference, StageMetrics):
         steps = list(inference.compute.values())
         return {"steps": float(sum(h.count for h in steps)), "step_sum": sum(h.sum for h in steps)}
@@ -50,12 +52,13 @@ def reading(inference: PipelineMetrics | None) -> dict[str, float] | None:
 
 def rates(now: dict[str, float] | None, before: dict[str, float] | None, dt: float) -> dict[str, Any]:
     """Per second and per event between two readings; None where nothing was measured."""
-    out: dict[str, Any] = {"tokens_per_s": None, "ttft_ms": None, "in_flight": None, "steps_per_s": None,
-                           "step_ms": None}
+    out: dict[str, Any] = {"tokens_per_s": None, "ttft_ms": None, "in_flight": None, "running": None,
+                           "waiting": None, "steps_per_s": None, "step_ms": None}
     if now is None:
         return out
-    if "tokens" in now:
-        out["in_flight"] = int(now["in_flight"])
+    if "tokens" in now:  # what the orchestrator holds now: admitted and running, queued
+        for gauge in ("in_flight", "running", "waiting"):
+            out[gauge] = int(now[gauge])
     if before is None or before.keys() != now.keys() or dt <= 0:
         return out
     if "tokens" in now:

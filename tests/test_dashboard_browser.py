@@ -325,7 +325,9 @@ async def test_the_orchestrator_page_draws_where_a_tokens_time_goes_and_its_thro
     # Tokens wait in stage 0's outbox to share a message: said apart, not a step of the bar.
     assert not any("(wait" in b for b in bars), bars
     assert "in stage-1 outbox" in shown["wait"] or "in stage-0 outbox" in shown["wait"], shown["wait"]
-    assert shown["rate"] == "Tokens/s" and shown["latency"] == "Time to first token, ms"
+    # Its load now, the request done: nothing running, nothing waiting for a slot.
+    assert shown["rate"] == "Tokens/s · 0 running, 0 waiting"
+    assert shown["latency"] == "Time to first token, ms"
     assert shown["rate_drawn"] > 0
     assert "layers" in shown["stages"] and "of 4" in shown["stages"], shown["stages"]
     layout = shown["layout"]

@@ -78,6 +78,10 @@ def test_the_orchestrators_tokens_per_second_and_time_to_first_token():
     assert second["tokens_per_s"] == 15.0
     assert second["ttft_ms"] == pytest.approx(300.0)
     assert second["in_flight"] == 2
+    metrics.admitted = lambda: (16, 84)  # what the orchestrator's admission says now
+    busy = history.record(snap(), 3.0, metrics)
+    assert (busy["running"], busy["waiting"]) == (16, 84)
+    metrics.admitted = lambda: (0, 0)
     idle = history.record(snap(), 4.0, metrics)
     assert idle["tokens_per_s"] == 0.0 and idle["ttft_ms"] is None, "no first token in that window"
 

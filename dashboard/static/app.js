@@ -733,7 +733,10 @@ function rateCharts(samples) {
   const orchestrator = samples.some(s => s.tokens_per_s != null || s.in_flight != null);
   const stage = !orchestrator && samples.some(s => s.steps_per_s != null);
   const kind = orchestrator ? "orchestrator" : stage ? "stage" : null;
-  byId("cap-rate").textContent = stage ? "Compute steps/s at this stage" : "Tokens/s";
+  // The orchestrator's load now: requests running, and waiting in its queue for a slot.
+  const load = samples.findLast(s => s.running != null);
+  byId("cap-rate").textContent = stage ? "Compute steps/s at this stage"
+    : "Tokens/s" + (load ? ` · ${load.running} running, ${load.waiting} waiting` : "");
   byId("cap-latency").textContent = stage ? "Compute per step, ms" : "Time to first token, ms";
   byId("fig-rate").hidden = !kind;
   byId("fig-latency").hidden = !kind;
