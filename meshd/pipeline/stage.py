@@ -499,8 +499,8 @@ class StageService(App):
 
     def _leaving(self, token: Token, now: float) -> Token:
         """``token`` as it leaves the outbox: its wait there is a step of its own, and its
-        transit to the orchestrator is timed from now.  But for one step in TRACE_EVERY, that
-        transit is all of its trace that goes."""
+        transit to the orchestrator is timed from now.  Only one step in TRACE_EVERY keeps its
+        whole trace; for the others that transit is all of the trace that goes."""
         if token.step % TRACE_EVERY:  # the transit alone: the orchestrator's metrics count it
             return replace(token, sent_at=now, trace=token.trace[-1:])
         wait = Hop("wait", f"{self.name} outbox", max(0.0, (now - token.sent_at) * 1000), "")
@@ -525,9 +525,7 @@ class StageService(App):
     def _end(self, req_id: str) -> _Job | None:
         """Forget a request that ended, and keep its id a while: a step of it still on its
         way (sent before the end was known) is then dropped quietly, not taken for lost state."""
-        self._ended[req_id] = None
-        while len(self._ended) > ENDED_KEPT:
-            self._ended.pop(next(iter(self._ended)))
+        _keep(self._ended, req_id, ENDED_KEPT)
         return self._forget(req_id)
 
     def _drop_orphan(self, req_id: str) -> None:
@@ -667,9 +665,7 @@ class StageService(App):
         if isinstance(exc, LostState):
             if req_id in self._lost:
                 return  # said once: every later step of it fails the same way
-            self._lost[req_id] = None
-            while len(self._lost) > MAX_CACHED_REQUESTS:
-                self._lost.pop(next(iter(self._lost)))
+            _keep(self._lost, req_id, MAX_CACHED_REQUESTS)
             peer = self.mesh.node_id  # we lost it: the orchestrator replays it, here or on a replica
         await self._tell(origin, StageError(req_id, self.name, text[:500], peer))
 
@@ -747,6 +743,13 @@ class StageService(App):
                 req_id, self.name, f"{self.mesh.describe(self.mesh.node_id)} is draining: "
                 "handing the request over", self.mesh.node_id))
         await trio.sleep(0.2)  # the hand-over notes reach their orchestrators
+
+
+def _keep(recent: dict[str, None], req_id: str, most: int) -> None:
+    """Add ``req_id`` to ``recent``, a set in insertion order, keeping its newest ``most``."""
+    recent[req_id] = None
+    while len(recent) > most:
+        recent.pop(next(iter(recent)))
 
 
 @dataclass
