@@ -127,6 +127,7 @@ def _openai_only(body: dict) -> None:
     """The OpenAI fields we do not serve, refused by name rather than ignored."""
     if field(body, "n", int, 1) != 1:
         raise BadRequest("'n' must be 1: one choice per request", "n")
+    field(body, "stream", bool, False)  # "yes" or 1 would stream where a client asked for JSON
     for name, nothing in _UNSERVED.items():
         value = body.get(name)
         if value is not None and not any(type(value) is type(v) and value == v for v in nothing):

@@ -61,7 +61,15 @@ async def json_body(request: Request) -> dict:
         raise BadRequest(f"body is not JSON: {exc}") from None
     if not isinstance(body, dict):
         raise BadRequest("body must be a JSON object")
+    try:  # JSON's escapes can spell half a UTF-16 pair ("\\udcff"), which is no text at all
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise BadRequest(f"body holds a lone surrogate (\\u{ord(exc.object[exc.start]):04x}), "
+                         "which is not text: send UTF-8, or escape whole surrogate pairs") from None
     return body
+
+
+_KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 
 
 def field(body: dict, name: str, kind: type, default: Any, *, low: float | None = None,
@@ -74,7 +82,7 @@ def field(body: dict, name: str, kind: type, default: Any, *, low: float | None 
     if kind is float and type(value) is int:
         value = float(value)
     if type(value) is not kind:
-        raise BadRequest(f"{name!r} must be {kind.__name__}", name)
+        raise BadRequest(f"{name!r} must be {_KINDS.get(kind, kind.__name__)}", name)
     if kind in (int, float):
         number = cast(float, value)
         if kind is float and not math.isfinite(number):

@@ -60,8 +60,14 @@ async def test_generate_and_completions_match_the_reference(checkpoint):
         (b"[1, 2]", "JSON object"),
         (json.dumps({"max_tokens": 4}).encode(), "'prompt' must be a string"),
         (json.dumps({"prompt": "x", "max_tokens": 0}).encode(), "'max_tokens' must be within"),
-        (json.dumps({"prompt": "x", "temperature": "hot"}).encode(), "'temperature' must be float"),
+        (json.dumps({"prompt": "x", "temperature": "hot"}).encode(), "'temperature' must be a number"),
         (json.dumps({"prompt": "x", "max_tokens": 4000}).encode(), "exceeds the model's context"),
+        # JSON can escape half a surrogate pair, which no text holds; Python's codec would say
+        # "surrogates not allowed" from deep in the tokenizer.
+        (b'{"prompt": "a\\udcffb"}', "lone surrogate (\\udcff)"),
+        (b'{"prompt": "x", "stop": ["\\ud800"]}', "lone surrogate (\\ud800)"),
+        # A client that meant JSON and wrote "yes" must not get a stream of events.
+        (json.dumps({"prompt": "x", "stream": "yes"}).encode(), "'stream' must be true or false"),
     ],
 )
 async def test_bad_bodies_get_400_with_a_message(checkpoint, body, message):
@@ -73,8 +79,11 @@ async def test_bad_bodies_get_400_with_a_message(checkpoint, body, message):
             async with httpx.AsyncClient(base_url=orch.dashboard_url, timeout=30) as client:
                 headers = {"content-type": "application/json"}
                 r = await client.post("/api/generate", content=body, headers=headers)
-                assert r.status_code == 400, r.text
-                assert message in r.json()["error"]
+                if b'"stream"' in body:  # OpenAI's field: the native API has no stream to ask for
+                    assert r.status_code == 200, r.text
+                else:
+                    assert r.status_code == 400, r.text
+                    assert message in r.json()["error"]
                 # The same in OpenAI's shape on /v1, naming the field where there is one.
                 r = await client.post("/v1/completions", content=body, headers=headers)
                 assert r.status_code == 400, r.text
