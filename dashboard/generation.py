@@ -161,16 +161,18 @@ async def _prepare(request: Request, api: str = "native") -> tuple[Generator, di
             return openai_error(400, str(exc), param=getattr(exc, "param", None))
     missing = orch.missing()
     if missing:
-        return fail(503, str(NotReady(missing)), missing=missing)
+        return _retry_later(NotReady(missing), fail)
     busy = orch.busy()
     if busy is not None:  # before a stream starts: a 503 the client can retry, not an event
-        return _busy(busy, fail)
+        return _retry_later(busy, fail)
     return orch, body, params
 
 
-def _busy(exc: Busy, fail) -> Response:
-    """503 with Retry-After: every slot is taken and the queue is full."""
-    response = fail(503, str(exc))
+def _retry_later(exc: Busy | NotReady, fail) -> Response:
+    """503 with Retry-After: every slot is taken and the queue is full, or a pipeline name
+    does not resolve yet (then ``missing`` lists them)."""
+    extra = {"missing": exc.missing} if isinstance(exc, NotReady) else {}
+    response = fail(503, str(exc), **extra)
     response.headers["Retry-After"] = str(exc.retry_after)
     return response
 
@@ -194,8 +196,8 @@ async def _generate(request: Request, orch: Generator, params: dict, openai: boo
         return result
     except ValueError as exc:
         return fail(400, str(exc))
-    except Busy as exc:
-        return _busy(exc, fail)
+    except (Busy, NotReady) as exc:
+        return _retry_later(exc, fail)
     except PipelineError as exc:
         return fail(503, str(exc))
 

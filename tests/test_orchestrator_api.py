@@ -102,6 +102,7 @@ async def test_a_mesh_that_is_not_ready_gets_503_naming_the_missing_stage(checkp
             async with httpx.AsyncClient(base_url=orch.dashboard_url, timeout=30) as client:
                 r = await client.post("/api/generate", json={"prompt": "x"})
             assert r.status_code == 503
+            assert r.headers["retry-after"] == "1"  # a stage on its way: clients retry
             assert r.json()["missing"] == ["pp-stage-1", "pp-exit"]
             assert "pp-stage-1 does not resolve" in r.json()["error"]
             nursery.cancel_scope.cancel()

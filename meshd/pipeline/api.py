@@ -24,11 +24,14 @@ class StageLost(PipelineError):
 
 
 class NotReady(PipelineError):
-    """Some pipeline names do not resolve; ``missing`` lists them."""
+    """Some pipeline names do not resolve; ``missing`` lists them.  Mostly a stage on its
+    way (started, or started again, and not yet known to the orchestrator), so the 503
+    says to retry after ``retry_after`` seconds."""
 
-    def __init__(self, missing: list[str]) -> None:
+    def __init__(self, missing: list[str], retry_after: int = 1) -> None:
         super().__init__("pipeline not ready: " + ", ".join(f"{n} does not resolve" for n in missing))
         self.missing = missing
+        self.retry_after = retry_after
 
 
 class Busy(PipelineError):
