@@ -92,7 +92,13 @@ def _mesh(request: Request) -> Mesh:
 
 
 async def api_snapshot(request: Request) -> Response:
-    return JSONResponse(_mesh(request).snapshot())
+    """The mesh's snapshot; at an orchestrator also its ``load`` (``Generator.load``), which
+    ``meshd doctor`` prints."""
+    snap = _mesh(request).snapshot()
+    generator = request.app.state.generator
+    if generator is not None:
+        snap = {**snap, "load": generator.load()}
+    return JSONResponse(snap)
 
 
 async def api_peers(request: Request) -> Response:

@@ -143,7 +143,7 @@ def _cmd_doctor(args: argparse.Namespace, parser: argparse.ArgumentParser | None
     failed = 1 if found or not ready["ready"] else 0
     if args.json:
         print(json.dumps({"node": me.get("name"), "prefix": me.get("prefix"), "ok": not failed,
-                          "ready": ready["ready"], "readiness": ready,
+                          "ready": ready["ready"], "readiness": ready, "load": snap.get("load"),
                           "problems": found, "paths": [{"from": e["from_name"], "to": e["to_name"],
                                                         "path": e["path"]} for e in topo["edges"]]}))
         return failed
@@ -153,6 +153,8 @@ def _cmd_doctor(args: argparse.Namespace, parser: argparse.ArgumentParser | None
 
     console = Console(width=max(Console().width, 120))
     _print_readiness(console, ready)
+    if isinstance(snap.get("load"), dict):
+        console.print(_load_line(snap["load"]), soft_wrap=True)
     names = ", ".join(f"{name}×{k}" if k > 1 else name
                       for name, k in Counter(n["name"] for n in topo["nodes"]).items())
     seen = (f"{len(topo['nodes'])} live nodes ({escape(names)}), {len(topo['edges'])} directed pairs, "
@@ -168,6 +170,21 @@ def _cmd_doctor(args: argparse.Namespace, parser: argparse.ArgumentParser | None
         table.add_row(f"[red]{p['kind']}[/red]", escape(p["where"]), escape(p["detail"]), escape(p["check"]))
     console.print(table)
     return 1
+
+
+def _load_line(load: dict) -> str:
+    """An orchestrator's requests against its limits: with the queue full, new requests get 503
+    (``busy``), which is no fault of the mesh, so it does not fail doctor."""
+    full = load["waiting"] >= load["max_queued"] and load["running"] > 0
+    head = "[yellow]busy[/yellow]" if full else "load"
+    line = (f"{head}: {load['running']} running (--max-running {load['max_running']}), "
+            f"{load['waiting']} waiting (--max-queued {load['max_queued']}), KV cache "
+            f"{load['kv_used_mb']:g} of {load['kv_budget_mb']:g} MB at the largest stage")
+    if full:
+        line += "; the queue is full: new requests get 503 with Retry-After"
+    if load.get("refused_busy"):
+        line += f"; {load['refused_busy']} refused as busy since start"
+    return line
 
 
 def _print_readiness(console: Any, ready: dict) -> None:

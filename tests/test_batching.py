@@ -10,6 +10,7 @@ reference's top-2 logit margin exceeds 1e-3.
 
 from __future__ import annotations
 
+import json
 import logging
 
 import numpy as np
@@ -274,6 +275,54 @@ async def test_past_the_running_limit_requests_wait_their_turn_and_all_complete(
     assert len(waited) >= 12 - 2
     assert all(any(h["kind"] == "wait" and h["name"] == "orchestrator queue" for h in r["timings"]["hops"])
                for r in waited)
+
+
+async def test_past_the_queue_a_request_gets_503_with_retry_after_counted_and_doctor_says_busy(checkpoint,
+                                                                                              capsys):
+    """One may run and one wait: a third HTTP request gets 503 with Retry-After at once (its
+    client can retry; nothing of it starts), ``/metrics`` counts it as ``busy``, and ``meshd
+    doctor`` says the queue is full without calling the mesh broken.  The first two complete."""
+    import httpx
+
+    from meshd.cli import main
+
+    lines: list[str] = []
+    done: list[httpx.Response] = []
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nodes = await start_pipeline(nursery, checkpoint, 3, lines, max_running=1, max_queued=1,
+                                         dashboard="127.0.0.1:0")
+            orch, url = nodes[0].app, nodes[0].dashboard_url
+            while await trio.to_thread.run_sync(main, ["doctor", url, "--json"]):
+                await trio.sleep(0.2)  # until every node's first path summary arrived
+            async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+                async def one(prompt: str) -> None:
+                    body = {"prompt": prompt, "max_tokens": 120}
+                    done.append(await client.post("/api/generate", json=body))
+
+                async with trio.open_nursery() as clients:
+                    for prompt in PROMPTS[:2]:
+                        clients.start_soon(one, prompt)
+                    while not (orch.admission.running and orch.admission.waiting):
+                        await trio.sleep(0.005)
+                    body = {"prompt": PROMPTS[2], "max_tokens": 4}
+                    refused = await client.post("/v1/completions", json=body)
+                    capsys.readouterr()
+                    code = await trio.to_thread.run_sync(main, ["doctor", url])
+                    doctor = capsys.readouterr().out
+                    code_json = await trio.to_thread.run_sync(main, ["doctor", url, "--json"])
+                    load = json.loads(capsys.readouterr().out)["load"]
+                metrics = (await client.get("/metrics")).text
+            nursery.cancel_scope.cancel()
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+    assert refused.json()["error"]["message"].startswith("busy: 1 requests running and 1 waiting")
+    assert 'meshd_requests_total{outcome="busy"} 1' in metrics
+    assert code == 0 and code_json == 0, doctor  # a full queue is load, not a fault
+    assert "busy: 1 running (--max-running 1), 1 waiting (--max-queued 1)" in doctor, doctor
+    assert "the queue is full: new requests get 503 with Retry-After; 1 refused as busy since start" in doctor
+    assert (load["running"], load["waiting"], load["refused_busy"]) == (1, 1, 1)
+    assert 0 < load["kv_used_mb"] <= load["kv_budget_mb"]
+    assert [r.status_code for r in done] == [200, 200]
 
 
 async def test_a_client_that_disconnects_cancels_its_request_running_or_queued(checkpoint, caplog):

@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dashboard.metrics import render
 from meshd.node import NodeOptions
-from meshd.pipeline.api import NotReady, StageLost
+from meshd.pipeline.api import Busy, NotReady, StageLost
 from meshd.pipeline.config import LlamaConfig
 from meshd.pipeline.generate import generate, prompt_ids
 from meshd.pipeline.messages import Hop
@@ -199,6 +199,7 @@ def test_every_family_speaks_one_unit():
 def test_a_request_that_ends_in_an_exception_is_counted_by_why():
     metrics = OrchestratorMetrics()
     for exc in (NotReady(["pp-stage-1"]), ValueError("too long"), StageLost("stage-1 (peer 2b91108e dead)"),
-                RuntimeError("a bug"), trio.Cancelled._create(), trio.BrokenResourceError()):
+                RuntimeError("a bug"), trio.Cancelled._create(), trio.BrokenResourceError(),
+                Busy("busy: 64 requests running and 256 waiting")):  # the queue filled after its check
         metrics.failed(exc)
-    assert metrics.requests == {"stop": 0, "length": 0, "error": 2, "cancelled": 2, "refused": 2}
+    assert metrics.requests == {"stop": 0, "length": 0, "error": 2, "cancelled": 2, "refused": 2, "busy": 1}

@@ -66,6 +66,12 @@ class Admission:
                     f"(--max-running {self.max_running}, --max-queued {self.max_queued}); "
                     f"retry in {RETRY_AFTER_S} s", RETRY_AFTER_S)
 
+    def load(self) -> dict[str, int | float]:
+        """What runs and waits now, against the limits."""
+        return {"running": self.running, "waiting": len(self.waiting), "max_running": self.max_running,
+                "max_queued": self.max_queued, "kv_used_mb": round(self.used / 2**20, 1),
+                "kv_budget_mb": round(self.budget / 2**20, 1)}
+
     def _fits(self, cost: int) -> bool:
         return self.running < self.max_running and self.used + cost <= self.budget
 

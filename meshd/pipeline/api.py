@@ -64,7 +64,12 @@ class Generator(Protocol):
         ...
 
     def busy(self) -> Busy | None:
-        """What a new request would get now if the queue is full, else None."""
+        """What a new request gets now if the queue is full (counted as refused busy), else None."""
+        ...
+
+    def load(self) -> dict[str, int | float]:
+        """Requests running and waiting now, the limits, the KV cache held at the largest stage
+        (MB), and the requests refused as busy so far (``refused_busy``)."""
         ...
 
     def decode(self, tokens: list[int]) -> str:

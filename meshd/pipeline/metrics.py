@@ -25,14 +25,15 @@ from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 import trio
 
-from .api import NotReady
+from .api import Busy, NotReady
 from .messages import Hop
 
 # How a request ended (``meshd_requests_total{outcome}``): ``stop`` at the end-of-sequence token
 # or a stop string, ``length`` at max_tokens, ``error`` when the pipeline failed it,
 # ``cancelled`` when its caller went away (a client that disconnected), ``refused`` when it
-# never started (the prompt does not fit the context, or a stage has no usable owner).
-OUTCOMES = ("stop", "length", "error", "cancelled", "refused")
+# never started (the prompt does not fit the context, or a stage has no usable owner), ``busy``
+# when every slot was taken and the queue full (a 503 with Retry-After).
+OUTCOMES = ("stop", "length", "error", "cancelled", "refused", "busy")
 # A stage's compute: ``prefill`` runs its layers over several rows (a prompt, or a failover's
 # replay), ``decode`` over one row, ``head`` is the LM head and sampling (last stage, and stage
 # 0 when the head is split between them).
@@ -54,7 +55,8 @@ MAX_HOPS = 256  # hop series a node keeps: a trace's hop names come from its pee
 HELP = {
     "requests": "Generation requests by how they ended: stop (end-of-sequence token or a stop string), "
                 "length (max_tokens), error (the pipeline failed it), cancelled (the caller went away), "
-                "refused (never started: prompt too long, or a stage without a usable owner)",
+                "refused (never started: prompt too long, or a stage without a usable owner), busy (503: "
+                "every slot taken and the queue full)",
     "in_flight": "Generation requests at the orchestrator now: running, or waiting in its queue",
     "running": "Requests admitted and running now (--max-running and the stages' KV budget cap them)",
     "waiting": "Requests waiting in the orchestrator's queue for a free slot now (--max-queued caps them)",
@@ -209,7 +211,9 @@ class OrchestratorMetrics(PipelineMetrics):
 
     def failed(self, exc: BaseException) -> None:
         """A request that ended with ``exc`` instead."""
-        if isinstance(exc, NotReady | ValueError):
+        if isinstance(exc, Busy):
+            outcome = "busy"
+        elif isinstance(exc, NotReady | ValueError):
             outcome = "refused"
         elif isinstance(exc, trio.BrokenResourceError) or not isinstance(exc, Exception):
             outcome = "cancelled"  # cancelled, or the caller's channel for its tokens closed

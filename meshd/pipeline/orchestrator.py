@@ -216,7 +216,16 @@ class Orchestrator(App):
             self.admission.release(cost)
 
     def busy(self) -> Busy | None:
-        return self.admission.busy()
+        """The refusal for a new request when every slot is taken and the queue is full (counted
+        as a ``busy`` outcome), else None."""
+        busy = self.admission.busy()
+        if busy is not None:
+            self.metrics.requests["busy"] += 1
+        return busy
+
+    def load(self) -> dict[str, int | float]:
+        """The admission's load (``Admission.load``) and the requests refused as busy so far."""
+        return {**self.admission.load(), "refused_busy": self.metrics.requests["busy"]}
 
     async def _generate(self, ids: list[int], max_tokens: int, sampling: Sampling, stop: tuple[str, ...],
                         t0: float, queued: float, *, token_timeout: float, on_token) -> dict:
