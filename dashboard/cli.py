@@ -153,14 +153,13 @@ def _cmd_doctor(args: argparse.Namespace, parser: argparse.ArgumentParser | None
 
     console = Console(width=max(Console().width, 120))
     _print_readiness(console, ready)
-    if isinstance(snap.get("load"), dict):
-        console.print(_load_line(snap["load"]), soft_wrap=True)
     names = ", ".join(f"{name}×{k}" if k > 1 else name
                       for name, k in Counter(n["name"] for n in topo["nodes"]).items())
     seen = (f"{len(topo['nodes'])} live nodes ({escape(names)}), {len(topo['edges'])} directed pairs, "
             f"no problem seen from {escape(me.get('name') or '?')}")
     if not found:
         console.print(f"[green]ok[/green]: {seen}" if ready["ready"] else f"mesh: {seen}")
+        _print_load(console, snap)
         return failed
     console.print()
     table = Table(box=None, pad_edge=False, show_edge=False, header_style="bold")
@@ -169,7 +168,14 @@ def _cmd_doctor(args: argparse.Namespace, parser: argparse.ArgumentParser | None
     for p in found:
         table.add_row(f"[red]{p['kind']}[/red]", escape(p["where"]), escape(p["detail"]), escape(p["check"]))
     console.print(table)
+    _print_load(console, snap)
     return 1
+
+
+def _print_load(console: Any, snap: dict) -> None:
+    """The orchestrator's load, last: what runs and waits (see ``_load_line``)."""
+    if isinstance(snap.get("load"), dict):
+        console.print(_load_line(snap["load"]), soft_wrap=True)
 
 
 def _load_line(load: dict) -> str:
