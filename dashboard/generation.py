@@ -316,6 +316,9 @@ class _Events:
         self.object = "chat.completion.chunk" if chat else "text_completion"
         self.head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}",
                      "created": int(time.time()), "model": model}
+        # The orchestrator's id for the request, in every token's ``meshd`` object: a client
+        # (smoke-run's faults) can find it in /api/requests while it runs, beside others.
+        self.request = uuid.uuid4().hex[:12]
         self.stop = stop
         self.tokens: list[int] = []
         self.emitted = ""
@@ -334,7 +337,7 @@ class _Events:
         chunk: dict[str, Any] = {**self.head, "object": self.object,
                                  "choices": [self._choice(text, reason, delta)]}
         if token is not None:  # an extension: the token id, for exact comparisons
-            chunk["meshd"] = {"token": token, "index": len(self.tokens) - 1}
+            chunk["meshd"] = {"token": token, "index": len(self.tokens) - 1, "request": self.request}
         if done is not None:  # the last chunk: which request it was, and where it moved
             chunk["meshd"] = {"request": done["request"], "failovers": done["failovers"]}
         return f"data: {json.dumps(chunk)}\n\n"
@@ -359,7 +362,7 @@ class _Events:
             if self.chat:
                 await send.send(self.event("", None, delta={"role": "assistant", "content": ""}))
             try:
-                result = await orch.generate(**params, on_token=on_token)
+                result = await orch.generate(**params, on_token=on_token, request_id=self.request)
                 await send.send(self.event(result["text"][len(self.emitted):], _finish_reason(result),
                                            done=result))
                 if self.include_usage:  # as OpenAI sends it: no choices, the usage

@@ -49,6 +49,9 @@ async def test_generate_and_completions_match_the_reference(checkpoint):
             assert events[-1] == "[DONE]"
             chunks = [json.loads(e) for e in events[:-1]]
             assert "".join(c["choices"][0]["text"] for c in chunks) == want["text"]
+            # Each token names its request from the first on, as the last chunk does.
+            named = {c["meshd"]["request"] for c in chunks if "token" in c.get("meshd", {})}
+            assert named == {chunks[-1]["meshd"]["request"]}
             assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
             nursery.cancel_scope.cancel()
 

@@ -333,6 +333,39 @@ def test_the_summary_names_the_relay_down_the_move_and_the_generation_after_it()
             "relay closed") in lines
 
 
+def test_the_summary_says_whether_each_stream_beside_the_first_matched_and_where_one_parted():
+    generated = _generated()
+    def stream(prompt: str, tokens: list[int], matches: bool, ties: list[int], at: int | None,
+               failovers: list[dict]) -> dict:
+        return {"prompt": prompt, "tokens": tokens, "matches_reference": matches, "near_ties": ties,
+                "diverged_at": at, "failovers": failovers}
+
+    generated.other_streams = [stream("p, 2", [1, 2, 3], True, [], None, []),
+                               stream("p, 3", [1, 9, 9], True, [1], 1, [{"stage": "stage-1"}]),
+                               stream("p, 4", [7, 7, 7], False, [], 0, [])]
+    out = Outcome(1, failure=Failure.mismatch(), generated=generated).to_json()
+    assert list(out)[list(out).index("timings") + 1] == "other_streams"
+    assert ("streams: 4 at once; the other 3 (9 tokens) match meshd generate: NO (stream 3 parted at "
+            "step 1, at a near tie; stream 4 parted at step 0); 1 of them failed over"
+            ) in summary(out).splitlines()
+    generated.other_streams = generated.other_streams[:1]
+    lines = summary(Outcome(1, generated=generated).to_json()).splitlines()
+    assert "streams: 2 at once; the other 1 (3 tokens) match meshd generate: yes" in lines
+
+
+def test_a_stream_beside_the_first_that_fails_fails_the_run_naming_it():
+    from meshd.launch.drive import Beside, Dashboard
+    from meshd.launch.failure import RunFailed
+
+    beside = Beside(Dashboard("http://127.0.0.1:1", {}), ["Once upon a time, 2"], 4, 5.0)
+    beside.start()
+    with pytest.raises(RunFailed) as info:
+        beside.wait(Progress())
+    failure = info.value.failure
+    assert failure.kind is Kind.ERROR
+    assert failure.reason.startswith("stream 2 ('Once upon a time, 2') broke: ConnectError"), failure.reason
+
+
 def test_an_error_in_the_stream_in_openais_shape_fails_the_run_naming_the_stage():
     import httpx
 

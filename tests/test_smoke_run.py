@@ -164,6 +164,24 @@ def test_a_killed_serving_replica_fails_over_and_the_run_passes(run_dir):
     assert out["run_status"] == "done" and out["jobs"][killed["job"]] == "exited (-9)"
 
 
+def test_streams_at_once_through_a_killed_replica_each_match_their_own_reference(run_dir):
+    """Six requests at once, batched at each stage; the replica of stage-1 serving the first is
+    killed: the fault finds it among the six by the request id its stream names from the first
+    token, every stream finishes (moved to the other replica where it went through the killed
+    one), and each matches meshd generate for its own prompt."""
+    rc, out = smoke("--stages", "3", "--replicas", "2", "--streams", "6", "--fault", "kill:stage-1@token-5",
+                    "--max-tokens", "48")
+    assert rc == 0, json.dumps(out)  # the whole report: tokens, failovers, paths, jobs
+    others = out["other_streams"]
+    assert len(others) == 5 and len({o["prompt"] for o in others} | {"Once upon a time"}) == 6
+    assert all(o["matches_reference"] and len(o["tokens"]) == 48 for o in others), others
+    [killed] = out["disruptions"]
+    [failover] = out["failovers"]  # the first stream's, through the replica that was killed
+    assert failover["from_job"] == killed["job"] and out["matches_reference"]
+    assert all(f["from_job"] == killed["job"] for o in others for f in o["failovers"])
+    assert out["leftovers"] == 0 and meshd_children(run_dir) == []
+
+
 def test_a_restarted_serving_replica_comes_back_with_its_key_and_the_run_passes(run_dir):
     rc, out = smoke("--stages", "2", "--replicas", "2", "--fault", "restart:stage-1@token-4",
                     "--max-tokens", "48")

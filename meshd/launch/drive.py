@@ -1,5 +1,6 @@
 """Driving a smoke run: the testbed, the model, the mesh converging, one generation (two when
-a ``relay-down`` fault comes after the first has ended: the second runs with the relay down).
+a ``relay-down`` fault comes after the first has ended: the second runs with the relay down),
+and with ``--streams`` the other requests sent at once beside it (:class:`Beside`).
 
 Each step talks to live processes over their dashboards and raises
 :class:`~meshd.launch.failure.RunFailed` with a :class:`~meshd.launch.failure.Failure`
@@ -14,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -76,6 +78,87 @@ class Driven:
     final: dict[str, Snapshot]  # the nodes still alive after the generation, by run name
     again: Generation | None = None  # generated again once relay-down faults late for the first came
     again_after: list[str] = dataclasses.field(default_factory=list)  # those faults' specs
+    # The other streams when the run sent several at once, in order: each one's prompt, tokens
+    # and failovers (as the orchestrator reports them).
+    others: list[Other] = dataclasses.field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Other:
+    """A stream sent beside the first (``--streams``), as it ended."""
+
+    prompt: str
+    tokens: list[int]
+    failovers: list[dict[str, Any]]
+
+
+def other_prompts(prompt: str, streams: int) -> list[str]:
+    """The prompts of the requests sent beside the first: each its own, so each is checked
+    against its own reference."""
+    return [f"{prompt}, {k}" for k in range(2, streams + 1)]
+
+
+class Beside:
+    """The run's other streams: requests sent at once beside the first (``--streams``), so
+    the stages batch them.  Each goes in a thread and client of its own, whole (not
+    streamed), greedy, through the run's faults as the first does; ``wait`` gives their
+    tokens, or fails the run naming the stream that failed and why."""
+
+    def __init__(self, board: Dashboard, prompts: list[str], max_tokens: int, timeout: float) -> None:
+        self.board, self.prompts, self.max_tokens, self.timeout = board, prompts, max_tokens, timeout
+        self.results: dict[int, Other | Failure] = {}
+        self._threads = [threading.Thread(target=self._one, args=(k,), daemon=True,
+                                          name=f"smoke-stream-{k + 2}") for k in range(len(prompts))]
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    def _one(self, k: int) -> None:
+        import httpx
+
+        what = f"stream {k + 2} ({self.prompts[k]!r})"
+        body = {"prompt": self.prompts[k], "max_tokens": self.max_tokens}
+        try:
+            # The answer comes whole at the end: the read timeout is the whole generation's.
+            with httpx.Client(timeout=httpx.Timeout(self.timeout, connect=10)) as client:
+                r = client.post(f"{self.board.url}/api/generate", json=body, headers=self.board.headers)
+        except httpx.TimeoutException:
+            self.results[k] = Failure.timeout(f"{what} got no answer within {self.timeout:g}s")
+            return
+        except httpx.HTTPError as exc:
+            self.results[k] = Failure.error(f"{what} broke: {type(exc).__name__}: {exc}")
+            return
+        try:
+            answer = r.json()
+        except ValueError:
+            answer = {}
+        if r.status_code != 200 or not isinstance(answer.get("tokens"), list):
+            error = answer.get("error") if isinstance(answer, dict) else None
+            self.results[k] = Failure.error(f"{what} failed: {r.status_code} {error or r.text[:200]}")
+            return
+        failovers = answer.get("failovers")
+        self.results[k] = Other(self.prompts[k], answer["tokens"],
+                                failovers if isinstance(failovers, list) else [])
+
+    def wait(self, progress: Progress) -> list[Other]:
+        """Each other stream, once all have ended; RunFailed for the first that failed, or for
+        one still running ``timeout`` seconds after the first stream ended."""
+        deadline = time.monotonic() + self.timeout
+        for k, thread in enumerate(self._threads):
+            if thread.is_alive():
+                progress.update(f"waiting for stream {k + 2} of {len(self._threads) + 1}")
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                raise RunFailed(Failure.timeout(f"stream {k + 2} ({self.prompts[k]!r}) had not ended "
+                                                f"{self.timeout:g}s after the first"))
+        out = []
+        for k in range(len(self.prompts)):
+            result = self.results[k]
+            if isinstance(result, Failure):
+                raise RunFailed(result)
+            out.append(result)
+        return out
 
 
 def prepare_model(model: str | None, stub: bool, tmp: Path, progress: Progress, stages: int = 1) -> str:
@@ -172,9 +255,10 @@ def converge(client: httpx.Client, driver: JobDriver, boards: dict[str, Dashboar
 
 def converge_and_generate(driver: JobDriver, boards: dict[str, Dashboard], prefixes: dict[str, str],
                           plan: RunPlan, prompt: str, max_tokens: int, timeout: float,
-                          progress: Progress, disruptions: list[dict[str, Any]]) -> Driven:
-    """Wait for the mesh to converge, then generate once with the run's faults; after a restart,
-    wait for the restarted nodes to take their place back; snapshot the nodes still up.
+                          progress: Progress, disruptions: list[dict[str, Any]], streams: int = 1) -> Driven:
+    """Wait for the mesh to converge, then generate once with the run's faults (and, with
+    ``streams`` over 1, that many requests at once: see ``Beside``); after a restart, wait
+    for the restarted nodes to take their place back; snapshot the nodes still up.
 
     A ``relay-down`` fault that has not come when the generation ends is waited for, and the
     run generates once more with that relay down (``Driven.again``): a fault that never met a
@@ -193,10 +277,15 @@ def converge_and_generate(driver: JobDriver, boards: dict[str, Dashboard], prefi
         progress.update("generating")
         disruptor = Disruptor(faults.kills, driver, _requests_asker(client, boards["orchestrator"]), prefixes,
                               progress, disruptions)
+        beside = Beside(boards["orchestrator"], other_prompts(prompt, streams), max_tokens, timeout)
+        beside.start()
         generation = generate(client, boards["orchestrator"], prompt, max_tokens, timeout, disruptor,
                               prefixes, progress)
         progress.log(f"generated {len(generation.tokens)} tokens in {generation.gen_s:.1f}s, "
                      f"{len(generation.tokens) / max(generation.gen_s, 1e-9):.1f} tokens/s")
+        others = beside.wait(progress)
+        if others:
+            progress.log(f"{len(others)} more streams at once: {sum(len(o.tokens) for o in others)} tokens")
         if disruptor.restarted:
             rejoin(client, driver, boards, prefixes, plan.stages, disruptor.restarted, timeout, progress)
         again, late = None, [d.spec for d in downs.pending]
@@ -206,7 +295,7 @@ def converge_and_generate(driver: JobDriver, boards: dict[str, Dashboard], prefi
             again = generate_again(client, driver, boards, prefixes, plan.stages, prompt, max_tokens, timeout,
                                    progress, f"after {', '.join(late)}")
         final = settled(client, driver, boards, prefixes, progress)
-    return Driven(converge_s, generation, final, again, late)
+    return Driven(converge_s, generation, final, again, late, others)
 
 
 def settled(client: httpx.Client, driver: JobDriver, boards: dict[str, Dashboard], prefixes: dict[str, str],

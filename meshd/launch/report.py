@@ -101,6 +101,9 @@ class Generated:
     nat: dict[str, str | None] | None = None  # node job -> its NAT as the relays' STUN saw it
     near_ties: list[int] = field(default_factory=list)  # reference steps within NEAR_TIE
     diverged_at: int | None = None  # the first step whose token differs from the reference's
+    # With --streams: the requests sent beside the first, each judged against its own reference
+    # (``prompt``, ``tokens``, ``matches_reference``, ``near_ties``, ``diverged_at``, ``failovers``).
+    other_streams: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -156,6 +159,8 @@ class Outcome:
                             "tokens_per_s": g.tokens_per_s,
                             "total_s": None if self.total_s is None else round(self.total_s, 3)},
             })
+            if g.other_streams:
+                out["other_streams"] = g.other_streams
             if g.again is not None:
                 out["again"] = g.again
             if g.nat is not None:
@@ -200,6 +205,8 @@ def summary_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
                                   f"{'yes' if result['matches_reference'] else 'NO'}{_ties(result)}"))
         rows.append(("timings", f"converge {t['converge_s']}s, first token {t['first_token_s']}s, "
                                 f"{t['tokens_per_s']} tokens/s"))
+    if others := result.get("other_streams"):
+        rows.append(("streams", _streams_line(others)))
     if (again := result.get("again")) is not None:
         rows.append(("again", f"generated again after {again['after']}: {len(again['tokens'])} tokens; "
                               f"matches meshd generate: {'yes' if again['matches_reference'] else 'NO'}; "
@@ -211,6 +218,23 @@ def summary_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(("logs", f"logs: {result['logs']}"))
     rows.append(("leftovers", f"leftovers: {result['leftovers']}"))
     return rows
+
+
+def _streams_line(others: list[dict[str, Any]]) -> str:
+    """The streams sent beside the first: whether each matches its reference, and where one
+    parted from it (at a near tie, which the rule allows, or not)."""
+    parted = [(k, o) for k, o in enumerate(others, start=2) if o["diverged_at"] is not None]
+    ok = all(o["matches_reference"] for o in others)
+    line = (f"streams: {len(others) + 1} at once; the other {len(others)} "
+            f"({sum(len(o['tokens']) for o in others)} tokens) match meshd generate: {'yes' if ok else 'NO'}")
+    if parted:
+        line += " (" + "; ".join(f"stream {k} parted at step {o['diverged_at']}"
+                                 + (", at a near tie" if o["matches_reference"] else "")
+                                 for k, o in parted) + ")"
+    moved = sum(bool(o.get("failovers")) for o in others)
+    if moved:
+        line += f"; {moved} of them failed over"
+    return line
 
 
 def print_report(result: dict[str, Any], file: TextIO | None = None) -> None:
@@ -226,7 +250,7 @@ def print_report(result: dict[str, Any], file: TextIO | None = None) -> None:
     table.add_column(overflow="fold")
     for label, line in summary_rows(result)[1:]:
         value = escape(line[len(label) + 2:] if line.startswith(f"{label}: ") else line)
-        bad = label == "asymmetric" or (label == "generated" and "generate: NO" in line) \
+        bad = label == "asymmetric" or (label in ("generated", "streams") and "generate: NO" in line) \
             or (label == "leftovers" and result["leftovers"])
         table.add_row(label, f"[red]{value}[/red]" if bad else value)
     console = Console(file=file)

@@ -137,7 +137,7 @@ def _run(args: argparse.Namespace, session: _Session, outcome: Outcome, progress
     boards = {name: dashboard(driver.procs[name], 30) for name in plan.names}
     prefixes = {_boot_prefix(driver.procs[name]): name for name in plan.names}
     driven = converge_and_generate(driver, boards, prefixes, plan, args.prompt, args.max_tokens,
-                                   args.timeout, progress, outcome.disruptions)
+                                   args.timeout, progress, outcome.disruptions, args.streams)
     outcome.failovers = checks.failovers(driven.generation.failovers, prefixes)
     progress.update("checking against meshd generate")
     outcome.generated = _check(plan, args, driven, prefixes)
@@ -202,6 +202,12 @@ def _check(plan: RunPlan, args: argparse.Namespace, driven: Driven, prefixes: di
     ref = checks.compare_with_reference(plan.model, args.prompt, args.max_tokens, gen.tokens)
     up = alive_prefixes(prefixes, driven.final)
     paths, asymmetric = checks.paths(driven.final, up)
+    others = []
+    for o in driven.others:  # each against its own reference, by the same rule
+        other = checks.compare_with_reference(plan.model, o.prompt, args.max_tokens, o.tokens)
+        others.append({"prompt": o.prompt, "tokens": o.tokens, "matches_reference": other.matches,
+                       "near_ties": other.near_ties, "diverged_at": other.diverged_at,
+                       "failovers": checks.failovers(o.failovers, prefixes)})
     again: dict[str, Any] | None = None
     if (second := driven.again) is not None:
         again = {"after": ", ".join(driven.again_after), "tokens": second.tokens,
@@ -211,10 +217,12 @@ def _check(plan: RunPlan, args: argparse.Namespace, driven: Driven, prefixes: di
     return Generated(
         tokens=gen.tokens, text=ref.text, reference_tokens=ref.tokens, near_ties=ref.near_ties,
         diverged_at=ref.diverged_at,
-        matches_reference=ref.matches and (again is None or again["matches_reference"]),
+        matches_reference=(ref.matches and (again is None or again["matches_reference"])
+                           and all(o["matches_reference"] for o in others)),
         stage_map=prefixes, paths=paths, asymmetric=asymmetric, converge_s=driven.converge_s,
         first_token_s=gen.first_token_s, tokens_per_s=_rate(gen), again=again,
         nat={job: snap["self"].get("nat") for job, snap in sorted(driven.final.items())},
+        other_streams=others,
     )
 
 
@@ -241,6 +249,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="the text to continue (default %(default)r)")
     p.add_argument("--max-tokens", type=positive_int, default=32, metavar="K",
                    help="tokens to generate, each checked against `meshd generate` (default %(default)s)")
+    p.add_argument("--streams", type=_streams, default=1, metavar="S",
+                   help="requests at once, so the stages batch them: the first streamed (the one "
+                        "--fault counts tokens of), the others beside it with prompts of their own; "
+                        "each checked against `meshd generate` (default 1)")
     p.add_argument("--provider", choices=["local", "netns"], default="local",
                    help="local: loopback processes; netns: a namespace per node, faults as nftables/tc "
                         "(root only)")
@@ -286,6 +298,13 @@ def _stages(text: str) -> int:
     value = positive_int(text)
     if value > 16:
         raise argparse.ArgumentTypeError("at most 16 stages on one machine")
+    return value
+
+
+def _streams(text: str) -> int:
+    value = positive_int(text)
+    if value > 64:
+        raise argparse.ArgumentTypeError("at most 64 streams (the orchestrator's --max-running)")
     return value
 
 

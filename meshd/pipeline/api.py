@@ -84,7 +84,8 @@ class Generator(Protocol):
 
     async def generate(self, prompt: str | list[int], max_tokens: int | None, temperature: float = 0.0,
                        top_k: int = 0, seed: int = 0, *, top_p: float = 1.0, stop: Sequence[str] = (),
-                       on_token: Callable[[int], Awaitable[None]] | None = None) -> dict[str, Any]:
+                       on_token: Callable[[int], Awaitable[None]] | None = None,
+                       request_id: str | None = None) -> dict[str, Any]:
         """Generate from text (BOS first) or token ids (as they are); raises PipelineError (or
         ValueError for a prompt the model cannot take).  ``max_tokens`` None: what the context
         holds.  ``stop``: the text ends before the first of these, and generation with it.

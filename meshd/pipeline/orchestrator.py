@@ -187,10 +187,12 @@ class Orchestrator(App):
     @measured
     async def generate(self, prompt: str | list[int], max_tokens: int | None, temperature: float = 0.0,
                        top_k: int = 0, seed: int = 0, *, top_p: float = 1.0, stop: Sequence[str] = (),
-                       want_logits: bool = False, token_timeout: float = 30.0, on_token=None) -> dict:
+                       want_logits: bool = False, token_timeout: float = 30.0, on_token=None,
+                       request_id: str | None = None) -> dict:
         """Generate from ``prompt`` (text, BOS first; or token ids as they are).  ``max_tokens``
         None: as many as the context holds, up to MAX_DEFAULT_TOKENS.  ``stop``: generation
-        ends at the first of these strings in the text, which ends before it."""
+        ends at the first of these strings in the text, which ends before it.  ``request_id``:
+        the request's id (``/api/requests``, the result's ``request``), a new one if None."""
         ids = prompt_ids(self.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("an empty prompt")
@@ -211,7 +213,8 @@ class Orchestrator(App):
         try:
             sampling = Sampling(max_tokens, float(temperature), top_k, seed, want_logits, float(top_p))
             return await self._generate(ids, max_tokens, sampling, tuple(stop), t0, queued,
-                                        token_timeout=token_timeout, on_token=on_token)
+                                        token_timeout=token_timeout, on_token=on_token,
+                                        request_id=request_id or uuid.uuid4().hex[:12])
         finally:
             self.admission.release(cost)
 
@@ -228,10 +231,10 @@ class Orchestrator(App):
         return {**self.admission.load(), "refused_busy": self.metrics.requests["busy"]}
 
     async def _generate(self, ids: list[int], max_tokens: int, sampling: Sampling, stop: tuple[str, ...],
-                        t0: float, queued: float, *, token_timeout: float, on_token) -> dict:
+                        t0: float, queued: float, *, token_timeout: float, on_token, request_id: str) -> dict:
         """A request admitted at ``t0`` (perf_counter), after ``queued`` seconds in the queue."""
         want_logits = sampling.want_logits
-        req = _Request(uuid.uuid4().hex[:12], ids, sampling, stop=stop)
+        req = _Request(request_id, ids, sampling, stop=stop)
         self.metrics.prompt_tokens += len(ids)
         try:
             await self._start(req)
