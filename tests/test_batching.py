@@ -21,6 +21,7 @@ from meshd.launch.checks import Reference
 from meshd.launch.report import Generated, Outcome, summary
 from meshd.pipeline import model as model_module
 from meshd.pipeline import stage as stage_module
+from meshd.pipeline.api import PipelineError
 from meshd.pipeline.app import App
 from meshd.pipeline.checkpoint import init_checkpoint
 from meshd.pipeline.generate import LOGITS_TOLERANCE as TOLERANCE
@@ -323,6 +324,78 @@ async def test_past_the_queue_a_request_gets_503_with_retry_after_counted_and_do
     assert (load["running"], load["waiting"], load["refused_busy"]) == (1, 1, 1)
     assert 0 < load["kv_used_mb"] <= load["kv_budget_mb"]
     assert [r.status_code for r in done] == [200, 200]
+
+
+async def test_a_stage_with_less_kv_budget_than_the_orchestrator_makes_starts_wait_not_fail(checkpoint):
+    """The orchestrator admits by its own --kv-budget-mb; stage-1's is smaller (a host with less
+    memory).  The requests stage-1 has no room for wait there for a running one to end, the
+    wait a step of their traces, instead of failing with 503; stage-1 never holds more than
+    its budget, and every request gets its reference's tokens."""
+    lines: list[str] = []
+    results: list[dict] = []
+    peak = [0]
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            nodes = await start_pipeline(nursery, checkpoint, 3, lines, max_batch=1,
+                                         stage_options={1: {"kv_budget_mb": 1}})
+            orch, stage1 = nodes[0].app, nodes[2].app
+            size = stage1.model.cache_bytes(stage1.model.config.max_position_embeddings)
+            assert 12 * size > stage1.kv_budget >= size, "the budget must hold one request, not all"
+
+            async def watch() -> None:
+                while True:
+                    peak[0] = max(peak[0], stage1.kv_in_use())
+                    await trio.sleep(0)
+
+            nursery.start_soon(watch)
+            prompt_len = len(orch.tokenizer.encode(PROMPTS[0]))
+            max_tokens = stage1.model.config.max_position_embeddings - prompt_len - 1
+
+            async def one(i: int) -> None:
+                results.append(await orch.generate(PROMPTS[0], max_tokens, seed=i))
+
+            async with trio.open_nursery() as clients:
+                for i in range(12):
+                    clients.start_soon(one, i)
+            waited = stage1.counters["waited_for_room"]
+            nursery.cancel_scope.cancel()
+    assert len(results) == 12 and waited > 0
+    assert peak[0] <= stage1.kv_budget
+    want = generate(str(checkpoint), PROMPTS[0], max_tokens)["tokens"]
+    assert all(r["tokens"] == want for r in results)
+    assert sum(any(h["kind"] == "wait" and h["name"] == "stage-1 room" for h in r["timings"]["hops"])
+               for r in results) == waited
+
+
+async def test_a_start_that_never_finds_room_fails_naming_the_stage_and_one_whose_caller_left_stops_waiting(
+        checkpoint, monkeypatch, caplog):
+    """A request whose KV cache never fits stage-1's budget fails after ROOM_WAIT_S with that
+    stage's reason; one cancelled while it waits (its Release reaches stage-1) ends its wait
+    there: no failure is reported for it when the wait would have run out."""
+    monkeypatch.setattr(stage_module, "ROOM_WAIT_S", 1.0)
+    lines: list[str] = []
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nodes = await start_pipeline(nursery, checkpoint, 3, lines, max_batch=1)
+            orch, stage1 = nodes[0].app, nodes[2].app
+            stage1.kv_budget = 1000  # bytes: no request's cache fits
+            with pytest.raises(PipelineError) as info:
+                await orch.generate(PROMPTS[0], 8)
+            failed = str(info.value)
+            errors = stage1.counters["errors"]
+            caplog.clear()
+            async with trio.open_nursery() as clients:
+                clients.start_soon(orch.generate, PROMPTS[1], 8)
+                while stage1.counters["waited_for_room"] < 2:
+                    await trio.sleep(0.01)
+                clients.cancel_scope.cancel()  # its caller leaves: the orchestrator releases it
+            await trio.sleep(1.5)  # past the wait it would have had
+            after = stage1.counters["errors"]
+            nursery.cancel_scope.cancel()
+    assert failed.startswith("stage-1: no room for request ") and "within 1.0 s" in failed, failed
+    assert "(--kv-budget-mb)" in failed
+    assert after == errors, "the request whose caller left still waited and failed at stage-1"
+    assert not [r for r in caplog.records if "no room" in r.getMessage()]
 
 
 async def test_a_client_that_disconnects_cancels_its_request_running_or_queued(checkpoint, caplog):

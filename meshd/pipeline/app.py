@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Awaitable
 
 import trio
 
@@ -87,8 +88,12 @@ class App:
                 await self._on_message(src, msg)
 
     async def _on_message(self, src: bytes, msg: Message) -> None:
+        await self._guarded(msg, self.on_message(src, msg))
+
+    async def _guarded(self, msg: Message, work: Awaitable[None]) -> None:
+        """Run ``work`` for ``msg``: what it raises fails ``msg``'s request alone."""
         try:
-            await self.on_message(src, msg)
+            await work
         except PipelineError as exc:  # a failure the message names: no traceback to read
             log.warning("%s: %s", self.mesh.name, exc)
             await self.failed(msg, exc)

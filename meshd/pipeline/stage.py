@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -90,6 +91,11 @@ ACTIVE_S = 2.0  # a request that moved within this long is running (draining wai
 # A request whose orchestrator the mesh has not told us of within this long is dropped: the
 # sender of a request we hold is a member, and gossip names a new member within a few periods.
 ORIGIN_UNKNOWN_S = 10.0
+# A request that starts here while its KV cache does not fit beside the running ones' (this
+# stage's --kv-budget-mb below the orchestrator's, which admits by its own) waits for one of
+# them to end, up to this long: under the orchestrator's 30 s without a token, so the caller
+# reads this stage's reason rather than a stall.
+ROOM_WAIT_S = 25.0
 
 
 class LostState(PipelineError):
@@ -168,7 +174,7 @@ class StageService(App):
         self._heads: dict[tuple[str, int], _HeadJoin] = {}  # at stage 0: (req_id, step) -> the two halves
         self._outbox: dict[bytes, list[Message]] = {}  # per orchestrator: tokens (and errors) not yet sent
         self.counters = {"activations": 0, "tokens": 0, "errors": 0, "dropped_orphans": 0,
-                         "reported_down": 0, "handed_over": 0, "late_after_end": 0}
+                         "reported_down": 0, "handed_over": 0, "late_after_end": 0, "waited_for_room": 0}
         self.metrics = StageMetrics(self.name)
         self.metrics.holding = lambda: (len(self.jobs), self.kv_in_use())
         self.draining = False
@@ -180,6 +186,8 @@ class StageService(App):
         self._heads_ready: list[tuple[HeadInput, tuple[Hop, ...], float]] = []
         self._work = trio.Event()  # set when something is ready
         self._busy = False  # the batcher is running batches
+        self._freed = trio.Event()  # set when a request ends here: room for one waiting to start
+        self._for_room: deque[str] = deque()  # the starts waiting for room, oldest first
 
     def start_background(self, nursery: trio.Nursery) -> None:
         nursery.start_soon(self._watch)
@@ -189,6 +197,26 @@ class StageService(App):
     def kv_in_use(self) -> int:
         """Bytes of KV cache held for the requests here."""
         return sum(job.cache.nbytes for job in self.jobs.values())
+
+    def _start_cache(self, msg: Activation) -> tuple[int, int]:
+        """(positions, bytes) of the KV cache a start of ``msg``'s request (position 0) takes here:
+        the prompt (a replay's first ``prefill`` rows) and every token."""
+        rows = len(msg.tokens) if msg.tokens else msg.rows
+        need = min((msg.prefill or rows) + msg.sampling.max_tokens, self.model.config.max_position_embeddings)
+        return need, self.model.cache_bytes(need)
+
+    def _room(self, msg: Activation, size: int) -> tuple[bool, int]:
+        """Whether ``size`` bytes for ``msg``'s request fit the budget beside the others' (its
+        own earlier cache, which a start replaces, aside); and the bytes those others hold."""
+        held = self.jobs.get(msg.req_id)
+        used = self.kv_in_use() - (held.cache.nbytes if held is not None else 0)
+        return used + size <= self.kv_budget, used
+
+    def _no_room(self, msg: Activation, size: int, used: int, waited: float = 0.0) -> PipelineError:
+        within = f" within {waited:.1f} s" if waited else ""
+        return PipelineError(f"no room for request {msg.req_id}'s KV cache ({size / 2**20:.1f} MB){within}: "
+                             f"{used / 2**20:.1f} of {self.kv_budget / 2**20:.0f} MB held by "
+                             f"{len(self.jobs)} requests (--kv-budget-mb)")
 
     def _splits_head(self, s: Sampling) -> bool:
         """Whether this request's head is cut in two; not when every logit must travel
@@ -226,26 +254,20 @@ class StageService(App):
 
     # --- the forward pass ---
 
-    def _job(self, msg: Activation, rows: int) -> _Job:
+    def _job(self, msg: Activation) -> _Job:
         """The request's state here: new at position 0 (a start, or a failover's replay)."""
         if len(msg.route) != self.stages or msg.route[self.stage] != self.mesh.node_id:
             raise PipelineError(f"{self.name}: request {msg.req_id} is routed through "
                                 f"{len(msg.route)} stages, not through this node as {self.name}")
         job = self.jobs.get(msg.req_id)
         if msg.pos == 0:
-            # The cache holds the prompt (the replay's first ``prefill`` rows) and every token.
-            need = min((msg.prefill or rows) + msg.sampling.max_tokens,
-                       self.model.config.max_position_embeddings)
+            # A request that runs is never evicted: one that does not fit the budget waited for
+            # room (``_when_room``) before it came here.
+            need, size = self._start_cache(msg)
+            fits, used = self._room(msg, size)
+            if not fits:
+                raise self._no_room(msg, size, used)
             self.jobs.pop(msg.req_id, None)
-            # A request that runs is never evicted: one that does not fit the budget is refused
-            # (the orchestrator's admission keeps within it; see meshd.pipeline.admission).
-            used = self.kv_in_use()
-            size = self.model.cache_bytes(need)
-            if used + size > self.kv_budget:
-                raise PipelineError(f"{self.name}: no room for request {msg.req_id}'s KV cache "
-                                    f"({size / 2**20:.1f} MB): {used / 2**20:.1f} of "
-                                    f"{self.kv_budget / 2**20:.0f} MB held by {len(self.jobs)} requests "
-                                    "(--kv-budget-mb)")
             now = trio.current_time()
             job = _Job(msg.req_id, msg.origin, msg.route, self.model.new_cache(need), now, now)
             self.jobs[msg.req_id] = job
@@ -290,20 +312,28 @@ class StageService(App):
             return None
         return outs[0] if len(outs) == 1 else np.concatenate(outs)
 
-    async def _activation(self, msg: Activation) -> None:
-        self.counters["activations"] += 1
+    async def _activation(self, msg: Activation, trace: tuple[Hop, ...] | None = None) -> None:
+        """One message's rows through our layers.  ``trace``: the message's, timed on arrival,
+        when it comes back from waiting for room (``_when_room``)."""
         job = self.jobs.get(msg.req_id)
         if self._gone(msg.origin, job.started if job is not None and msg.pos else None):
             self._drop_orphan(msg.req_id)
             return
-        trace = arrived(msg.trace, msg.sent_at)
-        self.metrics.arrived(trace)
+        if trace is None:
+            self.counters["activations"] += 1
+            trace = arrived(msg.trace, msg.sent_at)
+            self.metrics.arrived(trace)
+            if msg.pos == 0 and not self._room(msg, self._start_cache(msg)[1])[0]:
+                self.counters["waited_for_room"] += 1
+                assert self._nursery is not None  # messages arrive only while serve() runs
+                self._nursery.start_soon(self._when_room, msg, trace)
+                return
         model = self.model
         if msg.tokens:
             hidden = model.embed(list(msg.tokens))  # (T, D)
         else:
             hidden = np.frombuffer(msg.hidden, dtype=np.float32).reshape(msg.rows, msg.dims)
-        job = self._job(msg, hidden.shape[0])
+        job = self._job(msg)
         if self._batching() and hidden.shape[0] == 1 and not msg.prefill:
             if msg.pos != job.cache.length or msg.pos >= job.cache.max_seq:
                 raise PipelineError(f"{self.name}: request {msg.req_id} step {msg.step} at position "
@@ -322,6 +352,36 @@ class StageService(App):
         if hidden.shape[0] == 1:
             self.metrics.batched(1)
         await self._emit([_Computed(msg, job, out, (*trace, Hop("compute", self.name, took * 1000, "")))])
+
+    async def _when_room(self, msg: Activation, trace: tuple[Hop, ...]) -> None:
+        """Start ``msg``'s request once its KV cache fits beside the running ones' (a request
+        here ends) and the starts that waited longer have gone, its wait a step of its trace;
+        or fail it after ROOM_WAIT_S.  Nothing of it is held meanwhile, and a Release (its
+        caller left) ends the wait."""
+        t0 = trio.current_time()
+        _, size = self._start_cache(msg)
+        self._for_room.append(msg.req_id)
+        try:
+            while self._for_room[0] != msg.req_id or not self._room(msg, size)[0]:
+                waited = trio.current_time() - t0
+                if msg.req_id in self._ended or self._gone(msg.origin, t0):
+                    return
+                if waited >= ROOM_WAIT_S:
+                    exc = self._no_room(msg, size, self._room(msg, size)[1], waited)
+                    log.warning("%s: %s", self.name, exc)
+                    await self.failed(msg, exc)
+                    return
+                with trio.move_on_after(ROOM_WAIT_S - waited):
+                    await self._freed.wait()
+        finally:
+            self._for_room.remove(msg.req_id)
+            self._wake_for_room()  # the next in line may fit now
+        wait = Hop("wait", f"{self.name} room", (trio.current_time() - t0) * 1000, "")
+        await self._guarded(msg, self._activation(msg, (*trace, wait)))
+
+    def _wake_for_room(self) -> None:
+        self._freed.set()
+        self._freed = trio.Event()
 
     def _decoding(self) -> int:
         return sum(job.decoding for job in self.jobs.values())
@@ -520,7 +580,9 @@ class StageService(App):
     def _forget(self, req_id: str) -> _Job | None:
         for key in [k for k in self._heads if k[0] == req_id]:
             del self._heads[key]
-        return self.jobs.pop(req_id, None)
+        job = self.jobs.pop(req_id, None)
+        self._wake_for_room()  # and one whose Release this is ends its wait
+        return job
 
     def _end(self, req_id: str) -> _Job | None:
         """Forget a request that ended, and keep its id a while: a step of it still on its

@@ -65,11 +65,13 @@ async def start_killable(nursery: trio.Nursery, options: NodeOptions, lines: lis
 
 
 async def start_pipeline(nursery: trio.Nursery, model: str | Path, stages: int, lines: list[str],
-                         feedback_drop: bool = False, **options: Any) -> list[Running]:
+                         feedback_drop: bool = False, stage_options: dict[int, dict[str, Any]] | None = None,
+                         **options: Any) -> list[Running]:
     """A relay, an orchestrator and ``stages`` stages serving ``model``, converged and ready:
     [orchestrator, stage-0, ...].  ``feedback_drop``: the last stage's direct packets to
     stage 0 are lost, so the feedback edge takes the relay.  ``options`` go to every node's
-    NodeOptions (``max_batch=1``, ``max_running=4``, ...)."""
+    NodeOptions (``max_batch=1``, ``max_running=4``, ...), ``stage_options[k]`` to stage k's
+    over them."""
     host, port = await nursery.start(serve_relay, "127.0.0.1", 0)
     opts: dict[str, Any] = dict(profile="local", relay=f"ws://{host}:{port}", stages=stages, model=str(model),
                                 **options)
@@ -79,8 +81,9 @@ async def start_pipeline(nursery: trio.Nursery, model: str | Path, stages: int, 
         faults = Faults()
         if feedback_drop and k == stages - 1:
             faults = Faults.parse([f"drop:{nodes[1].addr}"])  # last stage -> stage 0, direct lost
+        mine = {**opts, **(stage_options or {}).get(k, {})}
         nodes.append(await start_node(nursery, NodeOptions(stage=k, seeds=[orch.addr], faults=faults,
-                                                           **opts), lines))
+                                                           **mine), lines))
     await wait_converged(nodes)
     await orch.app.wait_ready(10)
     return nodes
