@@ -367,18 +367,26 @@ async def test_a_stage_with_less_kv_budget_than_the_orchestrator_makes_starts_wa
                for r in results) == waited
 
 
-async def test_a_start_that_never_finds_room_fails_naming_the_stage_and_one_whose_caller_left_stops_waiting(
+async def test_a_start_without_room_in_time_fails_naming_the_stage_and_one_whose_caller_left_stops_waiting(
         checkpoint, monkeypatch, caplog):
-    """A request whose KV cache never fits stage-1's budget fails after ROOM_WAIT_S with that
-    stage's reason; one cancelled while it waits (its Release reaches stage-1) ends its wait
-    there: no failure is reported for it when the wait would have run out."""
+    """While stage-1's budget is held by a request that runs on, a start waits there, and fails
+    after ROOM_WAIT_S with that stage's reason; one cancelled while it waits (its Release
+    reaches stage-1) ends its wait there: no failure is reported for it when the wait would
+    have run out.  A start bigger than the whole budget fails at once."""
     monkeypatch.setattr(stage_module, "ROOM_WAIT_S", 1.0)
     lines: list[str] = []
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
             nodes = await start_pipeline(nursery, checkpoint, 3, lines, max_batch=1)
             orch, stage1 = nodes[0].app, nodes[2].app
-            stage1.kv_budget = 1000  # bytes: no request's cache fits
+            stage1.kv_budget = stage1.model.cache_bytes(64)
+            with pytest.raises(PipelineError) as info:
+                await orch.generate(PROMPTS[0], 100)  # 100 positions and more: never fits
+            too_big = str(info.value)
+            # A request that runs on (its route holds its caches; no step of it comes) fills it.
+            now, route = trio.current_time(), tuple(n.app.mesh.node_id for n in nodes[1:])
+            stage1.jobs["runs-on"] = stage_module._Job("runs-on", orch.mesh.node_id, route,
+                                                       stage1.model.new_cache(64), now, now)
             with pytest.raises(PipelineError) as info:
                 await orch.generate(PROMPTS[0], 8)
             failed = str(info.value)
@@ -392,8 +400,9 @@ async def test_a_start_that_never_finds_room_fails_naming_the_stage_and_one_whos
             await trio.sleep(1.5)  # past the wait it would have had
             after = stage1.counters["errors"]
             nursery.cancel_scope.cancel()
+    assert "is more than this stage's whole --kv-budget-mb" in too_big and too_big.startswith("stage-1: ")
     assert failed.startswith("stage-1: no room for request ") and "within 1.0 s" in failed, failed
-    assert "(--kv-budget-mb)" in failed
+    assert "held by 1 requests (--kv-budget-mb)" in failed
     assert after == errors, "the request whose caller left still waited and failed at stage-1"
     assert not [r for r in caplog.records if "no room" in r.getMessage()]
 

@@ -323,7 +323,11 @@ class StageService(App):
             self.counters["activations"] += 1
             trace = arrived(msg.trace, msg.sent_at)
             self.metrics.arrived(trace)
-            if msg.pos == 0 and not self._room(msg, self._start_cache(msg)[1])[0]:
+            if msg.pos == 0 and not self._room(msg, size := self._start_cache(msg)[1])[0]:
+                if size > self.kv_budget:  # it would never fit: no use waiting
+                    raise PipelineError(f"request {msg.req_id}'s KV cache ({size / 2**20:.1f} MB) is more "
+                                        f"than this stage's whole --kv-budget-mb "
+                                        f"({self.kv_budget / 2**20:.1f} MB): ask for fewer tokens")
                 self.counters["waited_for_room"] += 1
                 assert self._nursery is not None  # messages arrive only while serve() runs
                 self._nursery.start_soon(self._when_room, msg, trace)
