@@ -132,9 +132,11 @@ class Beside:
         try:
             answer = r.json()
         except ValueError:
+            answer = None
+        if not isinstance(answer, dict):
             answer = {}
         if r.status_code != 200 or not isinstance(answer.get("tokens"), list):
-            error = answer.get("error") if isinstance(answer, dict) else None
+            error = answer.get("error")
             self.results[k] = Failure.error(f"{what} failed: {r.status_code} {error or r.text[:200]}")
             return
         failovers = answer.get("failovers")
