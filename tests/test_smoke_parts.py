@@ -337,8 +337,8 @@ def test_the_summary_says_whether_each_stream_beside_the_first_matched_and_where
     generated = _generated()
     def stream(prompt: str, tokens: list[int], matches: bool, ties: list[int], at: int | None,
                failovers: list[dict]) -> dict:
-        return {"prompt": prompt, "tokens": tokens, "matches_reference": matches, "near_ties": ties,
-                "diverged_at": at, "failovers": failovers}
+        return {"prompt": prompt, "sampling": {"temperature": 0.0, "top_k": 0, "seed": 0}, "tokens": tokens,
+                "matches_reference": matches, "near_ties": ties, "diverged_at": at, "failovers": failovers}
 
     generated.other_streams = [stream("p, 2", [1, 2, 3], True, [], None, []),
                                stream("p, 3", [1, 9, 9], True, [1], 1, [{"stage": "stage-1"}]),
@@ -354,10 +354,10 @@ def test_the_summary_says_whether_each_stream_beside_the_first_matched_and_where
 
 
 def test_a_stream_beside_the_first_that_fails_fails_the_run_naming_it():
-    from meshd.launch.drive import Beside, Dashboard
+    from meshd.launch.drive import Beside, Dashboard, other_requests
     from meshd.launch.failure import RunFailed
 
-    beside = Beside(Dashboard("http://127.0.0.1:1", {}), ["Once upon a time, 2"], 4, 5.0)
+    beside = Beside(Dashboard("http://127.0.0.1:1", {}), other_requests("Once upon a time", 2), 4, 5.0)
     beside.start()
     with pytest.raises(RunFailed) as info:
         beside.wait(Progress())

@@ -175,6 +175,7 @@ def test_streams_at_once_through_a_killed_replica_each_match_their_own_reference
     others = out["other_streams"]
     assert len(others) == 5 and len({o["prompt"] for o in others} | {"Once upon a time"}) == 6
     assert all(o["matches_reference"] and len(o["tokens"]) == 48 for o in others), others
+    assert sorted(o["sampling"]["temperature"] for o in others) == [0.0, 0.0, 0.0, 0.8, 0.8]  # some sampled
     [killed] = out["disruptions"]
     [failover] = out["failovers"]  # the first stream's, through the replica that was killed
     assert failover["from_job"] == killed["job"] and out["matches_reference"]

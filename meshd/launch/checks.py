@@ -43,12 +43,13 @@ class Reference:
         return step is None or step in self.near_ties
 
 
-def compare_with_reference(model: str, prompt: str, max_tokens: int, tokens: list[int]) -> Reference:
+def compare_with_reference(model: str, prompt: str, max_tokens: int, tokens: list[int],
+                           temperature: float = 0.0, top_k: int = 0, seed: int = 0) -> Reference:
     from ..pipeline.config import LlamaConfig
     from ..pipeline.generate import diverges, generate, near_ties
     from ..pipeline.tokenizer import load_tokenizer
 
-    ref = generate(model, prompt, max_tokens, return_logits=True)
+    ref = generate(model, prompt, max_tokens, temperature, top_k, seed, return_logits=True)
     config = LlamaConfig.load(model)
     text = load_tokenizer(model, config.bos_token_id, config.eos_token_ids).decode(tokens)
     ties = near_ties(ref["logits"])

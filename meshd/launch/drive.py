@@ -88,27 +88,32 @@ class Other:
     """A stream sent beside the first (``--streams``), as it ended."""
 
     prompt: str
+    sampling: dict[str, Any]  # temperature, top_k, seed: as sent, for its reference
     tokens: list[int]
     failovers: list[dict[str, Any]]
 
 
-def other_prompts(prompt: str, streams: int) -> list[str]:
-    """The prompts of the requests sent beside the first: each its own, so each is checked
-    against its own reference."""
-    return [f"{prompt}, {k}" for k in range(2, streams + 1)]
+def other_requests(prompt: str, streams: int) -> list[tuple[str, dict[str, Any]]]:
+    """The (prompt, sampling) of each request sent beside the first: each its own prompt, so
+    each is checked against its own reference; every other one sampled (temperature 0.8,
+    top-k 20, its own seed), the rest greedy."""
+    return [(f"{prompt}, {k}", {"temperature": 0.8, "top_k": 20, "seed": k} if k % 2 else
+             {"temperature": 0.0, "top_k": 0, "seed": 0}) for k in range(2, streams + 1)]
 
 
 class Beside:
     """The run's other streams: requests sent at once beside the first (``--streams``), so
     the stages batch them.  Each goes in a thread and client of its own, whole (not
-    streamed), greedy, through the run's faults as the first does; ``wait`` gives their
-    tokens, or fails the run naming the stream that failed and why."""
+    streamed), through the run's faults as the first does; ``wait`` gives their tokens, or
+    fails the run naming the stream that failed and why."""
 
-    def __init__(self, board: Dashboard, prompts: list[str], max_tokens: int, timeout: float) -> None:
-        self.board, self.prompts, self.max_tokens, self.timeout = board, prompts, max_tokens, timeout
+    def __init__(self, board: Dashboard, requests: list[tuple[str, dict[str, Any]]], max_tokens: int,
+                 timeout: float) -> None:
+        self.board, self.requests, self.max_tokens, self.timeout = board, requests, max_tokens, timeout
+        self.prompts = [prompt for prompt, _ in requests]
         self.results: dict[int, Other | Failure] = {}
         self._threads = [threading.Thread(target=self._one, args=(k,), daemon=True,
-                                          name=f"smoke-stream-{k + 2}") for k in range(len(prompts))]
+                                          name=f"smoke-stream-{k + 2}") for k in range(len(requests))]
 
     def start(self) -> None:
         for thread in self._threads:
@@ -118,7 +123,8 @@ class Beside:
         import httpx
 
         what = f"stream {k + 2} ({self.prompts[k]!r})"
-        body = {"prompt": self.prompts[k], "max_tokens": self.max_tokens}
+        prompt, sampling = self.requests[k]
+        body = {"prompt": prompt, "max_tokens": self.max_tokens, **sampling}
         try:
             # The answer comes whole at the end: the read timeout is the whole generation's.
             with httpx.Client(timeout=httpx.Timeout(self.timeout, connect=10)) as client:
@@ -140,7 +146,7 @@ class Beside:
             self.results[k] = Failure.error(f"{what} failed: {r.status_code} {error or r.text[:200]}")
             return
         failovers = answer.get("failovers")
-        self.results[k] = Other(self.prompts[k], answer["tokens"],
+        self.results[k] = Other(prompt, sampling, answer["tokens"],
                                 failovers if isinstance(failovers, list) else [])
 
     def wait(self, progress: Progress) -> list[Other]:
@@ -279,7 +285,7 @@ def converge_and_generate(driver: JobDriver, boards: dict[str, Dashboard], prefi
         progress.update("generating")
         disruptor = Disruptor(faults.kills, driver, _requests_asker(client, boards["orchestrator"]), prefixes,
                               progress, disruptions)
-        beside = Beside(boards["orchestrator"], other_prompts(prompt, streams), max_tokens, timeout)
+        beside = Beside(boards["orchestrator"], other_requests(prompt, streams), max_tokens, timeout)
         beside.start()
         generation = generate(client, boards["orchestrator"], prompt, max_tokens, timeout, disruptor,
                               prefixes, progress)

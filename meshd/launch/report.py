@@ -102,7 +102,8 @@ class Generated:
     near_ties: list[int] = field(default_factory=list)  # reference steps within NEAR_TIE
     diverged_at: int | None = None  # the first step whose token differs from the reference's
     # With --streams: the requests sent beside the first, each judged against its own reference
-    # (``prompt``, ``tokens``, ``matches_reference``, ``near_ties``, ``diverged_at``, ``failovers``).
+    # (``prompt``, ``sampling``, ``tokens``, ``matches_reference``, ``near_ties``, ``diverged_at``,
+    # ``failovers``).
     other_streams: list[dict[str, Any]] = field(default_factory=list)
 
 

@@ -204,8 +204,9 @@ def _check(plan: RunPlan, args: argparse.Namespace, driven: Driven, prefixes: di
     paths, asymmetric = checks.paths(driven.final, up)
     others = []
     for o in driven.others:  # each against its own reference, by the same rule
-        other = checks.compare_with_reference(plan.model, o.prompt, args.max_tokens, o.tokens)
-        others.append({"prompt": o.prompt, "tokens": o.tokens, "matches_reference": other.matches,
+        other = checks.compare_with_reference(plan.model, o.prompt, args.max_tokens, o.tokens, **o.sampling)
+        others.append({"prompt": o.prompt, "sampling": o.sampling, "tokens": o.tokens,
+                       "matches_reference": other.matches,
                        "near_ties": other.near_ties, "diverged_at": other.diverged_at,
                        "failovers": checks.failovers(o.failovers, prefixes)})
     again: dict[str, Any] | None = None
