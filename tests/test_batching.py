@@ -358,8 +358,10 @@ async def test_a_stage_with_less_kv_budget_than_the_orchestrator_makes_starts_wa
                 for i in range(12):
                     clients.start_soon(one, i)
             waited = stage1.counters["waited_for_room"]
+            room = [f for f in stage1.metrics.families() if f.name == "meshd_stage_room_wait_seconds"]
             nursery.cancel_scope.cancel()
     assert len(results) == 12 and waited > 0
+    assert room[0].series[0][1].count == waited  # /metrics counts each start that waited
     assert peak[0] <= stage1.kv_budget
     want = generate(str(checkpoint), PROMPTS[0], max_tokens)["tokens"]
     assert all(r["tokens"] == want for r in results)

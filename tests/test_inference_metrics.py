@@ -27,7 +27,7 @@ ORCHESTRATOR_FAMILIES = {
     "meshd_e2e_request_latency_seconds": "histogram", "meshd_hop_transit_seconds": "histogram",
 }
 STAGE_FAMILIES = {"meshd_stage_compute_seconds": "histogram", "meshd_hop_transit_seconds": "histogram",
-                  "meshd_stage_batch_size": "histogram"}
+                  "meshd_stage_batch_size": "histogram", "meshd_stage_room_wait_seconds": "histogram"}
 MESH_FAMILIES = {"meshd_swim_events": "counter", "meshd_swim_bytes": "counter",
                  "meshd_data_events": "counter", "meshd_data_bytes": "counter"}
 

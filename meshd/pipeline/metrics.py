@@ -76,6 +76,8 @@ HELP = {
     "stage_requests": "Requests whose KV cache this stage holds now",
     "kv": "Bytes of KV cache this stage holds now (--kv-budget-mb caps it)",
     "batch": "Decode steps a stage ran as one forward pass (--max-batch caps it)",
+    "room": "How long a request's start waited at this stage for its KV cache to fit the stage's "
+            "--kv-budget-mb (a budget below the orchestrator's); only the starts that waited",
     "queued": "How long a request waited at the orchestrator for a free slot before it started "
               "(--max-running caps the requests running at once)",
     "transit": "Pipeline hops into this node: this node's wall clock on receipt minus the sender's when "
@@ -156,6 +158,7 @@ class StageMetrics(PipelineMetrics):
         self.stage = stage
         self.compute = {phase: Histogram(COMPUTE_BUCKETS_S) for phase in PHASES}
         self.batch = Histogram(BATCH_BUCKETS)
+        self.room = Histogram(QUEUE_BUCKETS_S)
         # What the stage holds now: (requests, KV cache bytes), read at scrape time.
         self.holding: Callable[[], tuple[int, int]] = lambda: (0, 0)
 
@@ -170,11 +173,13 @@ class StageMetrics(PipelineMetrics):
                          [((self.stage, phase), hist) for phase, hist in self.compute.items()])
         batch = Family("meshd_stage_batch_size", HELP["batch"], "histogram", ("stage",),
                        [((self.stage,), self.batch)])
+        room = Family("meshd_stage_room_wait_seconds", HELP["room"], "histogram", ("stage",),
+                      [((self.stage,), self.room)])
         requests, kv = self.holding()
         held = [Family("meshd_stage_requests", HELP["stage_requests"], "gauge", ("stage",),
                        [((self.stage,), requests)]),
                 Family("meshd_stage_kv_cache_bytes", HELP["kv"], "gauge", ("stage",), [((self.stage,), kv)])]
-        return [compute, batch, *held, *super().families()]
+        return [compute, batch, room, *held, *super().families()]
 
 
 class OrchestratorMetrics(PipelineMetrics):

@@ -380,7 +380,9 @@ class StageService(App):
         finally:
             self._for_room.remove(msg.req_id)
             self._wake_for_room()  # the next in line may fit now
-        wait = Hop("wait", f"{self.name} room", (trio.current_time() - t0) * 1000, "")
+        waited = trio.current_time() - t0
+        self.metrics.room.observe(waited)
+        wait = Hop("wait", f"{self.name} room", waited * 1000, "")
         await self._guarded(msg, self._activation(msg, (*trace, wait)))
 
     def _wake_for_room(self) -> None:
