@@ -38,7 +38,7 @@ from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
 from meshd.pipeline.api import Generator
-from meshd.pipeline.metrics import PipelineMetrics
+from meshd.pipeline.metrics import PipelineMetrics, StageMetrics
 
 from . import generation, state, views
 from .guard import HOSTS_ENV, TOKEN_ENV, DashboardGuard
@@ -92,12 +92,15 @@ def _mesh(request: Request) -> Mesh:
 
 
 async def api_snapshot(request: Request) -> Response:
-    """The mesh's snapshot; at an orchestrator also its ``load`` (``Generator.load``), which
-    ``meshd doctor`` prints."""
+    """The mesh's snapshot; at a pipeline node also its ``load``, which ``meshd doctor`` prints:
+    an orchestrator's requests against its limits (``Generator.load``), a stage's KV cache
+    against its budget (``StageService.load``)."""
     snap = _mesh(request).snapshot()
-    generator = request.app.state.generator
+    generator, inference = request.app.state.generator, request.app.state.inference
     if generator is not None:
         snap = {**snap, "load": generator.load()}
+    elif isinstance(inference, StageMetrics):
+        snap = {**snap, "load": inference.load()}
     return JSONResponse(snap)
 
 

@@ -180,7 +180,16 @@ def _print_load(console: Any, snap: dict) -> None:
 
 def _load_line(load: dict) -> str:
     """An orchestrator's requests against its limits: with the queue full, new requests get 503
-    (``busy``), which is no fault of the mesh, so it does not fail doctor."""
+    (``busy``), which is no fault of the mesh, so it does not fail doctor.  A stage's KV cache
+    against its budget, and the starts waiting there for room."""
+    if "max_running" not in load:  # a stage's
+        held = f"{load['requests']} request{'' if load['requests'] == 1 else 's'} held"
+        line = (f"load: {held}, KV cache {load['kv_used_mb']:g} of "
+                f"{load['kv_budget_mb']:g} MB (--kv-budget-mb)")
+        if load.get("waiting_for_room"):
+            line = (f"[yellow]full[/yellow]{line[4:]}; {load['waiting_for_room']} starts waiting for room "
+                    "(the orchestrator admits by a larger budget)")
+        return line
     full = load["waiting"] >= load["max_queued"] and load["running"] > 0
     head = "[yellow]busy[/yellow]" if full else "load"
     line = (f"{head}: {load['running']} running (--max-running {load['max_running']}), "

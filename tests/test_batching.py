@@ -313,6 +313,8 @@ async def test_past_the_queue_a_request_gets_503_with_retry_after_counted_and_do
                     doctor = capsys.readouterr().out
                     code_json = await trio.to_thread.run_sync(main, ["doctor", url, "--json"])
                     load = json.loads(capsys.readouterr().out)["load"]
+                    await trio.to_thread.run_sync(main, ["doctor", nodes[2].dashboard_url])
+                    stage_doctor = capsys.readouterr().out  # stage-1's view: what it holds
                 metrics = (await client.get("/metrics")).text
             nursery.cancel_scope.cancel()
     assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
@@ -323,6 +325,8 @@ async def test_past_the_queue_a_request_gets_503_with_retry_after_counted_and_do
     assert "the queue is full: new requests get 503 with Retry-After; 1 refused as busy since start" in doctor
     assert (load["running"], load["waiting"], load["refused_busy"]) == (1, 1, 1)
     assert 0 < load["kv_used_mb"] <= load["kv_budget_mb"]
+    assert "load: 1 request held, KV cache " in stage_doctor
+    assert " of 1024 MB (--kv-budget-mb)" in stage_doctor
     assert [r.status_code for r in done] == [200, 200]
 
 

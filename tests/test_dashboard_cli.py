@@ -74,3 +74,17 @@ async def test_doctor_says_ok_on_a_healthy_mesh_and_2_when_unreachable(capsys):
             nursery.cancel_scope.cancel()
     code, _, err = await _run(capsys, "doctor", "http://127.0.0.1:1", "--json")
     assert code == 2 and "meshd doctor: cannot read http://127.0.0.1:1/api/snapshot" in err
+
+
+def test_doctors_load_line_says_when_a_queue_or_a_stage_is_full():
+    from dashboard.cli import _load_line
+
+    orchestrator = {"running": 2, "waiting": 0, "max_running": 64, "max_queued": 256, "kv_used_mb": 4.6,
+                    "kv_budget_mb": 1024.0, "refused_busy": 0}
+    assert _load_line(orchestrator) == ("load: 2 running (--max-running 64), 0 waiting (--max-queued 256), "
+                                        "KV cache 4.6 of 1024 MB at the largest stage")
+    stage = {"requests": 5, "kv_used_mb": 3.8, "kv_budget_mb": 4.0, "waiting_for_room": 2}
+    assert _load_line(stage) == ("[yellow]full[/yellow]: 5 requests held, KV cache 3.8 of 4 MB "
+                                 "(--kv-budget-mb); 2 starts waiting for room (the orchestrator admits by a "
+                                 "larger budget)")
+    assert _load_line({**stage, "waiting_for_room": 0}).startswith("load: 5 requests held")

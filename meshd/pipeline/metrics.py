@@ -161,6 +161,8 @@ class StageMetrics(PipelineMetrics):
         self.room = Histogram(QUEUE_BUCKETS_S)
         # What the stage holds now: (requests, KV cache bytes), read at scrape time.
         self.holding: Callable[[], tuple[int, int]] = lambda: (0, 0)
+        # The stage's load for its snapshot (``meshd doctor``): see ``StageService.load``.
+        self.load: Callable[[], dict[str, int | float]] = lambda: {}
 
     def computed(self, phase: str, seconds: float) -> None:
         self.compute[phase].observe(seconds)

@@ -177,6 +177,7 @@ class StageService(App):
                          "reported_down": 0, "handed_over": 0, "late_after_end": 0, "waited_for_room": 0}
         self.metrics = StageMetrics(self.name)
         self.metrics.holding = lambda: (len(self.jobs), self.kv_in_use())
+        self.metrics.load = self.load
         self.draining = False
         self._lost: dict[str, None] = {}  # requests we said we have no state for (bounded)
         self._ended: dict[str, None] = {}  # requests that ended here (their last token, a Release)
@@ -197,6 +198,11 @@ class StageService(App):
     def kv_in_use(self) -> int:
         """Bytes of KV cache held for the requests here."""
         return sum(job.cache.nbytes for job in self.jobs.values())
+
+    def load(self) -> dict[str, int | float]:
+        """What this stage holds now against its budget, and the starts waiting for room."""
+        return {"requests": len(self.jobs), "kv_used_mb": round(self.kv_in_use() / 2**20, 1),
+                "kv_budget_mb": round(self.kv_budget / 2**20, 1), "waiting_for_room": len(self._for_room)}
 
     def _start_cache(self, msg: Activation) -> tuple[int, int]:
         """(positions, bytes) of the KV cache a start of ``msg``'s request (position 0) takes here:
