@@ -110,7 +110,6 @@ class Beside:
     def __init__(self, board: Dashboard, requests: list[tuple[str, dict[str, Any]]], max_tokens: int,
                  timeout: float) -> None:
         self.board, self.requests, self.max_tokens, self.timeout = board, requests, max_tokens, timeout
-        self.prompts = [prompt for prompt, _ in requests]
         self.results: dict[int, Other | Failure] = {}
         self._threads = [threading.Thread(target=self._one, args=(k,), daemon=True,
                                           name=f"smoke-stream-{k + 2}") for k in range(len(requests))]
@@ -122,8 +121,8 @@ class Beside:
     def _one(self, k: int) -> None:
         import httpx
 
-        what = f"stream {k + 2} ({self.prompts[k]!r})"
         prompt, sampling = self.requests[k]
+        what = f"stream {k + 2} ({prompt!r})"
         body = {"prompt": prompt, "max_tokens": self.max_tokens, **sampling}
         try:
             # The answer comes whole at the end: the read timeout is the whole generation's.
@@ -158,10 +157,10 @@ class Beside:
                 progress.update(f"waiting for stream {k + 2} of {len(self._threads) + 1}")
             thread.join(max(0.0, deadline - time.monotonic()))
             if thread.is_alive():
-                raise RunFailed(Failure.timeout(f"stream {k + 2} ({self.prompts[k]!r}) had not ended "
+                raise RunFailed(Failure.timeout(f"stream {k + 2} ({self.requests[k][0]!r}) had not ended "
                                                 f"{self.timeout:g}s after the first"))
         out = []
-        for k in range(len(self.prompts)):
+        for k in range(len(self.requests)):
             result = self.results[k]
             if isinstance(result, Failure):
                 raise RunFailed(result)

@@ -18,6 +18,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -295,29 +296,19 @@ def _cmd_smoke(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     return run_smoke(args)
 
 
-def _stages(text: str) -> int:
-    value = positive_int(text)
-    if value > 16:
-        raise argparse.ArgumentTypeError("at most 16 stages on one machine")
-    return value
+def _at_most(most: int, what: str) -> Callable[[str], int]:
+    """An argparse type: a whole number from 1 to ``most``; past it, "at most ``most`` ``what``"."""
+
+    def parse(text: str) -> int:
+        value = positive_int(text)
+        if value > most:
+            raise argparse.ArgumentTypeError(f"at most {most} {what}")
+        return value
+
+    return parse
 
 
-def _streams(text: str) -> int:
-    value = positive_int(text)
-    if value > 64:
-        raise argparse.ArgumentTypeError("at most 64 streams (the orchestrator's --max-running)")
-    return value
-
-
-def _replicas(text: str) -> int:
-    value = positive_int(text)
-    if value > 4:
-        raise argparse.ArgumentTypeError("at most 4 replicas of a stage on one machine")
-    return value
-
-
-def _relays(text: str) -> int:
-    value = positive_int(text)
-    if value > 8:
-        raise argparse.ArgumentTypeError("at most 8 relays on one machine")
-    return value
+_stages = _at_most(16, "stages on one machine")
+_streams = _at_most(64, "streams (the orchestrator's --max-running)")
+_replicas = _at_most(4, "replicas of a stage on one machine")
+_relays = _at_most(8, "relays on one machine")
