@@ -173,7 +173,7 @@ def _cmd_doctor(args: argparse.Namespace, parser: argparse.ArgumentParser | None
 
 
 def _print_load(console: Any, snap: dict) -> None:
-    """The orchestrator's load, last: what runs and waits (see ``_load_line``)."""
+    """The node's load, last: an orchestrator's requests, a stage's KV cache (``_load_line``)."""
     if isinstance(snap.get("load"), dict):
         console.print(_load_line(snap["load"]), soft_wrap=True)
 
@@ -183,12 +183,12 @@ def _load_line(load: dict) -> str:
     (``busy``), which is no fault of the mesh, so it does not fail doctor.  A stage's KV cache
     against its budget, and the starts waiting there for room."""
     if "max_running" not in load:  # a stage's
+        waiting = load.get("waiting_for_room")
         held = f"{load['requests']} request{'' if load['requests'] == 1 else 's'} held"
-        line = (f"load: {held}, KV cache {load['kv_used_mb']:g} of "
-                f"{load['kv_budget_mb']:g} MB (--kv-budget-mb)")
-        if load.get("waiting_for_room"):
-            line = (f"[yellow]full[/yellow]{line[4:]}; {load['waiting_for_room']} starts waiting for room "
-                    "(the orchestrator admits by a larger budget)")
+        line = (f"{'[yellow]full[/yellow]' if waiting else 'load'}: {held}, KV cache "
+                f"{load['kv_used_mb']:g} of {load['kv_budget_mb']:g} MB (--kv-budget-mb)")
+        if waiting:
+            line += f"; {waiting} starts waiting for room (the orchestrator admits by a larger budget)"
         return line
     full = load["waiting"] >= load["max_queued"] and load["running"] > 0
     head = "[yellow]busy[/yellow]" if full else "load"
