@@ -1,14 +1,17 @@
 #!/usr/bin/env python3
-"""A weight product over B rows: numpy's ``x @ W.T`` against ``model.rows_times``, side by side.
+"""A weight product over B rows: the checkpoint's layout against the model's, side by side.
 
 For each B in 1..16, the small preset's decode-step shapes (a layer's four
-products and the last stage's share of the LM head), warm in the cache, one
-BLAS thread: the median microseconds of each way and their ratio.  OpenBLAS
-runs a product's rows in blocks of four, and a last partial block costs far
+products and the last stage's share of the LM head), one BLAS thread: the
+median microseconds of ``x @ W.T`` with W as the checkpoint stores it (out,
+in), of ``model.rows_times`` over the input-major (in, out) copy the model
+keeps, and their ratio.  OpenBLAS streams an input-major weight faster, and
+runs a product's rows in blocks of four, a last partial block costing far
 more than its share; ``rows_times`` pads to a whole block or runs 2-3 rows
-one at a time.
+one at a time.  ``--cold`` reads 64 MB between products, so each weight
+comes from memory, as in a pipeline whose weights do not fit the cache.
 
-    .venv/bin/python bench/rows.py [--repeats 200]
+    .venv/bin/python bench/rows.py [--repeats 200] [--cold]
 """
 
 from __future__ import annotations
@@ -24,12 +27,16 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 
 from meshd.pipeline.checkpoint import preset_config  # noqa: E402
-from meshd.pipeline.model import head_cut, rows_times  # noqa: E402
+from meshd.pipeline.model import head_cut, input_major, rows_times  # noqa: E402
+
+SPILL = np.ones(64 * 2**20 // 4, dtype=np.float32)  # more than a 2-core VM's L3
 
 
-def median_us(fn, repeats: int) -> float:
+def median_us(fn, repeats: int, cold: bool) -> float:
     times = []
     for _ in range(repeats):
+        if cold:
+            SPILL.sum()
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
@@ -39,6 +46,7 @@ def median_us(fn, repeats: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--cold", action="store_true", help="weights from memory, not the cache")
     args = parser.parse_args()
     c = preset_config("small")
     d, inter, vocab = c.hidden_size, c.intermediate_size, c.vocab_size
@@ -47,15 +55,18 @@ def main() -> None:
     shapes = {"layer (qkv, o, gate-up, down)": [(d + 2 * kvd, d), (d, d), (2 * inter, d), (d, inter)],
               "last stage's head share": [(vocab - head_cut(vocab), d)]}
     weights = {name: [rng.standard_normal(s, dtype=np.float32) for s in ss] for name, ss in shapes.items()}
-    print(f"small preset, one BLAS thread, median of {args.repeats}: x @ W.T against rows_times (µs)")
+    repeats = min(args.repeats, 25) if args.cold else args.repeats
+    print(f"small preset, one BLAS thread, {'cold' if args.cold else 'warm'}, median of {repeats}: "
+          "x @ W.T (checkpoint layout) against rows_times (input-major) (µs)")
     for name, ws in weights.items():
         print(f"  {name}:")
         ratios = []
         for rows in range(1, 17):
             xs = [rng.standard_normal((rows, w.shape[1]), dtype=np.float32) for w in ws]
             pairs = list(zip(xs, ws, strict=True))
-            plain = median_us(lambda pairs=pairs: [x @ w.T for x, w in pairs], args.repeats)
-            blocked = median_us(lambda pairs=pairs: [rows_times(x, w) for x, w in pairs], args.repeats)
+            major = [(x, input_major(w)) for x, w in pairs]
+            plain = median_us(lambda pairs=pairs: [x @ w.T for x, w in pairs], repeats, args.cold)
+            blocked = median_us(lambda major=major: [rows_times(x, w) for x, w in major], repeats, args.cold)
             ratios.append(plain / blocked)
             print(f"    {rows:2d} rows: {plain:8.1f} against {blocked:8.1f}  ({plain / blocked:.2f}x)")
         print(f"    median ratio over 1-16 rows: {statistics.median(ratios):.2f}x")

@@ -154,6 +154,9 @@ def silu(x: np.ndarray) -> np.ndarray:
 class _Layer:
     """One decoder layer's weights, q/k/v and gate/up fused so each is one matmul.
 
+    Each weight is kept input-major, (in, out) C-contiguous, so a product is ``x @ w``:
+    OpenBLAS streams a weight stored that way half again to twice as fast as the
+    checkpoint's (out, in) one (``bench/rows.py``), for one row and for a batch alike.
     A bias the config does not have is None, so the plain Llama layer adds nothing."""
 
     __slots__ = ("wqkv", "wo", "w_gate_up", "w_down", "attn_norm", "mlp_norm",
@@ -166,11 +169,11 @@ class _Layer:
         def fused(*names: str) -> np.ndarray:
             return np.concatenate([get(n) for n in names])
 
-        self.wqkv = fused("self_attn.q_proj.weight", "self_attn.k_proj.weight",
-                          "self_attn.v_proj.weight")  # (q + 2 kv, D)
-        self.wo = np.ascontiguousarray(get("self_attn.o_proj.weight"))  # (D, q)
-        self.w_gate_up = fused("mlp.gate_proj.weight", "mlp.up_proj.weight")  # (2I, D)
-        self.w_down = np.ascontiguousarray(get("mlp.down_proj.weight"))  # (D, I)
+        self.wqkv = input_major(fused("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                      "self_attn.v_proj.weight"))  # (D, q + 2 kv)
+        self.wo = input_major(get("self_attn.o_proj.weight"))  # (q, D)
+        self.w_gate_up = input_major(fused("mlp.gate_proj.weight", "mlp.up_proj.weight"))  # (D, 2I)
+        self.w_down = input_major(get("mlp.down_proj.weight"))  # (I, D)
         self.attn_norm = get("input_layernorm.weight")
         self.mlp_norm = get("post_attention_layernorm.weight")
         self.bqkv = self.bo = self.b_gate_up = self.b_down = None
@@ -184,6 +187,11 @@ class _Layer:
         self.window = config.window(index)
 
 
+def input_major(weight: np.ndarray) -> np.ndarray:
+    """A checkpoint's (out, in) weight as the (in, out) C-contiguous array ``rows_times`` takes."""
+    return np.ascontiguousarray(weight.T)
+
+
 # OpenBLAS's sgemm runs a product's rows in blocks of this many, and the rows of a last,
 # partial block cost far more than their share: measured on the small preset's weight shapes
 # (one core, numpy's OpenBLAS 0.3.31), 7 rows took 1.4-1.7x the time of 8, and 2 rows 4x
@@ -193,7 +201,7 @@ GEMM_ROWS = 4
 
 
 def rows_times(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
-    """``x @ weight.T`` for x (T, K) and weight (N, K): (T, N).
+    """``x @ weight`` for x (T, K) and an input-major weight (K, N): (T, N).
 
     One row, or a multiple of GEMM_ROWS, is the one product; fewer rows run one at
     a time (each the very product one row alone is); more are padded with zero
@@ -201,12 +209,12 @@ def rows_times(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
     shape, so the same T gives the same bits."""
     rows = x.shape[0]
     if rows == 1 or rows % GEMM_ROWS == 0:
-        return x @ weight.T
+        return x @ weight
     if rows < GEMM_ROWS:
-        return np.concatenate([x[i:i + 1] @ weight.T for i in range(rows)])
+        return np.concatenate([x[i:i + 1] @ weight for i in range(rows)])
     padded = np.zeros((-(-rows // GEMM_ROWS) * GEMM_ROWS, x.shape[1]), dtype=x.dtype)
     padded[:rows] = x
-    return (padded @ weight.T)[:rows]
+    return (padded @ weight)[:rows]
 
 
 def _linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
@@ -282,12 +290,15 @@ class StageModel:
         self._layers = [_Layer(weights, f"model.layers.{i}.", config, i) for i in layers]
         self._embed = None
         self._norm = self._head = None
-        if self.has_embed:
-            self._embed = np.asarray(weights["model.embed_tokens.weight"], dtype=np.float32)  # (V, D)
         if self.has_head:
             self._norm = np.asarray(weights["model.norm.weight"], dtype=np.float32)
             name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
-            self._head = np.asarray(weights[name], dtype=np.float32)  # (V, D)
+            self._head = input_major(np.asarray(weights[name], dtype=np.float32))  # (D, V)
+        if self.has_embed:
+            if self._head is not None and config.tie_word_embeddings:
+                self._embed = self._head.T  # (V, D), a view: one copy of the tied table
+            else:
+                self._embed = np.asarray(weights["model.embed_tokens.weight"], dtype=np.float32)  # (V, D)
 
     @classmethod
     def load(cls, model_dir: str | Path, layers: range | None = None, *, embed: bool | None = None,
@@ -325,7 +336,7 @@ class StageModel:
         if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
             bad = ids[(ids < 0) | (ids >= self.config.vocab_size)][0]
             raise ValueError(f"token id {bad} is outside 0..{self.config.vocab_size - 1}")
-        return self._embed[ids]
+        return np.ascontiguousarray(self._embed[ids])
 
     def forward(self, hidden: np.ndarray, cache: KVCache, start_pos: int) -> np.ndarray:
         """Run this stage's layers on positions [start_pos, start_pos + T).
@@ -470,7 +481,7 @@ class StageModel:
         """Logits for the token ids in ``rows`` only: normed (T, D) -> (T, len(rows))."""
         if self._head is None:
             raise RuntimeError(f"stage {self.layer_range} has no LM head")
-        return rows_times(normed, self._head[rows])
+        return rows_times(normed, self._head[:, rows])
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         """Final norm and LM head: hidden (T, D) -> logits (T, V) float32.
