@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 
@@ -311,3 +313,24 @@ def test_a_product_over_any_number_of_rows_gives_those_rows_and_the_same_bits_ea
     if rows < model_module.GEMM_ROWS:  # each row runs as it would alone
         for i in range(rows):
             np.testing.assert_array_equal(out[i:i + 1], model_module.rows_times(x[i:i + 1], w))
+
+
+@pytest.mark.parametrize("preset", ["tiny", "mistral"])
+def test_a_model_built_by_taking_its_weights_apart_computes_what_one_built_from_a_copy_does(preset):
+    """``release=True`` (how ``StageModel.load`` builds a stage) drops each layer's tensors from
+    the loader's dict as their input-major copies are made, so loading holds one copy of the
+    layers; the model is the same."""
+    config = preset_config(preset)
+    weights = random_weights(config, seed=7)
+    kept = StageModel(config, dict(weights))
+    taken_apart = dict(weights)
+    released = StageModel(config, taken_apart, release=True)
+    assert not [name for name in taken_apart if name.startswith("model.layers.")]
+    ids = [3, 1, 4, 1, 5]
+    for model in (kept, released):
+        assert model.embed(ids).flags.c_contiguous
+    np.testing.assert_array_equal(
+        kept.logits(kept.forward(kept.embed(ids), kept.new_cache(8), 0)),
+        released.logits(released.forward(released.embed(ids), released.new_cache(8), 0)))
+    with pytest.raises(TypeError, match="dict"):
+        StageModel(config, types.MappingProxyType(weights), release=True)  # read-only: not taken apart

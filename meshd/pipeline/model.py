@@ -23,7 +23,7 @@ float64 numpy scalar would not.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -162,9 +162,9 @@ class _Layer:
     __slots__ = ("wqkv", "wo", "w_gate_up", "w_down", "attn_norm", "mlp_norm",
                  "bqkv", "bo", "b_gate_up", "b_down", "window")
 
-    def __init__(self, w: Mapping[str, np.ndarray], prefix: str, config: LlamaConfig, index: int):
+    def __init__(self, take: Callable[[str], np.ndarray], prefix: str, config: LlamaConfig, index: int):
         def get(name: str) -> np.ndarray:
-            return np.asarray(w[prefix + name], dtype=np.float32)
+            return np.asarray(take(prefix + name), dtype=np.float32)
 
         def fused(*names: str) -> np.ndarray:
             return np.concatenate([get(n) for n in names])
@@ -274,7 +274,10 @@ class StageModel:
     """Layers [a, b) of a Llama model, plus the embedding and/or the head if this stage has them."""
 
     def __init__(self, config: LlamaConfig, weights: Mapping[str, np.ndarray], layers: range | None = None,
-                 *, embed: bool | None = None, head: bool | None = None):
+                 *, embed: bool | None = None, head: bool | None = None, release: bool = False):
+        """``release``: ``weights`` is a dict of the caller's that this takes apart, dropping each
+        layer's tensors as its input-major copies are made, so a stage loading holds about one
+        copy of its layers, not two."""
         n = config.num_hidden_layers
         layers = range(n) if layers is None else layers
         if layers.step != 1 or not 0 <= layers.start <= layers.stop <= n:
@@ -287,7 +290,12 @@ class StageModel:
         self._scale = F32(1.0 / np.sqrt(config.head_dim))
         # (cos, sin), replaced whole when it grows: a pass in another thread keeps the pair it took
         self._rope = rope_tables(config, min(ROPE_INITIAL, config.max_position_embeddings))
-        self._layers = [_Layer(weights, f"model.layers.{i}.", config, i) for i in layers]
+        take: Callable[[str], np.ndarray] = weights.__getitem__
+        if release:
+            if not isinstance(weights, dict):
+                raise TypeError("release=True takes a dict apart; got " + type(weights).__name__)
+            take = weights.pop
+        self._layers = [_Layer(take, f"model.layers.{i}.", config, i) for i in layers]
         self._embed = None
         self._norm = self._head = None
         if self.has_head:
@@ -314,7 +322,7 @@ class StageModel:
         embed = layers.start == 0 if embed is None else embed
         head = layers.stop == n if head is None else head
         weights = load_weights(model_dir, layers, embed=embed, head=head, config=config, progress=progress)
-        return cls(config, weights, layers, embed=embed, head=head)
+        return cls(config, weights, layers, embed=embed, head=head, release=True)
 
     def cache_bytes(self, max_seq: int) -> int:
         """What ``new_cache(max_seq)`` allocates."""
