@@ -193,10 +193,12 @@ def input_major(weight: np.ndarray) -> np.ndarray:
 
 
 # OpenBLAS's sgemm runs a product's rows in blocks of this many, and the rows of a last,
-# partial block cost far more than their share: measured on the small preset's weight shapes
-# (one core, numpy's OpenBLAS 0.3.31), 7 rows took 1.4-1.7x the time of 8, and 2 rows 4x
-# the time of 1.  So ``rows_times`` gives a product a multiple of it (zero rows added, their
-# results dropped), or runs fewer rows one at a time.
+# partial block cost more than their share: measured on the small preset's input-major
+# weights (one core, numpy's OpenBLAS 0.3.31, warm), 7 rows of a layer's products took
+# 1.2x the time of 8, and 2 rows of the LM head 5x the time of 1 (a matrix-vector product
+# streams the weight once; sgemm first copies it into blocks).  So ``rows_times`` gives a
+# product a multiple of it (zero rows added, their results dropped), or runs fewer rows
+# one at a time.
 GEMM_ROWS = 4
 
 
