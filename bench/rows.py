@@ -55,6 +55,7 @@ def main() -> None:
     shapes = {"layer (qkv, o, gate-up, down)": [(d + 2 * kvd, d), (d, d), (2 * inter, d), (d, inter)],
               "last stage's head share": [(vocab - head_cut(vocab), d)]}
     weights = {name: [rng.standard_normal(s, dtype=np.float32) for s in ss] for name, ss in shapes.items()}
+    majors = {name: [input_major(w) for w in ws] for name, ws in weights.items()}
     repeats = min(args.repeats, 25) if args.cold else args.repeats
     print(f"small preset, one BLAS thread, {'cold' if args.cold else 'warm'}, median of {repeats}: "
           "x @ W.T (checkpoint layout) against rows_times (input-major) (µs)")
@@ -64,7 +65,7 @@ def main() -> None:
         for rows in range(1, 17):
             xs = [rng.standard_normal((rows, w.shape[1]), dtype=np.float32) for w in ws]
             pairs = list(zip(xs, ws, strict=True))
-            major = [(x, input_major(w)) for x, w in pairs]
+            major = list(zip(xs, majors[name], strict=True))
             plain = median_us(lambda pairs=pairs: [x @ w.T for x, w in pairs], repeats, args.cold)
             blocked = median_us(lambda major=major: [rows_times(x, w) for x, w in major], repeats, args.cold)
             ratios.append(plain / blocked)

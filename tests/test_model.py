@@ -334,3 +334,17 @@ def test_a_model_built_by_taking_its_weights_apart_computes_what_one_built_from_
         released.logits(released.forward(released.embed(ids), released.new_cache(8), 0)))
     with pytest.raises(TypeError, match="dict"):
         StageModel(config, types.MappingProxyType(weights), release=True)  # read-only: not taken apart
+
+
+@pytest.mark.parametrize("preset", ["tiny", "qwen2"])
+def test_every_weight_is_kept_input_major_and_contiguous_the_layout_blas_streams_fastest(preset):
+    config = preset_config(preset)
+    weights = random_weights(config, seed=2)
+    model = StageModel(config, weights)
+    layer = model._layers[0]
+    d, inter = config.hidden_size, config.intermediate_size
+    qkv = np.concatenate([weights[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qkv"])
+    np.testing.assert_array_equal(layer.wqkv, qkv.T)
+    assert layer.w_gate_up.shape == (d, 2 * inter) and layer.w_down.shape == (inter, d)
+    for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down, model._head):
+        assert w.flags.c_contiguous

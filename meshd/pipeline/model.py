@@ -166,23 +166,28 @@ class _Layer:
         def get(name: str) -> np.ndarray:
             return np.asarray(take(prefix + name), dtype=np.float32)
 
-        def fused(*names: str) -> np.ndarray:
+        def fused(*names: str) -> np.ndarray:  # weights input-major, side by side, in one copy
+            parts = [get(n) for n in names]
+            out = np.empty((parts[0].shape[1], sum(p.shape[0] for p in parts)), dtype=np.float32)
+            return np.concatenate([p.T for p in parts], axis=1, out=out)  # C-contiguous, as ``out``
+
+        def joined(*names: str) -> np.ndarray:  # their biases end to end
             return np.concatenate([get(n) for n in names])
 
-        self.wqkv = input_major(fused("self_attn.q_proj.weight", "self_attn.k_proj.weight",
-                                      "self_attn.v_proj.weight"))  # (D, q + 2 kv)
+        self.wqkv = fused("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                          "self_attn.v_proj.weight")  # (D, q + 2 kv)
         self.wo = input_major(get("self_attn.o_proj.weight"))  # (q, D)
-        self.w_gate_up = input_major(fused("mlp.gate_proj.weight", "mlp.up_proj.weight"))  # (D, 2I)
+        self.w_gate_up = fused("mlp.gate_proj.weight", "mlp.up_proj.weight")  # (D, 2I)
         self.w_down = input_major(get("mlp.down_proj.weight"))  # (I, D)
         self.attn_norm = get("input_layernorm.weight")
         self.mlp_norm = get("post_attention_layernorm.weight")
         self.bqkv = self.bo = self.b_gate_up = self.b_down = None
         if config.qkv_bias:
-            self.bqkv = fused("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
+            self.bqkv = joined("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
         if config.o_bias:
             self.bo = get("self_attn.o_proj.bias")
         if config.mlp_bias:
-            self.b_gate_up = fused("mlp.gate_proj.bias", "mlp.up_proj.bias")
+            self.b_gate_up = joined("mlp.gate_proj.bias", "mlp.up_proj.bias")
             self.b_down = get("mlp.down_proj.bias")
         self.window = config.window(index)
 
