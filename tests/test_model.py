@@ -7,7 +7,7 @@ import types
 import numpy as np
 import pytest
 
-from meshd.pipeline import Sampler, StageModel, split_layers, stub_model
+from meshd.pipeline import Sampler, StageModel, kernels, split_layers, stub_model
 from meshd.pipeline import model as model_module
 from meshd.pipeline.checkpoint import preset_config, random_weights
 from meshd.pipeline.generate import generate_ids
@@ -301,25 +301,38 @@ def test_a_decode_batch_attends_as_each_request_would_alone(preset):
         np.testing.assert_array_equal(a.v, b.v)
 
 
-@pytest.mark.parametrize("rows", range(1, 14))
+@pytest.mark.parametrize("rows", [*range(1, 14), kernels.KERNEL_ROWS, kernels.KERNEL_ROWS + 3])
 def test_a_product_over_any_number_of_rows_gives_those_rows_and_the_same_bits_each_time(rows):
     rng = np.random.default_rng(rows)
     x = rng.standard_normal((rows, 96), dtype=np.float32)
-    w = rng.standard_normal((96, 200), dtype=np.float32)  # input-major, as the model keeps it
+    w = rng.standard_normal((300, 96), dtype=np.float32)  # (out, in), as the model keeps it
     out = model_module.rows_times(x, w)
-    assert out.shape == (rows, 200) and out.dtype == np.float32
-    np.testing.assert_allclose(out, x.astype(np.float64) @ w.astype(np.float64), rtol=1e-4, atol=1e-4)
+    assert out.shape == (rows, 300) and out.dtype == np.float32
+    np.testing.assert_allclose(out, x.astype(np.float64) @ w.T.astype(np.float64), rtol=1e-4, atol=1e-4)
     np.testing.assert_array_equal(out, model_module.rows_times(x.copy(), w))
-    if rows < model_module.GEMM_ROWS:  # each row runs as it would alone
-        for i in range(rows):
-            np.testing.assert_array_equal(out[i:i + 1], model_module.rows_times(x[i:i + 1], w))
+    # a weight cut into row blocks (the LM head between two stages) gives the whole's bits
+    cut = 131
+    halves = [model_module.rows_times(x, w[:cut]), model_module.rows_times(x, w[cut:])]
+    np.testing.assert_array_equal(out, np.concatenate(halves, axis=1))
+
+
+def test_a_product_carries_nan_and_inf_through_and_refuses_mismatched_shapes():
+    x = np.ones((3, 8), dtype=np.float32)
+    x[1, 2], x[2, 5] = np.nan, np.inf
+    w = np.ones((5, 8), dtype=np.float32)
+    out = model_module.rows_times(x, w)
+    assert np.isfinite(out[0]).all() and np.isnan(out[1]).all() and np.isposinf(out[2]).all()
+    with pytest.raises(ValueError, match="width"):
+        model_module.rows_times(x, np.ones((5, 9), dtype=np.float32))  # never reads past a row
+    with pytest.raises(ValueError, match="C-contiguous"):
+        model_module.rows_times(x, np.ones((8, 5), dtype=np.float32).T)
 
 
 @pytest.mark.parametrize("preset", ["tiny", "mistral"])
 def test_a_model_built_by_taking_its_weights_apart_computes_what_one_built_from_a_copy_does(preset):
     """``release=True`` (how ``StageModel.load`` builds a stage) drops each layer's tensors from
-    the loader's dict as their input-major copies are made, so loading holds one copy of the
-    layers; the model is the same."""
+    the loader's dict as it takes them, so loading holds one copy of the layers; the model is
+    the same."""
     config = preset_config(preset)
     weights = random_weights(config, seed=7)
     kept = StageModel(config, dict(weights))
@@ -337,14 +350,14 @@ def test_a_model_built_by_taking_its_weights_apart_computes_what_one_built_from_
 
 
 @pytest.mark.parametrize("preset", ["tiny", "qwen2"])
-def test_every_weight_is_kept_input_major_and_contiguous_the_layout_blas_streams_fastest(preset):
+def test_every_weight_is_kept_as_the_checkpoint_stores_it_contiguous_for_the_kernel(preset):
     config = preset_config(preset)
     weights = random_weights(config, seed=2)
     model = StageModel(config, weights)
     layer = model._layers[0]
     d, inter = config.hidden_size, config.intermediate_size
     qkv = np.concatenate([weights[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qkv"])
-    np.testing.assert_array_equal(layer.wqkv, qkv.T)
-    assert layer.w_gate_up.shape == (d, 2 * inter) and layer.w_down.shape == (inter, d)
+    np.testing.assert_array_equal(layer.wqkv, qkv)
+    assert layer.w_gate_up.shape == (2 * inter, d) and layer.w_down.shape == (d, inter)
     for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down, model._head):
-        assert w.flags.c_contiguous
+        assert w.flags.c_contiguous and w.dtype == np.float32

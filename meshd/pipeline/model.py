@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .config import LlamaConfig
+from .kernels import times_transposed, warm
 
 if TYPE_CHECKING:
     from .checkpoint import Progress
@@ -152,33 +153,27 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 
 class _Layer:
-    """One decoder layer's weights, q/k/v and gate/up fused so each is one matmul.
+    """One decoder layer's weights, q/k/v and gate/up fused so each is one product.
 
-    Each weight is kept input-major, (in, out) C-contiguous, so a product is ``x @ w``:
-    OpenBLAS streams a weight stored that way half again to twice as fast as the
-    checkpoint's (out, in) one (``bench/rows.py``), for one row and for a batch alike.
-    A bias the config does not have is None, so the plain Llama layer adds nothing."""
+    Each weight is kept as the checkpoint stores it, (out, in) C-contiguous: the kernel
+    behind ``rows_times`` reads it a row at a time.  A bias the config does not have is
+    None, so the plain Llama layer adds nothing."""
 
     __slots__ = ("wqkv", "wo", "w_gate_up", "w_down", "attn_norm", "mlp_norm",
                  "bqkv", "bo", "b_gate_up", "b_down", "window")
 
     def __init__(self, take: Callable[[str], np.ndarray], prefix: str, config: LlamaConfig, index: int):
         def get(name: str) -> np.ndarray:
-            return np.asarray(take(prefix + name), dtype=np.float32)
+            return np.ascontiguousarray(take(prefix + name), dtype=np.float32)
 
-        def fused(*names: str) -> np.ndarray:  # weights input-major, side by side, in one copy
-            parts = [get(n) for n in names]
-            out = np.empty((parts[0].shape[1], sum(p.shape[0] for p in parts)), dtype=np.float32)
-            return np.concatenate([p.T for p in parts], axis=1, out=out)  # C-contiguous, as ``out``
-
-        def joined(*names: str) -> np.ndarray:  # their biases end to end
+        def joined(*names: str) -> np.ndarray:  # weights stacked (or biases end to end), one copy
             return np.concatenate([get(n) for n in names])
 
-        self.wqkv = fused("self_attn.q_proj.weight", "self_attn.k_proj.weight",
-                          "self_attn.v_proj.weight")  # (D, q + 2 kv)
-        self.wo = input_major(get("self_attn.o_proj.weight"))  # (q, D)
-        self.w_gate_up = fused("mlp.gate_proj.weight", "mlp.up_proj.weight")  # (D, 2I)
-        self.w_down = input_major(get("mlp.down_proj.weight"))  # (I, D)
+        self.wqkv = joined("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                           "self_attn.v_proj.weight")  # (q + 2 kv, D)
+        self.wo = get("self_attn.o_proj.weight")  # (D, q)
+        self.w_gate_up = joined("mlp.gate_proj.weight", "mlp.up_proj.weight")  # (2I, D)
+        self.w_down = get("mlp.down_proj.weight")  # (D, I)
         self.attn_norm = get("input_layernorm.weight")
         self.mlp_norm = get("post_attention_layernorm.weight")
         self.bqkv = self.bo = self.b_gate_up = self.b_down = None
@@ -192,36 +187,14 @@ class _Layer:
         self.window = config.window(index)
 
 
-def input_major(weight: np.ndarray) -> np.ndarray:
-    """A checkpoint's (out, in) weight as the (in, out) C-contiguous array ``rows_times`` takes."""
-    return np.ascontiguousarray(weight.T)
-
-
-# OpenBLAS's sgemm runs a product's rows in blocks of this many, and the rows of a last,
-# partial block cost more than their share: measured on the small preset's input-major
-# weights (one core, numpy's OpenBLAS 0.3.31, warm), 7 rows of a layer's products took
-# 1.2x the time of 8, and 2 rows of the LM head 5x the time of 1 (a matrix-vector product
-# streams the weight once; sgemm first copies it into blocks).  So ``rows_times`` gives a
-# product a multiple of it (zero rows added, their results dropped), or runs fewer rows
-# one at a time.
-GEMM_ROWS = 4
-
-
 def rows_times(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
-    """``x @ weight`` for x (T, K) and an input-major weight (K, N): (T, N).
+    """``x @ weight.T`` for x (T, K) and a weight (N, K) as checkpoints store it: (T, N).
 
-    One row, or a multiple of GEMM_ROWS, is the one product; fewer rows run one at
-    a time (each the very product one row alone is); more are padded with zero
-    rows to a multiple.  A row's result depends only on the row and on this
-    shape, so the same T gives the same bits."""
-    rows = x.shape[0]
-    if rows == 1 or rows % GEMM_ROWS == 0:
-        return x @ weight
-    if rows < GEMM_ROWS:
-        return np.concatenate([x[i:i + 1] @ weight for i in range(rows)])
-    padded = np.zeros((-(-rows // GEMM_ROWS) * GEMM_ROWS, x.shape[1]), dtype=x.dtype)
-    padded[:rows] = x
-    return (padded @ weight)[:rows]
+    A decode step's few rows run in a compiled kernel (``kernels``), a prefill's many
+    in BLAS.  An element's bits depend only on its two rows, T and the row's place
+    among them: the same rows give the same bits, and a weight's rows cut into blocks
+    give the bits the whole weight gives."""
+    return times_transposed(x, weight)
 
 
 def _linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
@@ -283,8 +256,8 @@ class StageModel:
     def __init__(self, config: LlamaConfig, weights: Mapping[str, np.ndarray], layers: range | None = None,
                  *, embed: bool | None = None, head: bool | None = None, release: bool = False):
         """``release``: ``weights`` is a dict of the caller's that this takes apart, dropping each
-        layer's tensors as its input-major copies are made, so a stage loading holds about one
-        copy of its layers, not two."""
+        layer's tensors as this takes them (a fused weight's parts once stacked), so a stage
+        loading holds about one copy of its layers, not two."""
         n = config.num_hidden_layers
         layers = range(n) if layers is None else layers
         if layers.step != 1 or not 0 <= layers.start <= layers.stop <= n:
@@ -308,12 +281,13 @@ class StageModel:
         if self.has_head:
             self._norm = np.asarray(weights["model.norm.weight"], dtype=np.float32)
             name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
-            self._head = input_major(np.asarray(weights[name], dtype=np.float32))  # (D, V)
+            self._head = np.ascontiguousarray(weights[name], dtype=np.float32)  # (V, D)
         if self.has_embed:
             if self._head is not None and config.tie_word_embeddings:
-                self._embed = self._head.T  # (V, D), a view: one copy of the tied table
+                self._embed = self._head  # one copy of the tied table
             else:
                 self._embed = np.asarray(weights["model.embed_tokens.weight"], dtype=np.float32)  # (V, D)
+        warm()  # the kernel compiled (or read from its cache) now, not in the first request
 
     @classmethod
     def load(cls, model_dir: str | Path, layers: range | None = None, *, embed: bool | None = None,
@@ -496,7 +470,7 @@ class StageModel:
         """Logits for the token ids in ``rows`` only: normed (T, D) -> (T, len(rows))."""
         if self._head is None:
             raise RuntimeError(f"stage {self.layer_range} has no LM head")
-        return rows_times(normed, self._head[:, rows])
+        return rows_times(normed, self._head[rows])
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         """Final norm and LM head: hidden (T, D) -> logits (T, V) float32.
