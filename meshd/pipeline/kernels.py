@@ -7,8 +7,8 @@ few rows: over the small preset's LM head share, 2 to 8 rows took two to
 four times one row's time (``bench/rows.py``).  The kernel here reads each
 weight row once from memory and takes its dot product with every input row
 while it is in cache, four input rows at a time, so a batch of 8 costs about
-twice one row, and one row is no slower than BLAS's matrix-vector product.
-For many rows (a prompt's prefill) BLAS's blocked product is the faster.
+twice one row, and one row costs about what BLAS's matrix-vector product
+does.  For many rows (a prompt's prefill) BLAS's blocked product is the faster.
 
 Each output element is one dot product over the weight row, in an order that
 depends only on the input's row count and the row's place in it: a weight
