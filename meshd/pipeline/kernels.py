@@ -91,8 +91,10 @@ def _compile() -> Any:
         return njit(fastmath=flags, boundscheck=False, error_model="numpy", nogil=True)(_dot_rows)
 
 
-def times_transposed(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """``x @ w.T`` for x (T, K) and a weight w (N, K), C-contiguous float32: (T, N) float32."""
+def rows_times(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """``x @ w.T`` for x (T, K) and a weight w (N, K) as checkpoints store it, C-contiguous
+    float32: (T, N) float32.  A decode step's few rows run in the kernel, a prefill's many
+    in BLAS; either way the same rows give the same bits (see the module's text)."""
     global _kernel
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"rows {x.shape} cannot multiply a weight {w.shape}: both need one width")
@@ -112,4 +114,4 @@ def times_transposed(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 def warm() -> None:
     """Compile (or load from the cache) now, not in the first request's step."""
-    times_transposed(np.ones((1, 4), dtype=np.float32), np.ones((2, 4), dtype=np.float32))
+    rows_times(np.ones((1, 4), dtype=np.float32), np.ones((2, 4), dtype=np.float32))

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .config import LlamaConfig
-from .kernels import times_transposed, warm
+from .kernels import rows_times, warm
 
 if TYPE_CHECKING:
     from .checkpoint import Progress
@@ -185,16 +185,6 @@ class _Layer:
             self.b_gate_up = joined("mlp.gate_proj.bias", "mlp.up_proj.bias")
             self.b_down = get("mlp.down_proj.bias")
         self.window = config.window(index)
-
-
-def rows_times(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
-    """``x @ weight.T`` for x (T, K) and a weight (N, K) as checkpoints store it: (T, N).
-
-    A decode step's few rows run in a compiled kernel (``kernels``), a prefill's many
-    in BLAS.  An element's bits depend only on its two rows, T and the row's place
-    among them: the same rows give the same bits, and a weight's rows cut into blocks
-    give the bits the whole weight gives."""
-    return times_transposed(x, weight)
 
 
 def _linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
