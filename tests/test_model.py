@@ -266,7 +266,8 @@ def test_the_head_cut_in_two_gives_the_same_logits_and_the_same_samples():
 def test_a_decode_batch_attends_as_each_request_would_alone(preset):
     # Each request at its own position (one near the start, others deep in a sliding window):
     # the batch's attention writes the same keys and values and gives the same rows, to the
-    # bit, as each request's attention alone.
+    # bit, as each request's attention alone, and what numpy's attention over the cache gives
+    # (a prompt's path) within float32 rounding.
     config = preset_config(preset, max_position_embeddings=64, num_hidden_layers=1)
     model = StageModel(config, random_weights(config, seed=3))
     rng = np.random.default_rng(0)
@@ -289,16 +290,58 @@ def test_a_decode_batch_attends_as_each_request_would_alone(preset):
     batched = caches()
     rng.bit_generator.state = state
     alone = caches()
+    rng.bit_generator.state = state
+    numpy_path = caches()
     rope = rope_tables(c, 64)
     window = c.window(0)
     spans = [(cache, p, p + 1) for cache, p in zip(batched, positions, strict=True)]
-    got = model._attend_rows(qkv, 0, window, spans, {}, rope)
-    want = np.concatenate([model._attend(qkv[i:i + 1], 0, window, cache, p, p + 1, {}, rope)
+    got = model._attend_rows(qkv, 0, window, spans, rope)
+    want = np.concatenate([model._attend_rows(qkv[i:i + 1], 0, window, [(cache, p, p + 1)], rope)
                            for i, (cache, p) in enumerate(zip(alone, positions, strict=True))])
     np.testing.assert_array_equal(got, want)
     for a, b in zip(batched, alone, strict=True):
         np.testing.assert_array_equal(a.k, b.k)
         np.testing.assert_array_equal(a.v, b.v)
+    reference = np.concatenate([model._attend(qkv[i:i + 1], 0, window, cache, p, p + 1, {}, rope)
+                                for i, (cache, p) in enumerate(zip(numpy_path, positions, strict=True))])
+    np.testing.assert_allclose(got, reference, rtol=1e-5, atol=1e-5)
+    for a, b in zip(batched, numpy_path, strict=True):
+        np.testing.assert_array_equal(a.k, b.k)
+        np.testing.assert_array_equal(a.v, b.v)
+
+
+def test_compiled_attention_carries_nan_through_and_refuses_what_does_not_fit():
+    H, KV, hd = 4, 2, 8
+    qkv = np.ones((1, H + 2 * KV, hd), dtype=np.float32)
+    cos, sin = np.ones((6, hd // 2), dtype=np.float32), np.zeros((6, hd // 2), dtype=np.float32)
+    keys, values = np.zeros((KV, 6, hd), dtype=np.float32), np.zeros((KV, 6, hd), dtype=np.float32)
+    values[0, 1, 3] = np.nan
+
+    def attend(qkv=qkv, cos=cos, keys=keys, values=values, pos=2, lo=0):
+        return kernels.attend_rows(qkv, cos, sin, [(keys, values)], [pos], [lo], np.float32(0.5))
+
+    out = attend()[0]
+    assert np.isnan(out[:2, 3]).all() and np.isfinite(out[2:]).all()  # heads 0-1 read kv head 0
+    np.testing.assert_array_equal(keys[:, 2], qkv[0, H:H + KV])  # this position's key went into the cache
+    assert np.isfinite(attend(lo=2)).all()  # a window that leaves the NaN out
+    for bad in (dict(pos=6), dict(lo=3), dict(keys=keys[:, :, :4].copy()), dict(qkv=qkv[:, 1:].copy()),
+                dict(keys=np.asfortranarray(keys)), dict(cos=cos[:2]), dict(values=values[:1].copy())):
+        with pytest.raises(ValueError, match="do not fit"):
+            attend(**bad)
+
+
+@pytest.mark.parametrize("k", [1, 2, 20, 256, 500])
+def test_the_kth_largest_is_partitions_value_ties_and_nan_included(k):
+    rng = np.random.default_rng(k)
+    x = rng.standard_normal(17600).astype(np.float32)
+    x[rng.integers(0, 17600, 300)] = x[:300]  # repeated values, some in the top
+    assert kernels.top_k_floor(x, k) == np.partition(x, -k)[-k]
+    same = np.full(50, 2.0, dtype=np.float32)
+    assert kernels.top_k_floor(same, min(k, 50)) == 2.0
+    x[7] = np.nan
+    assert np.isnan(kernels.top_k_floor(x, k))
+    with pytest.raises(ValueError):
+        kernels.top_k_floor(x[:k - 1], k)
 
 
 @pytest.mark.parametrize("rows", [*range(1, 14), kernels.KERNEL_ROWS, kernels.KERNEL_ROWS + 3])

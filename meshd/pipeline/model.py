@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .config import LlamaConfig
-from .kernels import rows_times, warm
+from .kernels import attend_rows, rows_times, warm
 
 if TYPE_CHECKING:
     from .checkpoint import Progress
@@ -362,10 +362,10 @@ class StageModel:
         for li, layer in enumerate(self._layers):
             h = rms_norm(x, layer.attn_norm, self._eps)
             qkv = _linear(h, layer.wqkv, layer.bqkv)  # (T, qd + 2 kvd)
-            if len(spans) == 1:
-                attn = self._attend(qkv, li, layer.window, *spans[0], masks, rope)
+            if rows == 1:  # a decode step: each request's one new row
+                attn = self._attend_rows(qkv, li, layer.window, spans, rope)
             else:
-                attn = self._attend_rows(qkv, li, layer.window, spans, masks, rope)
+                attn = self._attend(qkv, li, layer.window, *spans[0], masks, rope)
             x = x + _linear(attn, layer.wo, layer.bo)
             h = rms_norm(x, layer.mlp_norm, self._eps)
             gate_up = _linear(h, layer.w_gate_up, layer.b_gate_up)  # (T, 2I)
@@ -411,44 +411,19 @@ class StageModel:
 
     def _attend_rows(self, qkv: np.ndarray, li: int, window: int | None,
                      spans: Sequence[tuple[KVCache, int, int]],
-                     masks: dict[tuple[int, int | None], np.ndarray | None],
                      rope: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
-        """Layer ``li``'s attention for a decode batch, one row per request: (B, qd + 2 kvd) ->
-        (B, qd).  RoPE rotates every row's query and key at once (each at its own position;
-        an element's rotation is the same arithmetic as ``_attend``'s, so the same bits), then
-        each request attends over its own cache, the very arithmetic ``_over_cache`` does for
-        one row: the products and each row's sum per request, and what is the same for every
-        element (the scale, the maximum, the exponential, the division) once over all rows'
-        scores, laid side by side with the positions past a request's end at -inf."""
+        """Layer ``li``'s attention for a decode step, one row per request: (B, qd + 2 kvd) ->
+        (B, qd).  Each request's row is rotated and attends over its own cache in the
+        compiled ``attend_rows``, which also writes its key and value there: a row's result
+        is the same bits in any batch, alone included."""
         c = self.config
-        H, KV, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        G, qd, kvd = H // KV, H * hd, KV * hd
         B = len(spans)
-        at = np.fromiter((start for _, start, _ in spans), dtype=np.intp, count=B)
-        cos, sin = rope[0][at][:, None, :], rope[1][at][:, None, :]  # (B, 1, hd/2)
-        q = apply_rope(qkv[:, :qd].reshape(B, H, hd), cos, sin).reshape(B, KV, G, 1, hd)
-        k = apply_rope(qkv[:, qd:qd + kvd].reshape(B, KV, hd), cos, sin)  # (B, KV, hd)
-        v = qkv[:, qd + kvd:].reshape(B, KV, hd)
-        scores = np.full((B, KV, G, 1, max(end for _, _, end in spans)), -np.inf, dtype=np.float32)
-        for b, (cache, start_pos, end) in enumerate(spans):
-            cache.k[li, :, start_pos] = k[b]
-            cache.v[li, :, start_pos] = v[b]
-            np.matmul(q[b], cache.k[li, :, :end][:, None].transpose(0, 1, 3, 2), out=scores[b, ..., :end])
-        scores *= self._scale
-        for b, (_, start_pos, end) in enumerate(spans):
-            mask = _mask(masks, start_pos, 1, window)
-            if mask is not None:
-                scores[b, ..., :end] += mask
-        scores -= scores.max(axis=-1, keepdims=True)
-        np.exp(scores, out=scores)
-        sums = np.empty((B, KV, G, 1, 1), dtype=np.float32)
-        for b, (_, _, end) in enumerate(spans):
-            np.sum(scores[b, ..., :end], axis=-1, keepdims=True, out=sums[b])
-        scores /= sums
-        out = np.empty((B, KV, G, 1, hd), dtype=np.float32)
-        for b, (cache, _, end) in enumerate(spans):
-            np.matmul(scores[b, ..., :end], cache.v[li, :, :end][:, None], out=out[b])
-        return out.reshape(B, qd)  # (KV, G, 1, hd) in head order
+        heads = qkv.reshape(B, c.num_attention_heads + 2 * c.num_key_value_heads, c.head_dim)
+        positions = [start for _, start, _ in spans]
+        lows = [0] * B if window is None else [max(0, p - window + 1) for p in positions]
+        out = attend_rows(heads, rope[0], rope[1], [(cache.k[li], cache.v[li]) for cache, _, _ in spans],
+                          positions, lows, self._scale)
+        return out.reshape(B, c.num_attention_heads * c.head_dim)
 
     def final_norm(self, hidden: np.ndarray) -> np.ndarray:
         """The final RMSNorm, hidden (T, D) -> (T, D): what the LM head multiplies."""

@@ -22,6 +22,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from .kernels import top_k_floor
+
+# Up to this k the k-th largest comes from ``top_k_floor``'s pass with a heap of k entries;
+# past it np.partition is the faster.  Either gives the same value.
+HEAP_TOP_K = 256
+
 Shortlist = tuple[np.ndarray, np.ndarray]  # (token ids int64 ascending, values float32)
 
 
@@ -38,7 +44,9 @@ def shortlist(logits: np.ndarray, temperature: float | np.floating, top_k: int, 
     scaled = np.asarray(logits, dtype=np.float32) / np.float32(temperature)
     if 0 < top_k < scaled.shape[0]:
         # keep the k largest; ties at the threshold stay in, deterministically
-        kth = np.partition(scaled, -top_k)[-top_k]
+        kth = top_k_floor(scaled, top_k) if top_k <= HEAP_TOP_K else np.float32(np.nan)
+        if np.isnan(kth):  # a NaN among them: partition's own order (NaN counts as largest)
+            kth = np.partition(scaled, -top_k)[-top_k]
         candidates = np.flatnonzero(scaled >= kth)
     else:
         candidates = np.arange(scaled.shape[0])

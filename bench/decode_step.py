@@ -1,0 +1,89 @@
+#!/usr/bin/env python3
+"""A decode step's per-request work: numpy against the model's compiled kernels, side by side.
+
+Two pieces of a decode step run once per request, whatever the batch:
+
+- attention: each request's row over its own KV cache.  numpy's path (what a
+  prompt's rows run: RoPE, then products, softmax and sums over the cache)
+  against ``kernels.attend_rows``, which a decode step runs; one layer of the
+  small preset, B requests each at position P;
+- a sampled row's shortlist: the k-th largest of a stage's share of the
+  scaled logits by ``np.partition`` against ``kernels.top_k_floor`` (the
+  same value).
+
+Prints the median microseconds of each and the ratio numpy / kernel, one
+BLAS thread, in one run.
+
+    .venv/bin/python bench/decode_step.py [--repeats 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from meshd.pipeline import kernels  # noqa: E402
+from meshd.pipeline.checkpoint import preset_config, random_weights  # noqa: E402
+from meshd.pipeline.model import StageModel, head_cut, rope_tables  # noqa: E402
+
+
+def median_us(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=300)
+    args = parser.parse_args()
+    config = preset_config("small")
+    model = StageModel(config, random_weights(config, seed=0), range(0, 1), embed=False, head=False)
+    c = config
+    width = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+    rope = rope_tables(c, c.max_position_embeddings)
+    rng = np.random.default_rng(0)
+    print(f"one layer's attention, small preset ({c.num_attention_heads} heads of {c.head_dim}), "
+          "median us: numpy / kernel (ratio)")
+    for batch in (1, 8, 16):
+        cells = []
+        for pos in (16, 64, 200):
+            caches = [model.new_cache() for _ in range(batch)]
+            for cache in caches:
+                cache.k[...] = rng.standard_normal(cache.k.shape, dtype=np.float32)
+                cache.v[...] = rng.standard_normal(cache.v.shape, dtype=np.float32)
+                cache.length = pos
+            qkv = rng.standard_normal((batch, width), dtype=np.float32)
+            spans = [(cache, pos, pos + 1) for cache in caches]
+            def per_request(qkv=qkv, caches=caches, pos=pos) -> None:
+                for i, cache in enumerate(caches):
+                    model._attend(qkv[i:i + 1], 0, None, cache, pos, pos + 1, {}, rope)
+
+            numpy_us = median_us(per_request, args.repeats)
+            kernel_us = median_us(lambda qkv=qkv, spans=spans: model._attend_rows(qkv, 0, None, spans, rope),
+                                  args.repeats)
+            cells.append(f"P={pos:<3} {numpy_us:7.1f} / {kernel_us:6.1f} ({numpy_us / kernel_us:.1f}x)")
+        print(f"  B={batch:<2}  " + ";  ".join(cells))
+    share = c.vocab_size - head_cut(c.vocab_size)
+    logits = (rng.standard_normal(share) * 3).astype(np.float32)
+    print(f"a sampled row's k-th largest of {share} scaled logits, median us: np.partition / kernel (ratio)")
+    cells = []
+    for k in (1, 20, 50, 256):
+        part = median_us(lambda k=k: np.partition(logits, -k)[-k], args.repeats)
+        heap = median_us(lambda k=k: kernels.top_k_floor(logits, k), args.repeats)
+        cells.append(f"k={k:<3} {part:6.1f} / {heap:5.1f} ({part / heap:.1f}x)")
+    print("  " + ";  ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
