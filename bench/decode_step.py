@@ -7,6 +7,8 @@ Two pieces of a decode step run once per request, whatever the batch:
   prompt's rows run: RoPE, then products, softmax and sums over the cache)
   against ``kernels.attend_rows``, which a decode step runs; one layer of the
   small preset, B requests each at position P;
+  a Llama 3.2 1B-shaped layer shows the model handing long contexts back to
+  numpy (``kernels.ATTEND_KERNEL_SCORES``);
 - a sampled row's shortlist: the k-th largest of a stage's share of the
   scaled logits by ``np.partition`` against ``kernels.top_k_floor`` (the
   same value).
@@ -74,6 +76,29 @@ def main() -> None:
                                   args.repeats)
             cells.append(f"P={pos:<3} {numpy_us:7.1f} / {kernel_us:6.1f} ({numpy_us / kernel_us:.1f}x)")
         print(f"  B={batch:<2}  " + ";  ".join(cells))
+    # A Llama 3.2 1B-shaped layer's attention (32 query heads of 64, 8 kv heads) over long
+    # contexts: past ATTEND_KERNEL_SCORES (256 positions here) the model hands a row to numpy.
+    big = preset_config("small", hidden_size=2048, num_attention_heads=32, num_key_value_heads=8,
+                        intermediate_size=64, num_hidden_layers=1, vocab_size=300,
+                        max_position_embeddings=4096)
+    wide = StageModel(big, random_weights(big, seed=0), embed=False, head=False)
+    big_rope = rope_tables(big, big.max_position_embeddings)
+    cache = wide.new_cache()
+    cache.k[...] = rng.standard_normal(cache.k.shape, dtype=np.float32)
+    cache.v[...] = rng.standard_normal(cache.v.shape, dtype=np.float32)
+    qkv = rng.standard_normal((1, (32 + 2 * 8) * big.head_dim), dtype=np.float32)
+    cells = []
+    for pos in (64, 256, 1024, 2000):
+        cache.length = pos
+        span = [(cache, pos, pos + 1)]
+        numpy_us = median_us(lambda pos=pos: wide._attend(qkv, 0, None, cache, pos, pos + 1, {}, big_rope),
+                             max(20, args.repeats // 10))
+        model_us = median_us(lambda span=span: wide._attend_rows(qkv, 0, None, span, big_rope),
+                             max(20, args.repeats // 10))
+        cells.append(f"P={pos:<4} {numpy_us:7.1f} / {model_us:7.1f} ({numpy_us / model_us:.1f}x)")
+    print("one row, a Llama 3.2 1B-shaped layer (32 heads of 64, 8 kv heads), median us: numpy / the model's "
+          "path (the kernel up to 256 positions, numpy past them)")
+    print("  " + ";  ".join(cells))
     share = c.vocab_size - head_cut(c.vocab_size)
     logits = (rng.standard_normal(share) * 3).astype(np.float32)
     print(f"a sampled row's k-th largest of {share} scaled logits, median us: np.partition / kernel (ratio)")

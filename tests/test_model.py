@@ -262,12 +262,16 @@ def test_the_head_cut_in_two_gives_the_same_logits_and_the_same_samples():
             assert halves.choose(merge(parts, top_k)) == whole(logits)
 
 
+@pytest.mark.parametrize("kernel_scores", [None, 32])
 @pytest.mark.parametrize("preset", ["tiny", "mistral"])
-def test_a_decode_batch_attends_as_each_request_would_alone(preset):
+def test_a_decode_batch_attends_as_each_request_would_alone(preset, kernel_scores, monkeypatch):
     # Each request at its own position (one near the start, others deep in a sliding window):
     # the batch's attention writes the same keys and values and gives the same rows, to the
     # bit, as each request's attention alone, and what numpy's attention over the cache gives
-    # (a prompt's path) within float32 rounding.
+    # (a prompt's path) within float32 rounding.  With a low ATTEND_KERNEL_SCORES the rows
+    # that see more positions take numpy's path, the others the kernel, in one batch.
+    if kernel_scores is not None:
+        monkeypatch.setattr(model_module, "ATTEND_KERNEL_SCORES", kernel_scores)
     config = preset_config(preset, max_position_embeddings=64, num_hidden_layers=1)
     model = StageModel(config, random_weights(config, seed=3))
     rng = np.random.default_rng(0)
@@ -295,7 +299,12 @@ def test_a_decode_batch_attends_as_each_request_would_alone(preset):
     rope = rope_tables(c, 64)
     window = c.window(0)
     spans = [(cache, p, p + 1) for cache, p in zip(batched, positions, strict=True)]
+    kernel_rows = []
+    compiled = model_module.attend_rows
+    monkeypatch.setattr(model_module, "attend_rows", lambda qkv, *rest: kernel_rows.append(len(qkv))
+                        or compiled(qkv, *rest))
     got = model._attend_rows(qkv, 0, window, spans, rope)
+    assert kernel_rows == [len(positions)] if kernel_scores is None else 0 < sum(kernel_rows) < len(positions)
     want = np.concatenate([model._attend_rows(qkv[i:i + 1], 0, window, [(cache, p, p + 1)], rope)
                            for i, (cache, p) in enumerate(zip(alone, positions, strict=True))])
     np.testing.assert_array_equal(got, want)

@@ -24,7 +24,9 @@ never depend on the batch it is in:
   its query and key (RoPE), writes its key and value into the request's cache
   and attends over the positions its window sees.  numpy pays mostly for its
   calls per request: for 8 requests at position 64 it took 5.4 times the
-  kernel's time (``bench/decode_step.py``).
+  kernel's time (``bench/decode_step.py``).  Over a long context numpy's
+  vectorised exponentials win, so a row past ``ATTEND_KERNEL_SCORES`` runs
+  there (``StageModel._attend_rows``).
 - ``top_k_floor``: the k-th largest entry of a row of scaled logits, what a
   sampled row's shortlist keeps everything at or above.  One pass with a heap
   of k entries, not a partition of the whole row: 4.5 times faster at k=20
@@ -45,6 +47,11 @@ import numpy as np
 # preset's weights (bench/rows.py, one core): the kernel's lead narrows as rows are added
 # and BLAS's blocked product overtakes it on long prompts.
 KERNEL_ROWS = 16
+# A decode row's attention runs in the kernel up to this many scores (its query heads times
+# the positions it sees); past it, numpy's batched products and vectorised exponentials are
+# the faster.  Measured one row at a time: the two cross at about 8000 scores for 6, 16 and
+# 32 heads (positions 1200, 512 and 256).
+ATTEND_KERNEL_SCORES = 8192
 # Weight rows per tile: what a tile's rows meet in cache while every input row passes.
 TILE = 256
 _FLAGS = {"reassoc", "contract", "arcp", "nsz"}  # not nnan/ninf: NaN and inf propagate

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .config import LlamaConfig
-from .kernels import attend_rows, rows_times, warm
+from .kernels import ATTEND_KERNEL_SCORES, attend_rows, rows_times, warm
 
 if TYPE_CHECKING:
     from .checkpoint import Progress
@@ -413,17 +413,31 @@ class StageModel:
                      spans: Sequence[tuple[KVCache, int, int]],
                      rope: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
         """Layer ``li``'s attention for a decode step, one row per request: (B, qd + 2 kvd) ->
-        (B, qd).  Each request's row is rotated and attends over its own cache in the
-        compiled ``attend_rows``, which also writes its key and value there: a row's result
-        is the same bits in any batch, alone included."""
+        (B, qd).  A row whose scores (query heads x the positions it sees) are at most
+        ``ATTEND_KERNEL_SCORES`` is rotated and attends over its own cache in the compiled
+        ``attend_rows``, which also writes its key and value there; a longer one runs
+        ``_attend``, numpy's batched products and exponentials being the faster there.
+        Which way a row goes depends on that row alone, so its result is the same bits in
+        any batch, alone included."""
         c = self.config
+        H, hd = c.num_attention_heads, c.head_dim
         B = len(spans)
-        heads = qkv.reshape(B, c.num_attention_heads + 2 * c.num_key_value_heads, c.head_dim)
-        positions = [start for _, start, _ in spans]
-        lows = [0] * B if window is None else [max(0, p - window + 1) for p in positions]
-        out = attend_rows(heads, rope[0], rope[1], [(cache.k[li], cache.v[li]) for cache, _, _ in spans],
-                          positions, lows, self._scale)
-        return out.reshape(B, c.num_attention_heads * c.head_dim)
+        lows = [0 if window is None else max(0, start - window + 1) for _, start, _ in spans]
+        short = [b for b, (_, start, _) in enumerate(spans)
+                 if H * (start + 1 - lows[b]) <= ATTEND_KERNEL_SCORES]
+        if len(short) == B:
+            heads = qkv.reshape(B, H + 2 * c.num_key_value_heads, hd)
+            out = attend_rows(heads, rope[0], rope[1], [(cache.k[li], cache.v[li]) for cache, _, _ in spans],
+                              [start for _, start, _ in spans], lows, self._scale)
+            return out.reshape(B, H * hd)
+        out = np.empty((B, H * hd), dtype=np.float32)
+        if short:
+            out[short] = self._attend_rows(qkv[short], li, window, [spans[b] for b in short], rope)
+        masks: dict[tuple[int, int | None], np.ndarray | None] = {}
+        for b in sorted(set(range(B)) - set(short)):
+            cache, start, end = spans[b]
+            out[b] = self._attend(qkv[b:b + 1], li, window, cache, start, end, masks, rope)[0]
+        return out
 
     def final_norm(self, hidden: np.ndarray) -> np.ndarray:
         """The final RMSNorm, hidden (T, D) -> (T, D): what the LM head multiplies."""
