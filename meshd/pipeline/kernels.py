@@ -60,7 +60,7 @@ _FLAGS = {"reassoc", "contract", "arcp", "nsz"}  # not nnan/ninf: NaN and inf pr
 _kernels: dict[str, Any] = {}
 
 
-def _dot_rows(x, w, out):  # numba compiles it (``_compile``)
+def _dot_rows(x, w, out):  # numba compiles it (``_compiled``)
     """out[t, n] = x[t] . w[n], over tiles of TILE weight rows, input rows four at a time."""
     T, K = x.shape
     N = w.shape[0]
@@ -114,7 +114,7 @@ def _rotate(x, cos, sin, out):  # numba compiles it without fastmath: apply_rope
         out[i + half] = c + d
 
 
-def _attend_row(qkv, cos, sin, keys, values, pos, lo, scale, out):  # numba compiles it
+def _attend_row(qkv, cos, sin, keys, values, pos, lo, scale, out):  # numba compiles it (``_compiled``)
     """One request's attention at position ``pos``.  qkv (H + 2 KV, hd): the row's queries,
     key and value heads, the query and key not yet rotated; cos, sin (hd / 2,): ``pos``'s
     RoPE angles.  Writes the rotated key and the value at ``pos`` of a layer's keys and
@@ -190,8 +190,13 @@ def _top_k_floor(x, k):  # numba compiles it, without fastmath: only comparisons
     return heap[0]
 
 
-_SOURCES: dict[str, tuple[Any, set[str]]] = {"dot_rows": (_dot_rows, _FLAGS), "rotate": (_rotate, set()),
-            "attend_row": (_attend_row, _FLAGS), "top_k_floor": (_top_k_floor, set())}
+# Each kernel's Python source and its fastmath flags, by name.
+_SOURCES: dict[str, tuple[Any, set[str]]] = {
+    "dot_rows": (_dot_rows, _FLAGS),
+    "rotate": (_rotate, set()),
+    "attend_row": (_attend_row, _FLAGS),
+    "top_k_floor": (_top_k_floor, set()),
+}
 _rotate_jit: Any = None  # what ``_attend_row`` calls: ``_rotate`` compiled, bound before it compiles
 
 
