@@ -71,3 +71,19 @@ def test_top_p_on_the_head_cut_in_two_picks_what_the_whole_head_picks(temperatur
 def test_a_top_p_outside_zero_to_one_is_refused(top_p):
     with pytest.raises(ValueError, match="top_p"):
         Sampler(1.0, 0, 0, top_p)
+
+
+@pytest.mark.parametrize("top_k", [2, 20, 256, 300])
+def test_a_shortlist_keeps_what_a_partition_keeps_ties_and_nan_included(top_k):
+    # The k-th largest comes from a heap pass up to HEAP_TOP_K and from np.partition past it
+    # or when a NaN is in the row; the shortlist is the same either way.
+    rng = np.random.default_rng(top_k)
+    logits = (rng.standard_normal(3000) * 4).astype(np.float32)
+    logits[rng.integers(0, 3000, 200)] = logits[:200]  # repeated values, some at the cut
+    for row in (logits, np.where(np.arange(3000) == 17, np.float32(np.nan), logits).astype(np.float32)):
+        scaled = row / np.float32(0.7)
+        kth = np.partition(scaled, -top_k)[-top_k]
+        want = np.flatnonzero(scaled >= kth)
+        ids, values = shortlist(row, 0.7, top_k, offset=100)
+        np.testing.assert_array_equal(ids, want + 100)
+        np.testing.assert_array_equal(values, scaled[want])
