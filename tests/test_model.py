@@ -413,3 +413,61 @@ def test_every_weight_is_kept_as_the_checkpoint_stores_it_contiguous_for_the_ker
     assert layer.w_gate_up.shape == (2 * inter, d) and layer.w_down.shape == (d, inter)
     for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down, model._head):
         assert w.flags.c_contiguous and w.dtype == np.float32
+
+
+@pytest.mark.parametrize("preset,biases", [("tiny", {}), ("qwen2", {}), ("mistral", {}),
+                                           ("llama3", {"o_bias": True, "mlp_bias": True})])
+def test_a_decode_step_in_the_compiled_layers_gives_numpys_rows_and_cache(preset, biases, monkeypatch):
+    # Up to KERNEL_ROWS decode rows run each layer's norms, products and residual sums in three
+    # compiled calls; past it the numpy path runs.  Both give the same rows and write the same
+    # keys and values, within float32 rounding, biases (q/k/v, o, the MLP's) and windows included.
+    config = preset_config(preset, max_position_embeddings=64, num_hidden_layers=2, **biases)
+    model = StageModel(config, random_weights(config, seed=5))
+    rng = np.random.default_rng(1)
+    positions = [0, 5, 20, 41]
+    hidden = rng.standard_normal((len(positions), config.hidden_size)).astype(np.float32)
+
+    def run(numpy_path: bool) -> tuple[np.ndarray, list]:
+        caches = []
+        for pos in positions:
+            cache = model.new_cache(64)
+            cache.k[...] = np.random.default_rng(pos).standard_normal(cache.k.shape).astype(np.float32)
+            cache.v[...] = np.random.default_rng(pos + 1).standard_normal(cache.v.shape).astype(np.float32)
+            cache.length = pos
+            caches.append(cache)
+        with monkeypatch.context() as patch:
+            calls = []
+            compiled = model_module.layer_in
+            patch.setattr(model_module, "layer_in", lambda *a: calls.append(1) or compiled(*a))
+            if numpy_path:
+                patch.setattr(model_module, "KERNEL_ROWS", 0)
+            parts = [(cache, pos) for cache, pos in zip(caches, positions, strict=True)]
+            out = model.forward_batch(hidden, parts)
+        assert bool(calls) is not numpy_path
+        return out, caches
+
+    compiled_out, compiled_caches = run(False)
+    numpy_out, numpy_caches = run(True)
+    np.testing.assert_allclose(compiled_out, numpy_out, rtol=1e-4, atol=1e-5)
+    for a, b in zip(compiled_caches, numpy_caches, strict=True):
+        np.testing.assert_allclose(a.k, b.k, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(a.v, b.v, rtol=1e-4, atol=1e-5)
+        assert a.length == b.length
+
+
+def test_the_compiled_layers_refuse_shapes_that_do_not_fit():
+    x, w, eps = np.ones((2, 8), dtype=np.float32), np.ones((6, 8), dtype=np.float32), np.float32(1e-5)
+    a, w_down = np.ones((2, 6), dtype=np.float32), np.ones((8, 6), dtype=np.float32)
+    with pytest.raises(ValueError, match="do not fit"):
+        kernels.layer_in(x, x[0], eps, np.ones((6, 7), dtype=np.float32), None)  # never reads past a row
+    with pytest.raises(ValueError, match="do not fit"):
+        kernels.layer_in(x, x[0], eps, w, np.ones(5, dtype=np.float32))  # a bias of another width
+    with pytest.raises(ValueError, match="do not fit"):
+        kernels.layer_mid(x, a, np.ones((8, 5), dtype=np.float32), None, x[0], eps, w, None)
+    with pytest.raises(ValueError, match="do not fit"):
+        kernels.layer_out(x, np.ones((3, 6), dtype=np.float32), w_down, None)
+    with pytest.raises(ValueError, match="do not fit"):
+        kernels.layer_out(np.asfortranarray(x), a, w_down, None)
+    layer = x.copy()
+    kernels.layer_out(layer, a, w_down, None)  # what fits runs: 1 + six ones
+    np.testing.assert_array_equal(layer, np.full((2, 8), 7, dtype=np.float32))

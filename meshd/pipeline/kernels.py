@@ -124,7 +124,7 @@ def _attend_row(qkv, cos, sin, keys, values, pos, lo, scale, out):  # numba comp
     H = qkv.shape[0] - 2 * KV
     G = H // KV
     for j in range(KV):
-        _rotate_jit(qkv[H + j], cos, sin, keys[j, pos])
+        _jit_rotate(qkv[H + j], cos, sin, keys[j, pos])
         for d in range(hd):
             values[j, pos, d] = qkv[H + KV + j, d]
     q = np.empty(hd, dtype=np.float32)
@@ -132,7 +132,7 @@ def _attend_row(qkv, cos, sin, keys, values, pos, lo, scale, out):  # numba comp
     acc = np.empty(hd, dtype=np.float32)
     for h in range(H):
         j = h // G
-        _rotate_jit(qkv[h], cos, sin, q)
+        _jit_rotate(qkv[h], cos, sin, q)
         top = np.float32(-np.inf)
         for p in range(lo, pos + 1):
             s = np.float32(0.0)
@@ -190,25 +190,86 @@ def _top_k_floor(x, k):  # numba compiles it, without fastmath: only comparisons
     return heap[0]
 
 
-# Each kernel's Python source and its fastmath flags, by name.
-_SOURCES: dict[str, tuple[Any, set[str]]] = {
-    "dot_rows": (_dot_rows, _FLAGS),
-    "rotate": (_rotate, set()),
-    "attend_row": (_attend_row, _FLAGS),
-    "top_k_floor": (_top_k_floor, set()),
+def _rms_norm_into(x, weight, eps, out):  # numba compiles it (``_compiled``)
+    """RMSNorm of each row of x (T, D) times ``weight`` (D,), into out (T, D)."""
+    T, D = x.shape
+    inv_d = np.float32(1.0) / np.float32(D)
+    for t in range(T):
+        ss = np.float32(0.0)
+        for d in range(D):
+            ss += x[t, d] * x[t, d]
+        scale = np.float32(1.0) / np.sqrt(ss * inv_d + eps)
+        for d in range(D):
+            out[t, d] = x[t, d] * scale * weight[d]
+
+
+def _add_bias(out, bias):  # numba compiles it; an empty bias adds nothing
+    if bias.shape[0]:
+        for t in range(out.shape[0]):
+            for n in range(out.shape[1]):
+                out[t, n] += bias[n]
+
+
+def _layer_in(x, norm, eps, w, bias, out):  # numba compiles it
+    """A decoder layer's start for a decode step's rows: out = rms_norm(x) @ w.T + bias."""
+    h = np.empty_like(x)
+    _jit_rms_norm(x, norm, eps, h)
+    _jit_dot_rows(h, w, out)
+    _jit_add_bias(out, bias)
+
+
+def _layer_mid(x, attn, wo, bo, norm, eps, w_gate_up, b_gate_up, out):  # numba compiles it
+    """After attention: x += attn @ wo.T + bo, in place; out = rms_norm(x) @ w_gate_up.T + b_gate_up."""
+    o = np.empty_like(x)
+    _jit_dot_rows(attn, wo, o)
+    _jit_add_bias(o, bo)
+    for t in range(x.shape[0]):
+        for d in range(x.shape[1]):
+            x[t, d] += o[t, d]
+    h = np.empty_like(x)
+    _jit_rms_norm(x, norm, eps, h)
+    _jit_dot_rows(h, w_gate_up, out)
+    _jit_add_bias(out, b_gate_up)
+
+
+def _layer_out(x, a, w_down, b_down):  # numba compiles it
+    """A decoder layer's end: x += a @ w_down.T + b_down, in place."""
+    d_out = np.empty_like(x)
+    _jit_dot_rows(a, w_down, d_out)
+    _jit_add_bias(d_out, b_down)
+    for t in range(x.shape[0]):
+        for d in range(x.shape[1]):
+            x[t, d] += d_out[t, d]
+
+
+# Each kernel's Python source, its fastmath flags, and the kernels it calls, by name.
+_SOURCES: dict[str, tuple[Any, set[str], tuple[str, ...]]] = {
+    "dot_rows": (_dot_rows, _FLAGS, ()),
+    "rotate": (_rotate, set(), ()),
+    "attend_row": (_attend_row, _FLAGS, ("rotate",)),
+    "top_k_floor": (_top_k_floor, set(), ()),
+    "rms_norm": (_rms_norm_into, _FLAGS, ()),
+    "add_bias": (_add_bias, _FLAGS, ()),
+    "layer_in": (_layer_in, _FLAGS, ("rms_norm", "dot_rows", "add_bias")),
+    "layer_mid": (_layer_mid, _FLAGS, ("rms_norm", "dot_rows", "add_bias")),
+    "layer_out": (_layer_out, _FLAGS, ("dot_rows", "add_bias")),
 }
-_rotate_jit: Any = None  # what ``_attend_row`` calls: ``_rotate`` compiled, bound before it compiles
+# The compiled kernels other kernels call: numba reads these globals when it compiles a
+# caller, so ``_compiled`` binds each callee first.
+_jit_rotate: Any = None
+_jit_dot_rows: Any = None
+_jit_rms_norm: Any = None
+_jit_add_bias: Any = None
 
 
 def _compiled(name: str) -> Any:
-    global _rotate_jit
     kernel = _kernels.get(name)
     if kernel is None:
         from numba import njit
 
-        if name == "attend_row" and _rotate_jit is None:
-            _rotate_jit = _compiled("rotate")
-        fn, flags = _SOURCES[name]
+        fn, flags, calls = _SOURCES[name]
+        for callee in calls:
+            globals()["_jit_" + callee] = _compiled(callee)
         try:
             kernel = njit(cache=True, fastmath=flags, boundscheck=False, error_model="numpy", nogil=True)(fn)
         except RuntimeError:  # no cache directory it may write: compile in each process
@@ -270,6 +331,49 @@ def attend_rows(qkv: np.ndarray, cos: np.ndarray, sin: np.ndarray,
     return out
 
 
+_NO_BIAS = np.empty(0, dtype=np.float32)
+
+
+def _fits(what: str, *checks: bool) -> None:
+    if not all(checks):
+        raise ValueError(f"{what}: shapes do not fit")
+
+
+def layer_in(x: np.ndarray, norm: np.ndarray, eps: np.float32, w: np.ndarray, bias: np.ndarray | None
+             ) -> np.ndarray:
+    """A decoder layer's start for a decode step's rows x (T, D) C-contiguous float32:
+    ``rms_norm(x) @ w.T + bias``, (T, N), in one compiled call."""
+    _fits("a layer's input", x.ndim == 2, x.flags.c_contiguous, x.dtype == np.float32,
+          norm.shape == (x.shape[1],), w.ndim == 2, w.shape[1] == x.shape[1],
+          bias is None or bias.shape == (w.shape[0],))
+    out = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)
+    _compiled("layer_in")(x, norm, eps, w, _NO_BIAS if bias is None else bias, out)
+    return out
+
+
+def layer_mid(x: np.ndarray, attn: np.ndarray, wo: np.ndarray, bo: np.ndarray | None, norm: np.ndarray,
+              eps: np.float32, w_gate_up: np.ndarray, b_gate_up: np.ndarray | None) -> np.ndarray:
+    """After attention: ``x += attn @ wo.T + bo`` in place, then ``rms_norm(x) @ w_gate_up.T +
+    b_gate_up``, (T, 2 I), in one compiled call."""
+    _fits("a layer's attention output", x.ndim == 2, x.flags.c_contiguous, x.dtype == np.float32,
+          attn.ndim == 2, attn.flags.c_contiguous, attn.dtype == np.float32, attn.shape[0] == x.shape[0],
+          wo.shape == (x.shape[1], attn.shape[1]), bo is None or bo.shape == (x.shape[1],),
+          norm.shape == (x.shape[1],), w_gate_up.ndim == 2, w_gate_up.shape[1] == x.shape[1],
+          b_gate_up is None or b_gate_up.shape == (w_gate_up.shape[0],))
+    out = np.empty((x.shape[0], w_gate_up.shape[0]), dtype=np.float32)
+    _compiled("layer_mid")(x, attn, wo, _NO_BIAS if bo is None else bo, norm, eps, w_gate_up,
+                           _NO_BIAS if b_gate_up is None else b_gate_up, out)
+    return out
+
+
+def layer_out(x: np.ndarray, a: np.ndarray, w_down: np.ndarray, b_down: np.ndarray | None) -> None:
+    """A decoder layer's end: ``x += a @ w_down.T + b_down``, in place, in one compiled call."""
+    _fits("a layer's MLP output", x.ndim == 2, x.flags.c_contiguous, x.dtype == np.float32,
+          a.ndim == 2, a.flags.c_contiguous, a.dtype == np.float32, a.shape[0] == x.shape[0],
+          w_down.shape == (x.shape[1], a.shape[1]), b_down is None or b_down.shape == (x.shape[1],))
+    _compiled("layer_out")(x, a, w_down, _NO_BIAS if b_down is None else b_down)
+
+
 def top_k_floor(x: np.ndarray, k: int) -> np.float32:
     """The k-th largest entry of the float32 vector ``x``, ties counted: the same value as
     ``np.partition(x, -k)[-k]``, NaN when ``x`` holds a NaN."""
@@ -285,3 +389,6 @@ def warm() -> None:
     table = np.ones((2, 2), dtype=np.float32)
     attend_rows(np.ones((1, 3, 4), dtype=np.float32), table, table, [cache], [1], [0], np.float32(0.5))
     top_k_floor(np.ones(3, dtype=np.float32), 2)
+    x, w, eps = np.ones((1, 4), dtype=np.float32), np.ones((4, 4), dtype=np.float32), np.float32(1e-5)
+    qkv = layer_in(x, x[0], eps, w, None)
+    layer_out(x, layer_mid(x, qkv, w, None, x[0], eps, w, None), w, None)

@@ -30,7 +30,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .config import LlamaConfig
-from .kernels import ATTEND_KERNEL_SCORES, attend_rows, rows_times, warm
+from .kernels import (
+    ATTEND_KERNEL_SCORES,
+    KERNEL_ROWS,
+    attend_rows,
+    layer_in,
+    layer_mid,
+    layer_out,
+    rows_times,
+    warm,
+)
 
 if TYPE_CHECKING:
     from .checkpoint import Progress
@@ -357,12 +366,25 @@ class StageModel:
         if top > rope[0].shape[0]:
             rope = self._rope = rope_tables(c, min(max(top, 2 * rope[0].shape[0]), c.max_position_embeddings))
         masks: dict[tuple[int, int | None], np.ndarray | None] = {}
-        x = hidden
         inter = c.intermediate_size
+        if rows == 1 and hidden.shape[0] <= KERNEL_ROWS:
+            # A decode step: each layer's norms, products and residual sums in three compiled
+            # calls, attention per request between them, silu in numpy (vectorised).
+            x = np.array(hidden)  # the kernels add into it
+            for li, layer in enumerate(self._layers):
+                qkv = layer_in(x, layer.attn_norm, self._eps, layer.wqkv, layer.bqkv)
+                attn = self._attend_rows(qkv, li, layer.window, spans, rope)
+                gate_up = layer_mid(x, attn, layer.wo, layer.bo, layer.mlp_norm, self._eps, layer.w_gate_up,
+                                    layer.b_gate_up)
+                layer_out(x, silu(gate_up[:, :inter]) * gate_up[:, inter:], layer.w_down, layer.b_down)
+            for cache, _, end in spans:
+                cache.length = max(cache.length, end)
+            return x
+        x = hidden
         for li, layer in enumerate(self._layers):
             h = rms_norm(x, layer.attn_norm, self._eps)
             qkv = _linear(h, layer.wqkv, layer.bqkv)  # (T, qd + 2 kvd)
-            if rows == 1:  # a decode step: each request's one new row
+            if rows == 1:  # a decode step of more than KERNEL_ROWS requests
                 attn = self._attend_rows(qkv, li, layer.window, spans, rope)
             else:
                 attn = self._attend(qkv, li, layer.window, *spans[0], masks, rope)
