@@ -203,6 +203,12 @@ def _rms_norm_into(x, weight, eps, out):  # numba compiles it (``_compiled``)
             out[t, d] = x[t, d] * scale * weight[d]
 
 
+def _add_into(x, y):  # numba compiles it: x += y, rows alike
+    for t in range(x.shape[0]):
+        for d in range(x.shape[1]):
+            x[t, d] += y[t, d]
+
+
 def _add_bias(out, bias):  # numba compiles it; an empty bias adds nothing
     if bias.shape[0]:
         for t in range(out.shape[0]):
@@ -223,9 +229,7 @@ def _layer_mid(x, attn, wo, bo, norm, eps, w_gate_up, b_gate_up, out):  # numba 
     o = np.empty_like(x)
     _jit_dot_rows(attn, wo, o)
     _jit_add_bias(o, bo)
-    for t in range(x.shape[0]):
-        for d in range(x.shape[1]):
-            x[t, d] += o[t, d]
+    _jit_add_into(x, o)
     h = np.empty_like(x)
     _jit_rms_norm(x, norm, eps, h)
     _jit_dot_rows(h, w_gate_up, out)
@@ -237,9 +241,7 @@ def _layer_out(x, a, w_down, b_down):  # numba compiles it
     d_out = np.empty_like(x)
     _jit_dot_rows(a, w_down, d_out)
     _jit_add_bias(d_out, b_down)
-    for t in range(x.shape[0]):
-        for d in range(x.shape[1]):
-            x[t, d] += d_out[t, d]
+    _jit_add_into(x, d_out)
 
 
 # Each kernel's Python source, its fastmath flags, and the kernels it calls, by name.
@@ -250,9 +252,10 @@ _SOURCES: dict[str, tuple[Any, set[str], tuple[str, ...]]] = {
     "top_k_floor": (_top_k_floor, set(), ()),
     "rms_norm": (_rms_norm_into, _FLAGS, ()),
     "add_bias": (_add_bias, _FLAGS, ()),
+    "add_into": (_add_into, _FLAGS, ()),
     "layer_in": (_layer_in, _FLAGS, ("rms_norm", "dot_rows", "add_bias")),
-    "layer_mid": (_layer_mid, _FLAGS, ("rms_norm", "dot_rows", "add_bias")),
-    "layer_out": (_layer_out, _FLAGS, ("dot_rows", "add_bias")),
+    "layer_mid": (_layer_mid, _FLAGS, ("rms_norm", "dot_rows", "add_bias", "add_into")),
+    "layer_out": (_layer_out, _FLAGS, ("dot_rows", "add_bias", "add_into")),
 }
 # The compiled kernels other kernels call: numba reads these globals when it compiles a
 # caller, so ``_compiled`` binds each callee first.
@@ -260,6 +263,7 @@ _jit_rotate: Any = None
 _jit_dot_rows: Any = None
 _jit_rms_norm: Any = None
 _jit_add_bias: Any = None
+_jit_add_into: Any = None
 
 
 def _compiled(name: str) -> Any:
