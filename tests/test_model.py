@@ -471,3 +471,15 @@ def test_the_compiled_layers_refuse_shapes_that_do_not_fit():
     layer = x.copy()
     kernels.layer_out(layer, a, w_down, None)  # what fits runs: 1 + six ones
     np.testing.assert_array_equal(layer, np.full((2, 8), 7, dtype=np.float32))
+
+
+def test_a_decode_batch_given_as_a_transposed_view_runs_as_its_copy_would():
+    # A prefill's BLAS products come back as transposed views: a batch handed over in that
+    # layout runs the compiled layers on a C-ordered copy, with the same rows.
+    config = preset_config("tiny", max_position_embeddings=16)
+    model = StageModel(config, random_weights(config, seed=2))
+    rows = np.random.default_rng(3).standard_normal((config.hidden_size, 3)).astype(np.float32).T
+    assert not rows.flags.c_contiguous
+    got = model.forward_batch(rows, [(model.new_cache(16), 0) for _ in range(3)])
+    want = model.forward_batch(np.ascontiguousarray(rows), [(model.new_cache(16), 0) for _ in range(3)])
+    np.testing.assert_array_equal(got, want)

@@ -370,7 +370,7 @@ class StageModel:
         if rows == 1 and hidden.shape[0] <= KERNEL_ROWS:
             # A decode step: each layer's norms, products and residual sums in three compiled
             # calls, attention per request between them, silu in numpy (vectorised).
-            x = np.array(hidden)  # the kernels add into it
+            x = np.array(hidden, order="C")  # the kernels add into it
             for li, layer in enumerate(self._layers):
                 qkv = layer_in(x, layer.attn_norm, self._eps, layer.wqkv, layer.bqkv)
                 attn = self._attend_rows(qkv, li, layer.window, spans, rope)
