@@ -26,23 +26,12 @@ import os
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import statistics  # noqa: E402
-import time  # noqa: E402
-
 import numpy as np  # noqa: E402
+from rows import median_us  # noqa: E402  (bench/rows.py, beside this script)
 
 from meshd.pipeline import kernels  # noqa: E402
 from meshd.pipeline.checkpoint import preset_config, random_weights  # noqa: E402
 from meshd.pipeline.model import StageModel, head_cut, rope_tables  # noqa: E402
-
-
-def median_us(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
 
 
 def main() -> None:
