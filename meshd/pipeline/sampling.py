@@ -44,8 +44,8 @@ def shortlist(logits: np.ndarray, temperature: float | np.floating, top_k: int, 
     scaled = np.asarray(logits, dtype=np.float32) / np.float32(temperature)
     if 0 < top_k < scaled.shape[0]:
         # keep the k largest; ties at the threshold stay in, deterministically
-        kth = top_k_floor(scaled, top_k) if top_k <= HEAP_TOP_K else np.float32(np.nan)
-        if np.isnan(kth):  # a NaN among them: partition's own order (NaN counts as largest)
+        kth = top_k_floor(scaled, top_k) if top_k <= HEAP_TOP_K else None
+        if kth is None or np.isnan(kth):  # with a NaN among them, partition's order: NaN ranks largest
             kth = np.partition(scaled, -top_k)[-top_k]
         candidates = np.flatnonzero(scaled >= kth)
     else:
