@@ -9,6 +9,7 @@ resolves can serve; then it starts the node, the service and the dashboard.
 
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 from dataclasses import dataclass
@@ -90,6 +91,17 @@ async def drain(daemon: Daemon, timeout: float = DRAIN_S) -> None:
         daemon.node.out(f"meshd drained handed_over={daemon.app.counters['handed_over']}")
 
 
+def settle_heap() -> int:
+    """Move the objects the process holds once it serves (every imported module's functions
+    and classes, the compiled kernels' records) out of the garbage collector's sight: a full
+    collection then walks only what serving allocates since.  Walking all of a stage's
+    136 thousand objects took 65-69 ms, a pause of the whole pipeline every few thousand
+    tokens.  Returns how many objects are frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 async def run_daemon(identity: Identity, options: NodeOptions) -> int:
     """``meshd run``: serve until SIGINT/SIGTERM, then leave and exit 0."""
     node = Node(identity, options)
@@ -97,6 +109,7 @@ async def run_daemon(identity: Identity, options: NodeOptions) -> int:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
             daemon: Daemon = await nursery.start(serve_daemon, node)
+            log.debug("%d objects set aside from garbage collection", settle_heap())
             async for signum in signals:
                 log.info("leaving (%s)", signal.Signals(signum).name)
                 await drain(daemon)
