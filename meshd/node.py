@@ -150,6 +150,25 @@ def _info(m: Member) -> MemberInfo:
                       m.meta.draining, m.state_change)
 
 
+class _Infos:
+    """Each member's MemberInfo, made again only once its state, metadata or time of change
+    moved: the services ask for a route's members at every message they handle."""
+
+    def __init__(self) -> None:
+        self._made: dict[bytes, tuple[State, Meta, float, MemberInfo]] = {}
+
+    def of(self, m: Member, known: int) -> MemberInfo:
+        """``m``'s info; ``known``: how many members the table holds (bounds what is kept)."""
+        held = self._made.get(m.id)
+        if held is not None and held[0] is m.state and held[1] is m.meta and held[2] == m.state_change:
+            return held[3]
+        if len(self._made) > 2 * known + 64:  # of members reaped since
+            self._made.clear()
+        info = _info(m)
+        self._made[m.id] = (m.state, m.meta, m.state_change, info)
+        return info
+
+
 class Node:
     def __init__(
         self,
@@ -168,6 +187,7 @@ class Node:
         self._snapshots: SnapshotWriter | None = None
         self._nursery: trio.Nursery | None = None
         self.paths = PathTable()
+        self._infos = _Infos()
         self.guard = AmplificationGuard()
         # Push-pull answers cut to fit an unproven address's budget, whole, to send once it
         # proves itself (answers our ping); oldest dropped first.
@@ -380,18 +400,20 @@ class Node:
         return self.swim.resolve(name) if self.swim is not None else None
 
     def member(self, name: str) -> MemberInfo | None:
-        m = self.swim.member_by_name(name) if self.swim is not None else None
-        return _info(m) if m is not None else None
+        swim = self.swim
+        m = swim.member_by_name(name) if swim is not None else None
+        return None if m is None or swim is None else self._infos.of(m, len(swim.members))
 
     def member_by_id(self, node: bytes) -> MemberInfo | None:
-        m = self.swim.members.get(node) if self.swim is not None else None
-        return _info(m) if m is not None else None
+        swim = self.swim
+        m = swim.members.get(node) if swim is not None else None
+        return None if m is None or swim is None else self._infos.of(m, len(swim.members))
 
     def owners(self, name: str) -> list[MemberInfo]:
         swim = self.swim
         if swim is None:
             return []
-        return [_info(swim.members[owner]) for owner in swim.live_owners(name)]
+        return [self._infos.of(swim.members[owner], len(swim.members)) for owner in swim.live_owners(name)]
 
     def rtt(self, node: bytes) -> float | None:
         m = self.swim.members.get(node) if self.swim is not None else None
@@ -405,7 +427,7 @@ class Node:
         swim = self.swim
         if swim is None:
             return []
-        return [_info(m) for m in swim.members.values() if m.id != swim.id]
+        return [self._infos.of(m, len(swim.members)) for m in swim.members.values() if m.id != swim.id]
 
     def register_name(self, name: str) -> None:
         self.core.register_name(name, trio.current_time())
