@@ -566,3 +566,27 @@ def test_stage_0_splits_the_requests_decoding_into_groups_of_about_min_group():
     assert group_size(48, 3, 12) == (12, 12)  # never past --max-batch
     assert group_size(32, 1, 64) == (32, 32)  # one stage: nothing to overlap
     assert group_size(16, 3, 1) == (1, 1)  # --max-batch 1
+
+
+async def test_a_request_whose_tokens_stop_coming_probes_its_route_then_fails_naming_the_wait(checkpoint):
+    """A stage that takes a request's steps and never answers, alive to the mesh: once the
+    stall passes its bound the orchestrator probes each node of the route, once, and at
+    ``token_timeout`` it fails the request, naming the token it waited for and the route."""
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nodes = await start_pipeline(nursery, checkpoint, 3, [])
+            orch, last = nodes[0].app, nodes[2].app
+            probed: list[bytes] = []
+            orch.mesh.probe_soon = probed.append
+
+            async def silent(src: bytes, msg: object) -> None:
+                return
+
+            last.on_message = silent
+            t0 = trio.current_time()
+            with pytest.raises(PipelineError, match=r"no token 0 for request \w+ within 2.5s; "
+                                                    r"route: stage-0 \w{8} alive, stage-1 \w{8} alive"):
+                await orch.generate(PROMPTS[0], 4, token_timeout=2.5)
+            assert trio.current_time() - t0 >= 2.5
+            assert sorted(probed) == sorted(n.app.mesh.node_id for n in nodes[1:])
+            nursery.cancel_scope.cancel()
