@@ -365,21 +365,34 @@ class StageModel:
         rope = self._rope
         if top > rope[0].shape[0]:
             rope = self._rope = rope_tables(c, min(max(top, 2 * rope[0].shape[0]), c.max_position_embeddings))
-        masks: dict[tuple[int, int | None], np.ndarray | None] = {}
-        inter = c.intermediate_size
         if rows == 1 and hidden.shape[0] <= KERNEL_ROWS:
-            # A decode step: each layer's norms, products and residual sums in three compiled
-            # calls, attention per request between them, silu in numpy (vectorised).
-            x = np.array(hidden, order="C")  # the kernels add into it
-            for li, layer in enumerate(self._layers):
-                qkv = layer_in(x, layer.attn_norm, self._eps, layer.wqkv, layer.bqkv)
-                attn = self._attend_rows(qkv, li, layer.window, spans, rope)
-                gate_up = layer_mid(x, attn, layer.wo, layer.bo, layer.mlp_norm, self._eps, layer.w_gate_up,
-                                    layer.b_gate_up)
-                layer_out(x, silu(gate_up[:, :inter]) * gate_up[:, inter:], layer.w_down, layer.b_down)
-            for cache, _, end in spans:
-                cache.length = max(cache.length, end)
-            return x
+            x = self._decode_layers(hidden, spans, rope)
+        else:
+            x = self._numpy_layers(hidden, rows, spans, rope)
+        for cache, _, end in spans:
+            cache.length = max(cache.length, end)
+        return x
+
+    def _decode_layers(self, hidden: np.ndarray, spans: Sequence[tuple[KVCache, int, int]],
+                       rope: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+        """A decode step's layers: each layer's norms, products and residual sums in three
+        compiled calls, attention per request between them, silu in numpy (vectorised)."""
+        inter = self.config.intermediate_size
+        x = np.array(hidden, order="C")  # the kernels add into it
+        for li, layer in enumerate(self._layers):
+            qkv = layer_in(x, layer.attn_norm, self._eps, layer.wqkv, layer.bqkv)
+            attn = self._attend_rows(qkv, li, layer.window, spans, rope)
+            gate_up = layer_mid(x, attn, layer.wo, layer.bo, layer.mlp_norm, self._eps, layer.w_gate_up,
+                                layer.b_gate_up)
+            layer_out(x, silu(gate_up[:, :inter]) * gate_up[:, inter:], layer.w_down, layer.b_down)
+        return x
+
+    def _numpy_layers(self, hidden: np.ndarray, rows: int, spans: Sequence[tuple[KVCache, int, int]],
+                      rope: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+        """The layers in numpy and BLAS: one part's ``rows`` rows (a prompt), or a decode step
+        of more than KERNEL_ROWS requests (``rows`` 1)."""
+        inter = self.config.intermediate_size
+        masks: dict[tuple[int, int | None], np.ndarray | None] = {}
         x = hidden
         for li, layer in enumerate(self._layers):
             h = rms_norm(x, layer.attn_norm, self._eps)
@@ -392,8 +405,6 @@ class StageModel:
             h = rms_norm(x, layer.mlp_norm, self._eps)
             gate_up = _linear(h, layer.w_gate_up, layer.b_gate_up)  # (T, 2I)
             x = x + _linear(silu(gate_up[:, :inter]) * gate_up[:, inter:], layer.w_down, layer.b_down)
-        for cache, _, end in spans:
-            cache.length = max(cache.length, end)
         return x
 
     def _attend(self, qkv: np.ndarray, li: int, window: int | None, cache: KVCache, start_pos: int, end: int,
