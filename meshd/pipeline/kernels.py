@@ -343,12 +343,16 @@ def _fits(what: str, *checks: bool) -> None:
         raise ValueError(f"{what}: shapes do not fit")
 
 
+def _rows(a: np.ndarray) -> bool:
+    """Whether ``a`` is rows as the compiled layers take them: 2-D, C-contiguous float32."""
+    return a.ndim == 2 and a.flags.c_contiguous and a.dtype == np.float32
+
+
 def layer_in(x: np.ndarray, norm: np.ndarray, eps: np.float32, w: np.ndarray, bias: np.ndarray | None
              ) -> np.ndarray:
     """A decoder layer's start for a decode step's rows x (T, D) C-contiguous float32:
     ``rms_norm(x) @ w.T + bias``, (T, N), in one compiled call."""
-    _fits("a layer's input", x.ndim == 2, x.flags.c_contiguous, x.dtype == np.float32,
-          norm.shape == (x.shape[1],), w.ndim == 2, w.shape[1] == x.shape[1],
+    _fits("a layer's input", _rows(x), norm.shape == (x.shape[1],), w.ndim == 2, w.shape[1] == x.shape[1],
           bias is None or bias.shape == (w.shape[0],))
     out = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)
     _compiled("layer_in")(x, norm, eps, w, _NO_BIAS if bias is None else bias, out)
@@ -359,8 +363,7 @@ def layer_mid(x: np.ndarray, attn: np.ndarray, wo: np.ndarray, bo: np.ndarray | 
               eps: np.float32, w_gate_up: np.ndarray, b_gate_up: np.ndarray | None) -> np.ndarray:
     """After attention: ``x += attn @ wo.T + bo`` in place, then ``rms_norm(x) @ w_gate_up.T +
     b_gate_up``, (T, 2 I), in one compiled call."""
-    _fits("a layer's attention output", x.ndim == 2, x.flags.c_contiguous, x.dtype == np.float32,
-          attn.ndim == 2, attn.flags.c_contiguous, attn.dtype == np.float32, attn.shape[0] == x.shape[0],
+    _fits("a layer's attention output", _rows(x), _rows(attn), attn.shape[0] == x.shape[0],
           wo.shape == (x.shape[1], attn.shape[1]), bo is None or bo.shape == (x.shape[1],),
           norm.shape == (x.shape[1],), w_gate_up.ndim == 2, w_gate_up.shape[1] == x.shape[1],
           b_gate_up is None or b_gate_up.shape == (w_gate_up.shape[0],))
@@ -372,8 +375,7 @@ def layer_mid(x: np.ndarray, attn: np.ndarray, wo: np.ndarray, bo: np.ndarray | 
 
 def layer_out(x: np.ndarray, a: np.ndarray, w_down: np.ndarray, b_down: np.ndarray | None) -> None:
     """A decoder layer's end: ``x += a @ w_down.T + b_down``, in place, in one compiled call."""
-    _fits("a layer's MLP output", x.ndim == 2, x.flags.c_contiguous, x.dtype == np.float32,
-          a.ndim == 2, a.flags.c_contiguous, a.dtype == np.float32, a.shape[0] == x.shape[0],
+    _fits("a layer's MLP output", _rows(x), _rows(a), a.shape[0] == x.shape[0],
           w_down.shape == (x.shape[1], a.shape[1]), b_down is None or b_down.shape == (x.shape[1],))
     _compiled("layer_out")(x, a, w_down, _NO_BIAS if b_down is None else b_down)
 
