@@ -19,6 +19,7 @@ import trio
 
 from meshd.launch.checks import Reference
 from meshd.launch.report import Generated, Outcome, summary
+from meshd.net.faults import Faults
 from meshd.pipeline import model as model_module
 from meshd.pipeline import stage as stage_module
 from meshd.pipeline.api import PipelineError
@@ -291,8 +292,11 @@ async def test_past_the_queue_a_request_gets_503_with_retry_after_counted_and_do
     done: list[httpx.Response] = []
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
+            # stage-1's writes each leave 15 ms late: the running request takes seconds, so it is
+            # still running, and the other still waiting, while doctor looks.
             nodes = await start_pipeline(nursery, checkpoint, 3, lines, max_running=1, max_queued=1,
-                                         dashboard="127.0.0.1:0")
+                                         dashboard="127.0.0.1:0",
+                                         stage_options={1: {"faults": Faults.parse(["delay:15"])}})
             orch, url = nodes[0].app, nodes[0].dashboard_url
             while await trio.to_thread.run_sync(main, ["doctor", url, "--json"]):
                 await trio.sleep(0.2)  # until every node's first path summary arrived

@@ -71,19 +71,17 @@ async def start_pipeline(nursery: trio.Nursery, model: str | Path, stages: int, 
     [orchestrator, stage-0, ...].  ``feedback_drop``: the last stage's direct packets to
     stage 0 are lost, so the feedback edge takes the relay.  ``options`` go to every node's
     NodeOptions (``max_batch=1``, ``max_running=4``, ...), ``stage_options[k]`` to stage k's
-    over them."""
+    over them (``faults``: what stage k's transport does to what it sends)."""
     host, port = await nursery.start(serve_relay, "127.0.0.1", 0)
     opts: dict[str, Any] = dict(profile="local", relay=f"ws://{host}:{port}", stages=stages, model=str(model),
                                 **options)
     orch = await start_node(nursery, NodeOptions(role="orchestrator", **opts), lines)
     nodes = [orch]
     for k in range(stages):
-        faults = Faults()
+        mine = {"faults": Faults(), **opts, **(stage_options or {}).get(k, {})}
         if feedback_drop and k == stages - 1:
-            faults = Faults.parse([f"drop:{nodes[1].addr}"])  # last stage -> stage 0, direct lost
-        mine = {**opts, **(stage_options or {}).get(k, {})}
-        nodes.append(await start_node(nursery, NodeOptions(stage=k, seeds=[orch.addr], faults=faults,
-                                                           **mine), lines))
+            mine["faults"] = Faults.parse([f"drop:{nodes[1].addr}"])  # last stage -> stage 0, direct lost
+        nodes.append(await start_node(nursery, NodeOptions(stage=k, seeds=[orch.addr], **mine), lines))
     await wait_converged(nodes)
     await orch.app.wait_ready(10)
     return nodes
