@@ -27,7 +27,7 @@ from meshd.pipeline.app import App
 from meshd.pipeline.checkpoint import init_checkpoint
 from meshd.pipeline.generate import LOGITS_TOLERANCE as TOLERANCE
 from meshd.pipeline.generate import NEAR_TIE, diverges, generate, near_ties
-from meshd.pipeline.messages import Activation, Batch, HeadPart, Sampling, Token
+from meshd.pipeline.messages import Activation, Batch, HeadPart, Hop, Sampling, Token
 from meshd.pipeline.model import StageModel
 from meshd.pipeline.stage import MIN_GROUP, group_size
 from meshd.testing.inprocess import start_pipeline
@@ -494,6 +494,38 @@ async def test_a_step_arriving_after_its_request_ended_is_dropped_and_a_stranger
             assert ended in stage0.jobs
             nursery.cancel_scope.cancel()
     assert result["finish_reason"] == "length"
+
+
+async def test_a_batch_row_that_is_not_a_running_requests_next_step_is_handled_as_its_own_message(
+        checkpoint):
+    """A batch from the stage before goes to the batcher row by row with one look at each
+    row's request; a row of a request that ended here is dropped as late, and a row of a
+    request this stage never held says so to its orchestrator, as each would alone."""
+    lines: list[str] = []
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nodes = await start_pipeline(nursery, checkpoint, 3, lines)
+            orch, stage1 = nodes[0].app, nodes[2].app
+            ended = (await orch.generate(PROMPTS[0], 3))["request"]
+            told: list = []
+
+            async def tell(origin, error) -> None:
+                told.append(error)
+
+            stage1._tell = tell
+            stage1._batching = lambda: True  # as while other requests decode here
+            sampling = Sampling(3, 0.0, 0, 0, False)
+            origin = orch.mesh.node_id
+            route = tuple(n.app.mesh.node_id for n in nodes[1:])
+            rows = [(req_id, origin, 9, 2, sampling, route, ()) for req_id in (ended, "0123456789ab")]
+            hop = Hop("transit", "stage-0->stage-1", 0.0, "direct")
+            batch = Batch.of(False, rows, bytes(4 * 64 * 2), 64, 0.0, hop)
+            await stage1.on_rows(origin, batch)
+            assert stage1.counters["late_after_end"] == 1
+            assert [e.message for e in told] == ["stage-1 has no KV cache for request 0123456789ab at "
+                                                 "position 9 (did this stage restart?)"]
+            assert stage1._ready == []  # neither went to the batcher
+            nursery.cancel_scope.cancel()
 
 
 async def test_a_hundred_concurrent_http_requests_all_complete_within_the_kv_budget(checkpoint):

@@ -76,9 +76,7 @@ class App:
             return
         for msg in packet.messages:
             if isinstance(msg, (Batch, HeadParts)):
-                # Each row is its request's own message: one request's failure fails it alone.
-                for row in msg.rows():
-                    await self._on_message(src, row)
+                await self.on_rows(src, msg)
             elif isinstance(msg, Activation) and max(msg.rows, len(msg.tokens)) > PREFILL_ROWS:
                 # Another request's message from the same sender may go first: requests
                 # are independent, and nothing else of this one comes before its prefill ends.
@@ -86,6 +84,12 @@ class App:
                 self._nursery.start_soon(self._on_message, src, msg)
             else:
                 await self._on_message(src, msg)
+
+    async def on_rows(self, src: bytes, msg: Batch | HeadParts) -> None:
+        """The rows of a batch message.  Each row is its request's own message: one
+        request's failure fails it alone."""
+        for row in msg.rows():
+            await self._on_message(src, row)
 
     async def _on_message(self, src: bytes, msg: Message) -> None:
         await self._guarded(msg, self.on_message(src, msg))

@@ -258,6 +258,38 @@ class StageService(App):
             if job is not None and not self.last:
                 await self.send(job.route[self.stage + 1], msg)
 
+    async def on_rows(self, src: bytes, msg: Batch | HeadParts) -> None:
+        rows = msg.rows()
+        if isinstance(msg, Batch) and not msg.head and self._batching():
+            rows = self._queue_steps(msg, rows)
+        for row in rows:
+            await self._on_message(src, row)
+
+    def _queue_steps(self, batch: Batch, rows: list[Activation]) -> list[Activation]:
+        """A batch of decode steps from the stage before: each row that is the next step of a
+        request running here goes to the batcher at once, as ``_activation`` would put it
+        there, with one look at its request.  Returns the other rows (a request this stage
+        does not hold or that ended, a step that does not follow its cache, an orchestrator
+        gone), each for ``on_message``, which says why as it would for a message of its own."""
+        now = trio.current_time()
+        shared = arrived(batch.trace, batch.sent_at)
+        hidden = np.frombuffer(batch.hidden, dtype=np.float32).reshape(len(rows), batch.dims)
+        rest = []
+        for i, msg in enumerate(rows):
+            job = self.jobs.get(msg.req_id)
+            if (job is None or not msg.pos or msg.pos != job.cache.length or msg.pos >= job.cache.max_seq
+                    or msg.req_id in self._ended or msg.route != job.route or msg.origin != job.origin
+                    or self._gone(msg.origin, job.started)):
+                rest.append(msg)
+                continue
+            self.counters["activations"] += 1
+            self.metrics.arrived(shared)
+            job.touched, job.decoding = now, True
+            self._ready.append(_Step(msg, job, hidden[i:i + 1], (*batch.prefixes[i], *shared), now))
+        if len(rest) < len(rows):
+            self._work.set()
+        return rest
+
     # --- the forward pass ---
 
     def _job(self, msg: Activation) -> _Job:
