@@ -20,8 +20,10 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import trio
@@ -259,9 +261,9 @@ class StageService(App):
                 await self.send(job.route[self.stage + 1], msg)
 
     async def on_rows(self, src: bytes, msg: Batch | HeadParts) -> None:
-        rows = msg.rows()
+        rows: Sequence[Message] = msg.rows()
         if isinstance(msg, Batch) and not msg.head and self._batching():
-            rows = self._queue_steps(msg, rows)
+            rows = self._queue_steps(msg, cast(list[Activation], rows))
         for row in rows:
             await self._on_message(src, row)
 
