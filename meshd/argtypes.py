@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 
 def positive_float(text: str) -> float:
@@ -13,6 +14,18 @@ def positive_float(text: str) -> float:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be greater than 0")
     return value
+
+
+def int_up_to(most: int) -> Callable[[str], int]:
+    """A parser of a whole number from 1 to ``most``."""
+
+    def parse(text: str) -> int:
+        value = positive_int(text)
+        if value > most:
+            raise argparse.ArgumentTypeError(f"{text!r} must be at most {most}")
+        return value
+
+    return parse
 
 
 def positive_int(text: str) -> int:

@@ -7,11 +7,12 @@ import os
 import sys
 
 from . import __version__
-from .argtypes import positive_float, positive_int
+from .argtypes import int_up_to, positive_float, positive_int
 from .identity import Identity, IdentityError, load_node_ids, load_or_create
 from .net.faults import Faults, FaultSpecError
 from .net.udp import AddressError, BindError, first_of, parse_addr
 from .swim import PROFILES
+from .wire import MAX_BATCH_ROWS
 
 
 def _addr(text: str) -> str:
@@ -67,9 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--compute-threads", type=positive_int, metavar="N",
                      help="threads for this node's matrix maths (default: one per core; nodes that "
                           "share a host should split the cores, as smoke-run does)")
-    run.add_argument("--max-batch", type=positive_int, default=16, metavar="N",
+    run.add_argument("--max-batch", type=int_up_to(MAX_BATCH_ROWS), default=16, metavar="N",
                      help="a stage runs the decode steps of up to N requests as one forward pass, so "
-                          "they share each weight read; 1 runs each alone (default %(default)s)")
+                          f"they share each weight read; 1 runs each alone, at most {MAX_BATCH_ROWS} "
+                          "(default %(default)s)")
     run.add_argument("--max-running", type=positive_int, default=64, metavar="N",
                      help="the orchestrator runs up to N requests at once; more wait (default %(default)s)")
     run.add_argument("--max-queued", type=positive_int, default=256, metavar="N",

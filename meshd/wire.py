@@ -48,6 +48,7 @@ _U64_MAX = 2**64 - 1
 COUNTER_MAX = 2**63 - 1
 # Stage numbers and stage counts: far above any real pipeline.
 MAX_STAGES = 4096
+MAX_BATCH_ROWS = 4096  # rows of one pipeline batch message: a stage's --max-batch at most
 # The data channel: one message (an activation) may be up to 64 MiB, sent in chunks.
 MAX_DATA_MESSAGE_BYTES = 64 * 1024 * 1024 + 64 * 1024
 MAX_CHUNK_BYTES = 1024 * 1024

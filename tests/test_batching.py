@@ -570,6 +570,20 @@ async def test_a_hundred_concurrent_http_requests_all_complete_within_the_kv_bud
     print(f"peak KV cache per stage with up to 16 requests in flight: {[p / 2**20 for p in peaks]} MiB")
 
 
+@pytest.mark.parametrize("value, words", [("0", "'0' must be at least 1"),
+                                          ("4097", "'4097' must be at most 4096"),
+                                          ("many", "'many' is not a whole number")])
+def test_run_refuses_a_max_batch_no_batch_message_can_carry_in_one_line(value, words):
+    """A batch crosses each hop as one message of at most MAX_BATCH_ROWS rows."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "meshd", "run", "--max-batch", value],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert f"argument --max-batch: {words}" in out.stderr and "Traceback" not in out.stderr
+
+
 def test_the_rule_allows_a_different_token_only_at_a_near_tie():
     logits = np.array([[0.0, 5.0, 1.0], [2.0, 2.0005, 0.0], [1.0, 0.0, 3.0]], dtype=np.float32)
     assert near_ties(logits) == [1]

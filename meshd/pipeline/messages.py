@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..wire import (
+    MAX_BATCH_ROWS,
     MAX_DATA_MESSAGE_BYTES,
     MAX_STAGES,
     Message,
@@ -174,9 +175,6 @@ class HeadPart(Message):
     values: bytes  # float32, one per id
     ms: float  # the last stage's compute for its rows
     _fields_ = (check_str, check_node_id, check_uint, check_blob, check_blob, check_float)
-
-
-MAX_BATCH_ROWS = 4096  # rows of one batch message (``--max-batch`` is far below)
 
 
 _column = tuple_of(check_uint, MAX_BATCH_ROWS)  # one number per row of a batch

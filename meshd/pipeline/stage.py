@@ -29,7 +29,7 @@ import numpy as np
 import trio
 
 from ..mesh import Mesh
-from ..wire import Message
+from ..wire import MAX_BATCH_ROWS, Message
 from .admission import DEFAULT_KV_BUDGET_MB
 from .api import PipelineError
 from .app import PREFILL_ROWS, App, arrived
@@ -156,8 +156,8 @@ class StageService(App):
                  max_batch: int = DEFAULT_MAX_BATCH, kv_budget: int = DEFAULT_KV_BUDGET_MB << 20) -> None:
         super().__init__(mesh)
         self.stage, self.stages = stage, stages
-        if max_batch < 1:
-            raise ValueError(f"max_batch {max_batch} must be at least 1")
+        if not 1 <= max_batch <= MAX_BATCH_ROWS:  # a batch crosses a hop as one message
+            raise ValueError(f"max_batch {max_batch} must be from 1 to {MAX_BATCH_ROWS}")
         self.max_batch = max_batch
         self.kv_budget = kv_budget
         self.name = f"stage-{stage}"
