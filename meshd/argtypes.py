@@ -16,13 +16,15 @@ def positive_float(text: str) -> float:
     return value
 
 
-def int_up_to(most: int) -> Callable[[str], int]:
-    """A parser of a whole number from 1 to ``most``."""
+def int_up_to(most: int, what: str = "") -> Callable[[str], int]:
+    """A parser of a whole number from 1 to ``most``; past it, "must be at most ``most``
+    ``what``"."""
+    limit = f"{most} {what}" if what else str(most)
 
     def parse(text: str) -> int:
         value = positive_int(text)
         if value > most:
-            raise argparse.ArgumentTypeError(f"{text!r} must be at most {most}")
+            raise argparse.ArgumentTypeError(f"{text!r} must be at most {limit}")
         return value
 
     return parse

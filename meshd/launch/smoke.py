@@ -18,13 +18,12 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from ..argtypes import positive_int
+from ..argtypes import int_up_to, positive_int
 from ..keyring import generate_file
 from . import checks
 from .drive import (
@@ -296,19 +295,7 @@ def _cmd_smoke(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     return run_smoke(args)
 
 
-def _at_most(most: int, what: str) -> Callable[[str], int]:
-    """An argparse type: a whole number from 1 to ``most``; past it, "at most ``most`` ``what``"."""
-
-    def parse(text: str) -> int:
-        value = positive_int(text)
-        if value > most:
-            raise argparse.ArgumentTypeError(f"at most {most} {what}")
-        return value
-
-    return parse
-
-
-_stages = _at_most(16, "stages on one machine")
-_streams = _at_most(64, "streams (the orchestrator's --max-running)")
-_replicas = _at_most(4, "replicas of a stage on one machine")
-_relays = _at_most(8, "relays on one machine")
+_stages = int_up_to(16, "stages on one machine")
+_streams = int_up_to(64, "streams (the orchestrator's --max-running)")
+_replicas = int_up_to(4, "replicas of a stage on one machine")
+_relays = int_up_to(8, "relays on one machine")

@@ -118,6 +118,10 @@ class _Job:
     reported: set[bytes] = field(default_factory=set)  # peers already reported down for it
     decoding: bool = False  # a decode step of it came here: its next ones come back
 
+    def follows(self, pos: int) -> bool:
+        """Whether a one-row step at ``pos`` is the next its cache takes."""
+        return pos == self.cache.length and pos < self.cache.max_seq
+
 
 def splits_head(config: LlamaConfig, stages: int) -> bool:
     """With two stages or more, stage 0 and the last stage each compute half of the LM head's
@@ -279,7 +283,7 @@ class StageService(App):
         rest = []
         for i, msg in enumerate(rows):
             job = self.jobs.get(msg.req_id)
-            if (job is None or not msg.pos or msg.pos != job.cache.length or msg.pos >= job.cache.max_seq
+            if (job is None or not msg.pos or not job.follows(msg.pos)
                     or msg.req_id in self._ended or msg.route != job.route or msg.origin != job.origin
                     or self._gone(msg.origin, job.started)):
                 rest.append(msg)
@@ -379,7 +383,7 @@ class StageService(App):
             hidden = np.frombuffer(msg.hidden, dtype=np.float32).reshape(msg.rows, msg.dims)
         job = self._job(msg)
         if self._batching() and hidden.shape[0] == 1 and not msg.prefill:
-            if msg.pos != job.cache.length or msg.pos >= job.cache.max_seq:
+            if not job.follows(msg.pos):
                 raise PipelineError(f"{self.name}: request {msg.req_id} step {msg.step} at position "
                                     f"{msg.pos} does not follow its cache ({job.cache.length} of "
                                     f"{job.cache.max_seq} filled)")
