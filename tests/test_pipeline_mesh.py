@@ -141,6 +141,7 @@ async def test_tokens_reach_the_orchestrator_several_to_a_message(checkpoint, cu
     """Each message wakes the orchestrator's process; tokens after the first share messages
     (up to TOKEN_BATCH_S apart), and every token still streams, in order."""
     monkeypatch.setattr(stage_module, "TOKEN_BATCH_S", 0.2)  # a slow machine's steps still share
+    monkeypatch.setattr(stage_module, "TOKEN_BATCH_LATE_S", 0.2)
     lines: list[str] = []
     with trio.fail_after(90):
         async with trio.open_nursery() as nursery:
@@ -162,6 +163,50 @@ async def test_tokens_reach_the_orchestrator_several_to_a_message(checkpoint, cu
             # also show a stage's wait for its batcher to run)
             assert "stage-0 outbox" in waits and set(waits) <= {"stage-0 outbox", *(f"stage-{k} batch"
                                                                                    for k in range(3))}
+            nursery.cancel_scope.cancel()
+
+
+async def test_gathered_tokens_stream_while_the_next_step_is_stalled(checkpoint, monkeypatch):
+    """Tokens gather at the stage that streams them until a later token leaves with them.
+    When the next token is slow to come (here stage-1 holds a step for seconds), a timer
+    sends what has gathered after TOKEN_BATCH_LATE_S: a streaming client sees every token
+    made so far during the stall, not after it."""
+    monkeypatch.setattr(stage_module, "TOKEN_BATCH_S", 60.0)  # no later token sends them: only the timer
+    monkeypatch.setattr(stage_module, "TOKEN_BATCH_LATE_S", 0.05)
+    stall_at, stall_s = 6, 3.0
+    lines: list[str] = []
+    with trio.fail_after(90):
+        async with trio.open_nursery() as nursery:
+            nodes = await start_pipeline(nursery, checkpoint, 3, lines)
+            middle = nodes[2].app  # stage-1: never the stage that streams tokens
+            real = middle._activation
+            stalled = trio.Event()
+
+            async def stalling(msg, trace=None):
+                if msg.step == stall_at and not stalled.is_set():
+                    stalled.set()
+                    await trio.sleep(stall_s)
+                await real(msg, trace)
+
+            middle._activation = stalling
+            streamed: list[int] = []
+
+            async def on_token(token: int) -> None:
+                streamed.append(token)
+
+            got: dict = {}
+
+            async def run() -> None:
+                got.update(await nodes[0].app.generate(PROMPT, 12, on_token=on_token))
+
+            nursery.start_soon(run)
+            await stalled.wait()
+            await trio.sleep(stall_s / 2)
+            want = reference(checkpoint, 12, 0.0, 0, 0)["tokens"]
+            assert streamed == want[:stall_at]  # tokens 0..5, in order, while step 6 waits
+            while not got:
+                await trio.sleep(0.05)
+            assert got["tokens"] == want and streamed == want
             nursery.cancel_scope.cancel()
 
 

@@ -74,11 +74,16 @@ MIN_GROUP = 8
 # numpy.  The small preset's head (32000 x 288) is cut; the tiny one's (258 x 64) is not,
 # and cutting it slowed `meshd smoke-run` from 64-89 to 48-64 tokens/s.
 HEAD_SPLIT_MIN_MACS = 4_000_000
-# Tokens streamed to the orchestrator wait up to this long to share one message (the first
-# and last of a request go at once).  Each message wakes the orchestrator's process, and on
-# a host with fewer cores than nodes a woken process can take the core of the stage that
+# Tokens streamed to the orchestrator gather for this long into one message (the first and
+# last of a request go at once).  Each message wakes the orchestrator's process, and on a
+# host with fewer cores than nodes a woken process can take the core of the stage that
 # computes the next token: one message per token cost the pipeline about a tenth of its speed.
+# The gathered tokens leave with the next token streamed, which is once its request's next
+# step has left this stage: the orchestrator then runs while the later stages compute one at
+# a time, not while stage 0 and the last stage compute the head together (see ``_stream``).
 TOKEN_BATCH_S = 0.02
+# A request whose next token is slow to come has its gathered tokens sent after this long.
+TOKEN_BATCH_LATE_S = 0.05
 TOKEN_BATCH_MAX = 32
 # A token goes to the orchestrator with its step's trace (a dozen hops: each stage's compute,
 # each transit, the waits) for one step in this many, the first always; the others carry
@@ -179,6 +184,8 @@ class StageService(App):
         self.jobs: dict[str, _Job] = {}  # oldest first
         self._heads: dict[tuple[str, int], _HeadJoin] = {}  # at stage 0: (req_id, step) -> the two halves
         self._outbox: dict[bytes, list[Message]] = {}  # per orchestrator: tokens (and errors) not yet sent
+        self._outbox_since: dict[bytes, float] = {}  # per orchestrator: when its outbox began (trio time)
+        self._flush_timers: set[bytes] = set()  # orchestrators whose outbox a timer will send
         self.counters = {"activations": 0, "tokens": 0, "errors": 0, "dropped_orphans": 0,
                          "reported_down": 0, "handed_over": 0, "late_after_end": 0, "waited_for_room": 0}
         self.metrics = StageMetrics(self.name)
@@ -579,24 +586,38 @@ class StageService(App):
 
     async def _stream(self, token: Token) -> None:
         """Stream ``token`` to its orchestrator: a request's first and last token at once, the
-        rest gathered for up to TOKEN_BATCH_S into one message (see TOKEN_BATCH_S).
+        rest gathered into one message (see TOKEN_BATCH_S).  Called once the request's next
+        step has left: what has gathered for TOKEN_BATCH_S leaves now, with this token, and
+        a timer sends what waits TOKEN_BATCH_LATE_S for a token to come.
 
         ``token.sent_at`` is when it joined the outbox; its trace ends with the transit to
         the orchestrator, still to be timed."""
-        pending = self._outbox.setdefault(token.origin, [])
+        origin = token.origin
+        pending = self._outbox.setdefault(origin, [])
         pending.append(token)
-        if token.step == 0 or token.done or token.logits or len(pending) >= TOKEN_BATCH_MAX:
-            await self._flush(token.origin)
-        elif len(pending) == 1:
+        since = self._outbox_since.setdefault(origin, trio.current_time())
+        if (token.step == 0 or token.done or token.logits or len(pending) >= TOKEN_BATCH_MAX
+                or trio.current_time() - since >= TOKEN_BATCH_S):
+            await self._flush(origin)
+        elif origin not in self._flush_timers:
+            self._flush_timers.add(origin)
             assert self._nursery is not None
-            self._nursery.start_soon(self._flush_later, token.origin)
+            self._nursery.start_soon(self._flush_late, origin)
 
-    async def _flush_later(self, origin: bytes) -> None:
-        await trio.sleep(TOKEN_BATCH_S)
-        await self._flush(origin)
+    async def _flush_late(self, origin: bytes) -> None:
+        """Send ``origin``'s outbox once its oldest message has waited TOKEN_BATCH_LATE_S;
+        one such timer per orchestrator, until its outbox is empty."""
+        try:
+            while (since := self._outbox_since.get(origin)) is not None:
+                await trio.sleep_until(since + TOKEN_BATCH_LATE_S)
+                if self._outbox_since.get(origin) == since:
+                    await self._flush(origin)
+        finally:
+            self._flush_timers.discard(origin)
 
     async def _flush(self, origin: bytes) -> None:
         """Send the outbox of ``origin``, in order, as one message."""
+        self._outbox_since.pop(origin, None)
         pending = self._outbox.pop(origin, [])
         if not pending:
             return
