@@ -122,6 +122,8 @@ class Orchestrator(App):
         # Nodes a stage saw go down, with their process epoch then: not picked again until
         # the mesh says more (a new epoch), bounded.
         self._reported_down: dict[bytes, tuple[int, float]] = {}
+        self.not_from_route = 0  # tokens and errors ignored: their sender does not serve the request
+        self._strangers: dict[bytes, None] = {}  # those senders, each said once (bounded)
 
     def start_background(self, nursery: trio.Nursery) -> None:
         nursery.start_soon(self._tick)
@@ -447,7 +449,25 @@ class Orchestrator(App):
 
     # --- messages from the stages ---
 
+    def _from_route(self, src: bytes, req: _Request, msg: Message) -> bool:
+        """Whether ``src`` serves ``req`` now: only the nodes of its route send its tokens and
+        errors, so no other member can put words in a request's mouth or end it."""
+        if src in req.route or src == self.mesh.node_id:
+            return True
+        self.not_from_route += 1
+        if src not in self._strangers:
+            self._strangers[src] = None
+            while len(self._strangers) > MAX_REPORTED_DOWN:
+                self._strangers.pop(next(iter(self._strangers)))
+            log.warning("ignoring %s for request %s from %s, which does not serve it (its route: %s)",
+                        type(msg).__name__, req.req_id, self.mesh.describe(src), self._describe_route(req))
+        return False
+
     async def on_message(self, src: bytes, msg: Message) -> None:
+        if isinstance(msg, (Token, StageError)):
+            req = self.requests.get(msg.req_id)
+            if req is None or not self._from_route(src, req, msg):
+                return
         if isinstance(msg, Token):
             req = self.requests.get(msg.req_id)
             if req is None or req.finish_reason is not None or msg.step != req.next_step:

@@ -20,10 +20,10 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import trio
@@ -187,13 +187,15 @@ class StageService(App):
         self._outbox_since: dict[bytes, float] = {}  # per orchestrator: when its outbox began (trio time)
         self._flush_timers: set[bytes] = set()  # orchestrators whose outbox a timer will send
         self.counters = {"activations": 0, "tokens": 0, "errors": 0, "dropped_orphans": 0,
-                         "reported_down": 0, "handed_over": 0, "late_after_end": 0, "waited_for_room": 0}
+                         "reported_down": 0, "handed_over": 0, "late_after_end": 0, "waited_for_room": 0,
+                         "not_from_route": 0}
         self.metrics = StageMetrics(self.name)
         self.metrics.holding = lambda: (len(self.jobs), self.kv_in_use())
         self.metrics.load = self.load
         self.draining = False
         self._lost: dict[str, None] = {}  # requests we said we have no state for (bounded)
         self._ended: dict[str, None] = {}  # requests that ended here (their last token, a Release)
+        self._strangers: dict[bytes, None] = {}  # nodes said to send for requests they do not serve (bounded)
         # Decode steps and head inputs waiting for the next batch, in arrival order (FIFO:
         # the oldest go first, so none starves), and the event that wakes the batcher.
         self._ready: list[_Step] = []
@@ -242,7 +244,27 @@ class StageService(App):
         (``want_logits``) or be sampled from (temperature without top-k)."""
         return self.split_head and not s.want_logits and (is_greedy(s.temperature, s.top_k) or s.top_k > 0)
 
+    def _from_route(self, src: bytes, msg: Message) -> bool:
+        """Whether ``src`` may send ``msg``: a request running here hears only from the nodes
+        that serve it (its orchestrator, the stage before this one, and at stage 0 the last
+        stage), so no other member can steer, reset or end it, as none can speak for another.
+        A message about a request not running here goes on, and fails as it would."""
+        job = self.jobs.get(getattr(msg, "req_id", ""))
+        if job is None or src == self.mesh.node_id or src == job.origin:
+            return True
+        if src == job.route[self.stage - 1]:  # at stage 0: the last stage
+            return True
+        self.counters["not_from_route"] += 1
+        if src not in self._strangers:
+            _keep(self._strangers, src, MAX_CACHED_REQUESTS)
+            log.warning("%s: ignoring %s for request %s from %s, which does not serve it (its route: %s)",
+                        self.name, type(msg).__name__, job.req_id, self.mesh.describe(src),
+                        ", ".join(f"stage-{k} {node.hex()[:8]}" for k, node in enumerate(job.route)))
+        return False
+
     async def on_message(self, src: bytes, msg: Message) -> None:
+        if not self._from_route(src, msg):
+            return
         req_id = getattr(msg, "req_id", None)
         if req_id in self._ended:
             if not (isinstance(msg, Activation) and msg.pos == 0):
@@ -274,23 +296,24 @@ class StageService(App):
     async def on_rows(self, src: bytes, msg: Batch | HeadParts) -> None:
         rows: Sequence[Message] = msg.rows()
         if isinstance(msg, Batch) and not msg.head and self._batching():
-            rows = self._queue_steps(msg, cast(list[Activation], rows))
+            rows = self._queue_steps(src, msg, cast(list[Activation], rows))
         for row in rows:
             await self._on_message(src, row)
 
-    def _queue_steps(self, batch: Batch, rows: list[Activation]) -> list[Activation]:
-        """A batch of decode steps from the stage before: each row that is the next step of a
-        request running here goes to the batcher at once, as ``_activation`` would put it
-        there, with one look at its request.  Returns the other rows (a request this stage
-        does not hold or that ended, a step that does not follow its cache, an orchestrator
-        gone), each for ``on_message``, which says why as it would for a message of its own."""
+    def _queue_steps(self, src: bytes, batch: Batch, rows: list[Activation]) -> list[Activation]:
+        """A batch of decode steps from ``src``, the stage before: each row that is the next
+        step of a request running here goes to the batcher at once, as ``_activation`` would
+        put it there, with one look at its request.  Returns the other rows (a request this
+        stage does not hold or that ended, a step that does not follow its cache or comes from
+        a node not on its route, an orchestrator gone), each for ``on_message``, which says
+        why as it would for a message of its own."""
         now = trio.current_time()
         shared = arrived(batch.trace, batch.sent_at)
         hidden = np.frombuffer(batch.hidden, dtype=np.float32).reshape(len(rows), batch.dims)
         rest = []
         for i, msg in enumerate(rows):
             job = self.jobs.get(msg.req_id)
-            if (job is None or not msg.pos or not job.follows(msg.pos)
+            if (job is None or not msg.pos or not job.follows(msg.pos) or src != job.route[self.stage - 1]
                     or msg.req_id in self._ended or msg.route != job.route or msg.origin != job.origin
                     or self._gone(msg.origin, job.started)):
                 rest.append(msg)
@@ -878,9 +901,9 @@ class StageService(App):
         await trio.sleep(0.2)  # the hand-over notes reach their orchestrators
 
 
-def _keep(recent: dict[str, None], req_id: str, most: int) -> None:
-    """Add ``req_id`` to ``recent``, a set in insertion order, keeping its newest ``most``."""
-    recent[req_id] = None
+def _keep(recent: dict[Any, None], key: Hashable, most: int) -> None:
+    """Add ``key`` to ``recent``, a set in insertion order, keeping its newest ``most``."""
+    recent[key] = None
     while len(recent) > most:
         recent.pop(next(iter(recent)))
 
