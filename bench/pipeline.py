@@ -37,7 +37,8 @@ batching (``--max-batch 16``) and one not (``--max-batch 1``), and for 1, 4, 8 a
 concurrent streams (mixed prompts; greedy and sampled) prints the aggregate tokens/s of
 each next to the monolithic single stream, each one's single-stream latency ratio, and
 the share of each pass spent before its last stream's first token (the prompts' prefills,
-which the aggregate includes).
+which the aggregate includes).  Last, this host's wake after a 5 ms sleep (``bench/wake.py``),
+which each hop of a single stream pays: on a VM it moves the latency ratio from hour to hour.
 """
 
 from __future__ import annotations
@@ -332,6 +333,12 @@ def batching(model_dir: str, model: StageModel, stages: int, tokens: int, runs: 
           + "; ".join(f"{label} " + ", ".join(f"x{w} {statistics.median(ramp[(label, w)]):.0%}"
                                               for w in widths if w > 1) for label in labels))
     print("  targets: 8 streams >= 2x and 16 streams >= 3x the monolithic single stream (batched)")
+    from wake import one_way_us  # bench/wake.py, beside this file
+
+    asleep = {reader: one_way_us(reader, 5000, 200) for reader in ("blocking", "trio")}
+    print(f"  this host's wake (bench/wake.py), which each single-stream hop pays: a trio reader asleep 5 ms "
+          f"read a message {asleep['trio']:.0f} µs after its write ({asleep['blocking']:.0f} µs for a "
+          "blocking recv)")
 
 
 def report(label: str, stages: int, streams: int, pipe: dict) -> None:
