@@ -25,9 +25,11 @@ ORCHESTRATOR_FAMILIES = {
     "meshd_generation_tokens": "counter", "meshd_failovers": "counter",
     "meshd_time_to_first_token_seconds": "histogram", "meshd_time_per_output_token_seconds": "histogram",
     "meshd_e2e_request_latency_seconds": "histogram", "meshd_hop_transit_seconds": "histogram",
+    "meshd_messages_not_from_route": "counter",
 }
 STAGE_FAMILIES = {"meshd_stage_compute_seconds": "histogram", "meshd_hop_transit_seconds": "histogram",
-                  "meshd_stage_batch_size": "histogram", "meshd_stage_room_wait_seconds": "histogram"}
+                  "meshd_stage_batch_size": "histogram", "meshd_stage_room_wait_seconds": "histogram",
+                  "meshd_messages_not_from_route": "counter"}
 MESH_FAMILIES = {"meshd_swim_events": "counter", "meshd_swim_bytes": "counter",
                  "meshd_data_events": "counter", "meshd_data_bytes": "counter"}
 

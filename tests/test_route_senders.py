@@ -81,7 +81,7 @@ async def test_head_parts_from_a_node_off_the_route_choose_no_token(checkpoint, 
                 await stage0.on_message(STRANGER, HeadPart(wire_id, orch.mesh.node_id, step, *loud, 0.1))
             got = await _finished(done)
             assert got["tokens"] == reference(checkpoint, TOKENS)
-            assert stage0.counters["not_from_route"] == TOKENS - first
+            assert stage0.metrics.not_from_route == TOKENS - first
             said = [r.getMessage() for r in caplog.records if "does not serve it" in r.getMessage()]
             assert len(said) == 1 and "HeadPart" in said[0] and STRANGER.hex()[:8] in said[0], said
             nursery.cancel_scope.cancel()
@@ -98,7 +98,7 @@ async def test_a_release_from_a_node_off_the_route_ends_no_request(checkpoint):
             assert wire_id in middle.jobs
             got = await _finished(done)
             assert got["tokens"] == reference(checkpoint, TOKENS) and got["failovers"] == []
-            assert middle.counters["not_from_route"] == 1
+            assert middle.metrics.not_from_route == 1
             nursery.cancel_scope.cancel()
 
 
@@ -117,7 +117,7 @@ async def test_a_token_from_a_node_off_the_route_never_reaches_the_caller(checkp
                                                       sampling, 0.0, ()))
             got = await _finished(done)
             assert got["tokens"] == reference(checkpoint, TOKENS)
-            assert orch.not_from_route == 3
+            assert orch.metrics.not_from_route == 3
             said = [r.getMessage() for r in caplog.records if "does not serve it" in r.getMessage()]
             assert len(said) == 1 and "Token" in said[0] and STRANGER.hex()[:8] in said[0], said
             nursery.cancel_scope.cancel()

@@ -12,7 +12,8 @@ Orchestrator: ``meshd_requests_total{outcome}`` (OUTCOMES), ``meshd_requests_in_
 ``meshd_time_to_first_token_seconds``, ``meshd_time_per_output_token_seconds``,
 ``meshd_e2e_request_latency_seconds``, ``meshd_request_queue_seconds``.  Stage:
 ``meshd_stage_compute_seconds{stage,phase}``, ``meshd_stage_batch_size{stage}``.
-Both: ``meshd_hop_transit_seconds{hop,path}`` for the hops into the node.
+Both: ``meshd_hop_transit_seconds{hop,path}`` for the hops into the node, and
+``meshd_messages_not_from_route_total``.
 """
 
 from __future__ import annotations
@@ -84,6 +85,8 @@ HELP = {
                "it sent (data channel, queueing and decoding included). Both ends share a clock on "
                "one host; across hosts the figure also holds their clock offset (negative ones count "
                "as 0), so compare it with the hosts' NTP offset",
+    "not_from_route": "Pipeline messages about a running request that came from a node not serving "
+                      "it (not on its route) and were ignored",
 }
 
 
@@ -128,10 +131,12 @@ class Family:
 
 
 class PipelineMetrics:
-    """What every pipeline service keeps: the transit times of the hops into it."""
+    """What every pipeline service keeps: the transit times of the hops into it, and the
+    messages it ignored because their sender does not serve their request."""
 
     def __init__(self) -> None:
         self.transit: dict[tuple[str, str], Histogram] = {}  # (hop name, path)
+        self.not_from_route = 0
 
     def arrived(self, trace: tuple[Hop, ...]) -> None:
         """Count the transit that ends ``trace`` (just timed by ``meshd.pipeline.app.arrived``)."""
@@ -147,7 +152,9 @@ class PipelineMetrics:
 
     def families(self) -> list[Family]:
         return [Family("meshd_hop_transit_seconds", HELP["transit"], "histogram", ("hop", "path"),
-                       [(key, hist) for key, hist in self.transit.items()])]
+                       [(key, hist) for key, hist in self.transit.items()]),
+                Family("meshd_messages_not_from_route_total", HELP["not_from_route"], "counter", (),
+                       [((), self.not_from_route)])]
 
 
 class StageMetrics(PipelineMetrics):

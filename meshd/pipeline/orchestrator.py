@@ -122,8 +122,7 @@ class Orchestrator(App):
         # Nodes a stage saw go down, with their process epoch then: not picked again until
         # the mesh says more (a new epoch), bounded.
         self._reported_down: dict[bytes, tuple[int, float]] = {}
-        self.not_from_route = 0  # tokens and errors ignored: their sender does not serve the request
-        self._strangers: dict[bytes, None] = {}  # those senders, each said once (bounded)
+        self._strangers: dict[bytes, None] = {}  # who sent for requests it does not serve (said once)
 
     def start_background(self, nursery: trio.Nursery) -> None:
         nursery.start_soon(self._tick)
@@ -454,7 +453,7 @@ class Orchestrator(App):
         errors, so no other member can put words in a request's mouth or end it."""
         if src in req.route or src == self.mesh.node_id:
             return True
-        self.not_from_route += 1
+        self.metrics.not_from_route += 1
         if src not in self._strangers:
             self._strangers[src] = None
             while len(self._strangers) > MAX_REPORTED_DOWN:

@@ -187,8 +187,7 @@ class StageService(App):
         self._outbox_since: dict[bytes, float] = {}  # per orchestrator: when its outbox began (trio time)
         self._flush_timers: set[bytes] = set()  # orchestrators whose outbox a timer will send
         self.counters = {"activations": 0, "tokens": 0, "errors": 0, "dropped_orphans": 0,
-                         "reported_down": 0, "handed_over": 0, "late_after_end": 0, "waited_for_room": 0,
-                         "not_from_route": 0}
+                         "reported_down": 0, "handed_over": 0, "late_after_end": 0, "waited_for_room": 0}
         self.metrics = StageMetrics(self.name)
         self.metrics.holding = lambda: (len(self.jobs), self.kv_in_use())
         self.metrics.load = self.load
@@ -254,7 +253,7 @@ class StageService(App):
             return True
         if src == job.route[self.stage - 1]:  # at stage 0: the last stage
             return True
-        self.counters["not_from_route"] += 1
+        self.metrics.not_from_route += 1
         if src not in self._strangers:
             _keep(self._strangers, src, MAX_CACHED_REQUESTS)
             log.warning("%s: ignoring %s for request %s from %s, which does not serve it (its route: %s)",
