@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 
 from ..launch.process import MeshProcess, parse_stage_map
+from ..pipeline.threads import share
 
 
 def start_mesh(
@@ -28,8 +29,14 @@ def start_mesh(
 
     ``stage_extra(k, addrs)`` gives more flags for stage ``k``; ``addrs`` holds the
     gossip addresses of the nodes started before it, the orchestrator first.
+
+    Each stage gets its share of this host's cores (``--compute-threads``), as smoke-run
+    gives its stages: a BLAS per node that thinks it has every core spins for its
+    scheduled-out workers, and a prompt's prefill then takes several times its CPU.
+    A ``--compute-threads`` in ``extra`` or ``stage_extra`` overrides it.
     """
     common = ["--profile", profile, *(extra or [])]
+    threads = ["--compute-threads", str(share(stages))]
     if snapshot_dir:
         common += ["--snapshot-dir", snapshot_dir, "--snapshot-interval", str(snapshot_interval)]
     procs: list[MeshProcess] = []
@@ -41,7 +48,7 @@ def start_mesh(
         for k in range(stages):
             stage = MeshProcess(f"stage-{k}", ["run", "--role", "stage", "--stage", str(k),
                                                "--stages", str(stages), "--bind", "127.0.0.1:0",
-                                               "--seed", addrs[0], *common,
+                                               "--seed", addrs[0], *threads, *common,
                                                *(stage_extra(k, list(addrs)) if stage_extra else [])])
             procs.append(stage)
             addrs.append(stage.wait_boot().addr)
