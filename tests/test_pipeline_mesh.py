@@ -9,9 +9,12 @@ import trio
 from meshd.node import NodeOptions
 from meshd.pipeline import service
 from meshd.pipeline import stage as stage_module
+from meshd.pipeline.app import App
 from meshd.pipeline.checkpoint import init_checkpoint
 from meshd.pipeline.generate import generate
+from meshd.pipeline.messages import Activation, HeadInput
 from meshd.pipeline.service import NotReady
+from meshd.pipeline.stage import StageService
 from meshd.testing.inprocess import start_node, start_pipeline
 
 PROMPT = "Once upon a time"
@@ -55,6 +58,47 @@ async def test_pipelined_tokens_and_logits_equal_the_reference(checkpoint, stage
                 computed = {name for kind, name, *_ in trace if kind == "compute"}
                 assert {f"stage-{k}" for k in range(stages)} <= computed
             nursery.cancel_scope.cancel()
+
+
+async def test_only_traced_steps_carry_their_trace_from_stage_to_stage_and_every_transit_counts(
+        checkpoint, monkeypatch):
+    """A step's trace travels between the stages only on one step in TRACE_EVERY; the others
+    carry the transit they are on alone, which each node's metrics still count."""
+    monkeypatch.setattr(stage_module, "HEAD_SPLIT_MIN_MACS", 0)  # the head input hop as well
+    carried: list[tuple[str, int, int]] = []  # (message, step, hops of trace)
+    send = App.send
+
+    async def spy(self, dst, *msgs):
+        for m in msgs:
+            if isinstance(self, StageService) and isinstance(m, (Activation, HeadInput)):
+                carried.append((type(m).__name__, m.step, len(m.trace)))
+        await send(self, dst, *msgs)
+
+    monkeypatch.setattr(App, "send", spy)
+    tokens = 9
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nodes = await start_pipeline(nursery, checkpoint, 3, [])
+            got = await nodes[0].app.generate(PROMPT, tokens)
+            assert got["tokens"] == reference(checkpoint, tokens, 0.0, 0, 0)["tokens"]
+            counted = {k: sum(h.count for (name, _), h in node.app.metrics.transit.items() if name == hop)
+                       for k, (node, hop) in enumerate(((nodes[2], "stage-0->stage-1"),
+                                                        (nodes[3], "stage-1->stage-2"),
+                                                        (nodes[1], "stage-2->stage-0")))}
+            nursery.cancel_scope.cancel()
+    sent = {(kind, step) for kind, step, _ in carried}
+    assert {("Activation", step) for step in range(tokens)} <= sent and ("HeadInput", tokens - 1) in sent
+    for kind, step, hops in carried:
+        if step % stage_module.TRACE_EVERY:
+            assert hops == 1, (kind, step, hops)
+        else:
+            assert hops > 1, (kind, step, hops)
+    # Every step crossed every hop, and each crossing was counted where it arrived.
+    assert counted == {0: tokens, 1: tokens, 2: tokens}
+    hops = {(h["kind"], h["name"]) for h in got["timings"]["hops"]}
+    assert {("compute", "stage-0"), ("compute", "stage-1"), ("compute", "stage-2"),
+            ("compute", "stage-0 head"), ("transit", "stage-0->stage-1"), ("transit", "stage-1->stage-2"),
+            ("transit", "stage-2->stage-0")} <= hops, hops
 
 
 @pytest.fixture

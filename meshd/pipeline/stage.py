@@ -85,13 +85,13 @@ TOKEN_BATCH_S = 0.02
 # A request whose next token is slow to come has its gathered tokens sent after this long.
 TOKEN_BATCH_LATE_S = 0.05
 TOKEN_BATCH_MAX = 32
-# A token goes to the orchestrator with its step's trace (a dozen hops: each stage's compute,
-# each transit, the waits) for one step in this many, the first always; the others carry
-# their last transit alone (the orchestrator's metrics count every token's), and a request's
-# hop medians (``timings.hops``) are over the traced steps.  Each traced token
-# costs an encode at this stage and a decode of every hop at the orchestrator, on the cores
-# the stages compute on: with every token traced, 16 streams over 3 stages on 2 cores made
-# 927 tokens/s against 1024 with one in four (medians of 12 passes each, side by side).
+# One step in this many, the first always, carries its trace (a dozen hops: each stage's
+# compute, each transit, the waits) from stage to stage and on to the orchestrator; the
+# others carry only the transit they are on (each node's metrics count every transit), and
+# a request's hop medians (``timings.hops``) are over the traced steps.  Each hop of a
+# trace is encoded and decoded at every node it passes, on the cores the stages compute
+# on: with every token traced, 16 streams over 3 stages on 2 cores made 927 tokens/s
+# against 1024 with one in four (medians of 12 passes each, side by side).
 TRACE_EVERY = 4
 WATCH_S = 0.05  # how often the neighbours of running requests are looked at
 ACTIVE_S = 2.0  # a request that moved within this long is running (draining waits for it)
@@ -428,7 +428,8 @@ class StageService(App):
         self.metrics.computed("prefill" if hidden.shape[0] > 1 else "decode", took)
         if hidden.shape[0] == 1:
             self.metrics.batched(1)
-        await self._emit([_Computed(msg, job, out, (*trace, Hop("compute", self.name, took * 1000, "")))])
+        onward = (*trace, Hop("compute", self.name, took * 1000, "")) if _traced(msg.step) else ()
+        await self._emit([_Computed(msg, job, out, onward)])
 
     async def _when_room(self, msg: Activation, trace: tuple[Hop, ...]) -> None:
         """Start ``msg``'s request once its KV cache fits beside the running ones' (a request
@@ -539,7 +540,8 @@ class StageService(App):
         for i, b in enumerate(batch):
             waited = (now - b.queued) * 1000
             wait = (Hop("wait", f"{self.name} batch", waited, ""),) if waited >= 1 else ()
-            done.append(_Computed(b.msg, b.job, out[i:i + 1], (*b.trace, *wait, compute)))
+            onward = (*b.trace, *wait, compute) if _traced(b.msg.step) else ()
+            done.append(_Computed(b.msg, b.job, out[i:i + 1], onward))
         await self._emit(done)
 
     async def _emit(self, steps: list[_Computed]) -> None:
@@ -654,7 +656,7 @@ class StageService(App):
         """``token`` as it leaves the outbox: its wait there is a step of its own, and its
         transit to the orchestrator is timed from now.  Only one step in TRACE_EVERY keeps its
         whole trace; for the others that transit is all of the trace that goes."""
-        if token.step % TRACE_EVERY:  # the transit alone: the orchestrator's metrics count it
+        if not _traced(token.step):  # the transit alone: the orchestrator's metrics count it
             return replace(token, sent_at=now, trace=token.trace[-1:])
         wait = Hop("wait", f"{self.name} outbox", max(0.0, (now - token.sent_at) * 1000), "")
         return replace(token, sent_at=now, trace=(*token.trace[:-1], wait, token.trace[-1]))
@@ -795,7 +797,7 @@ class StageService(App):
         self.metrics.computed("head", head_ms / 1000)
         trace = (*join.trace,
                  Hop("compute", f"{self.name} head", head_ms, ""),
-                 Hop("compute", f"stage-{self.stages - 1} head", join.their_ms, ""))
+                 Hop("compute", f"stage-{self.stages - 1} head", join.their_ms, "")) if _traced(step) else ()
         if done:
             self._end(req_id)
             await self.send(job.route[self.stage + 1], Release(req_id))
@@ -920,12 +922,18 @@ class _Step:
 
 @dataclass
 class _Computed:
-    """A step through this stage's layers: ``out`` is every row it ran, (T, D)."""
+    """A step through this stage's layers: ``out`` is every row it ran, (T, D); ``trace``
+    what of its trace goes on (nothing for a step that carries only its next transit)."""
 
     msg: Activation
     job: _Job
     out: np.ndarray
     trace: tuple[Hop, ...]
+
+
+def _traced(step: int) -> bool:
+    """Whether step ``step`` carries its whole trace on (see TRACE_EVERY)."""
+    return step % TRACE_EVERY == 0
 
 
 def _row(st: _Computed, head: bool = False) -> Row:
