@@ -20,7 +20,7 @@ import trio
 from meshd.net.faults import Faults
 from meshd.pipeline import stage as stage_module
 from meshd.pipeline.generate import generate
-from meshd.pipeline.messages import HeadPart, Release, Sampling, Token
+from meshd.pipeline.messages import Activation, HeadPart, Release, Sampling, Token
 from meshd.pipeline.model import head_cut
 from meshd.testing.inprocess import start_pipeline
 
@@ -120,4 +120,46 @@ async def test_a_token_from_a_node_off_the_route_never_reaches_the_caller(checkp
             assert orch.metrics.not_from_route == 3
             said = [r.getMessage() for r in caplog.records if "does not serve it" in r.getMessage()]
             assert len(said) == 1 and "Token" in said[0] and STRANGER.hex()[:8] in said[0], said
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_node_that_knows_the_callers_request_id_cannot_claim_end_or_fail_the_request(checkpoint):
+    """A stage holds a request by its wire id, which carries 64 random bits fresh for each
+    attempt.  A member off the route that knows the caller's id (it chose it, or saw an
+    earlier attempt) guesses every form the id could take on the wire: it starts each at
+    every stage first, naming itself as the stage before, then sends Releases and steps
+    ahead of the prefill (which would draw lost-state errors and fail the request over).
+    The request runs on the route the orchestrator picked, with no failover."""
+    lines: list[str] = []
+    guesses = ["victim", *(f"victim.{n}" for n in range(4))]
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nodes = await start_pipeline(nursery, checkpoint, 3, lines,
+                                         stage_options={1: {"faults": Faults.parse(["delay:15"])}})
+            orch, stages = nodes[0].app, [n.app for n in nodes[1:]]
+            dims = stages[0].model.config.hidden_size
+            sampling = Sampling(TOKENS, 0.0, 0, 0, False)
+
+            def forged(wid: str, k: int, pos: int) -> Activation:
+                route = tuple(STRANGER if j == k - 1 else s.mesh.node_id for j, s in enumerate(stages))
+                return Activation(wid, orch.mesh.node_id if k else STRANGER, pos, pos, 1, dims,
+                                  np.zeros(dims, "<f4").tobytes(), (), sampling, 0.0, (), route)
+
+            for wid in guesses:
+                for k, stage in enumerate(stages):
+                    await stage.on_message(STRANGER, forged(wid, k, 0))
+            done: dict = {}
+
+            async def run() -> None:
+                done.update(await orch.generate(PROMPT, TOKENS, request_id="victim", token_timeout=10))
+
+            nursery.start_soon(run)
+            while not orch.requests:
+                await trio.sleep(0.001)
+            for wid in guesses:
+                for k, stage in enumerate(stages):
+                    await stage.on_message(STRANGER, Release(wid))
+                    await stage._on_message(STRANGER, forged(wid, k, 7))
+            got = await _finished(done)
+            assert got["tokens"] == reference(checkpoint, TOKENS) and got["failovers"] == []
             nursery.cancel_scope.cancel()

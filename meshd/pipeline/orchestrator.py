@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import secrets
 import time
 import uuid
 from collections import deque
@@ -69,9 +70,20 @@ RELEASE_S = 1.0  # how long a request that ends early may take telling its route
 Trouble = tuple[int, bytes, str, bool]
 
 
+def wire_id(req_id: str, attempt: int) -> str:
+    """The id attempt ``attempt`` of request ``req_id`` goes by on the wire: the caller's id,
+    the attempt, and 64 random bits.  A stage holds a request by this id alone, so a member
+    off its route must never learn or guess it: one that knew it could claim it at a stage
+    first (a start naming itself as the stage before), end it while it waits for room (a
+    Release) or draw lost-state errors that fail it over (a step ahead of its prefill).  The
+    caller's id may be its own choice and a failed route's nodes know the last attempt's;
+    neither tells them the next."""
+    return f"{req_id}.{attempt}.{secrets.token_hex(8)}"
+
+
 @dataclass
 class _Request:
-    req_id: str  # the caller's id for it; the wire id changes with each failover
+    req_id: str  # the caller's id for it; the wire id (``wire_id``) changes with each attempt
     ids: list[int]
     sampling: Sampling
     route: tuple[bytes, ...] = ()
@@ -331,7 +343,7 @@ class Orchestrator(App):
             route.append(node)
         req.route = tuple(route)
         req.epochs = tuple(self._epoch(n) for n in route)
-        req.wire_id = req.req_id if req.attempt == 0 else f"{req.req_id}.{req.attempt}"
+        req.wire_id = wire_id(req.req_id, req.attempt)
         self.requests[req.wire_id] = req
         tokens = tuple(req.ids) + tuple(req.tokens)
         hop = Hop("transit", "orchestrator->stage-0", 0.0, self.path_to(route[0]))
