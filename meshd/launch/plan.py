@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..pipeline.threads import share
+from ..pipeline.threads import shared_host_args
 from .model import is_relay_job, parse_stage_job, stage_job_name, stage_job_names
 
 _DISRUPT = re.compile(r"^(?P<what>kill|restart):(?P<who>[\w.-]+)@token-(?P<token>\d+)$")
@@ -182,9 +182,8 @@ def job_argvs(plan: RunPlan) -> dict[str, list[str]]:
         # Every other node is a seed: a node whose direct path to one is filtered joins through another.
         seeds = [f"--seed={other}" for n, other in plan.addrs.items() if n != name]
         faults = [f"--fault={f}" for f in plan.faults.node_faults.get(name, [])]
-        # Every stage shares this host's cores with the others: a BLAS per node that thinks it
-        # has them all spins for its scheduled-out workers (see meshd.pipeline.threads).
-        threads = ["--compute-threads", str(share(len(plan.addrs) - 1))] if name != "orchestrator" else []
+        # Every stage shares this host's cores with the others (see meshd.pipeline.threads).
+        threads = shared_host_args(len(plan.addrs) - 1) if name != "orchestrator" else []
         argvs[name] = ["run", *_role(name), "--bind", addr, "--dashboard", plan.dashboards[name],
                        "--key-file", key_file(plan, name), *seeds, *faults, *threads, *common]
     return argvs

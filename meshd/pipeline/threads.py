@@ -26,6 +26,12 @@ def share(jobs: int) -> int:
     return max(1, host_cores() // max(1, jobs))
 
 
+def shared_host_args(jobs: int) -> list[str]:
+    """``meshd run`` flags for one of ``jobs`` stage nodes on this host: its share of the
+    cores (``--compute-threads``), so its BLAS does not spin against the others'."""
+    return ["--compute-threads", str(share(jobs))]
+
+
 def set_compute_threads(threads: int) -> None:
     """Limit every BLAS numpy uses in this process to ``threads`` threads from now on."""
     if threads < 1:

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 
 from ..launch.process import MeshProcess, parse_stage_map
-from ..pipeline.threads import share
+from ..pipeline.threads import shared_host_args
 
 
 def start_mesh(
@@ -30,13 +30,12 @@ def start_mesh(
     ``stage_extra(k, addrs)`` gives more flags for stage ``k``; ``addrs`` holds the
     gossip addresses of the nodes started before it, the orchestrator first.
 
-    Each stage gets its share of this host's cores (``--compute-threads``), as smoke-run
-    gives its stages: a BLAS per node that thinks it has every core spins for its
-    scheduled-out workers, and a prompt's prefill then takes several times its CPU.
-    A ``--compute-threads`` in ``extra`` or ``stage_extra`` overrides it.
+    Each stage gets its share of this host's cores, as smoke-run gives its stages
+    (``meshd.pipeline.threads.shared_host_args``); a ``--compute-threads`` in ``extra`` or
+    ``stage_extra`` overrides it.
     """
     common = ["--profile", profile, *(extra or [])]
-    threads = ["--compute-threads", str(share(stages))]
+    threads = shared_host_args(stages)
     if snapshot_dir:
         common += ["--snapshot-dir", snapshot_dir, "--snapshot-interval", str(snapshot_interval)]
     procs: list[MeshProcess] = []
