@@ -2,8 +2,9 @@
 (exit 130) or for a reader that went away (``meshd ps --json | head``: exit quietly)."""
 
 import os
-import signal
 import sys
+
+from . import ctrl_c
 
 
 def _ctrl_c(exc: BaseException | None) -> bool:
@@ -22,9 +23,9 @@ def _ctrl_c(exc: BaseException | None) -> bool:
 def entry() -> None:
     # A shell starts a script's background job (``meshd run ... &``) with SIGINT ignored.
     # Once the node runs, SIGINT is its graceful leave whatever it inherited; so a SIGINT
-    # that lands while it starts up ends it too (exit 130) instead of being lost.
-    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    # that lands while it starts up ends it too (exit 130) instead of being lost, even
+    # where Python swallows the KeyboardInterrupt (see ctrl_c).
+    ctrl_c.install()
     try:
         from .cli import main  # inside the try: Ctrl-C can come while the modules load
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from . import ctrl_c
 from .identity import Identity
 from .node import Node, NodeOptions
 
@@ -104,9 +105,10 @@ def settle_heap() -> int:
 
 async def run_daemon(identity: Identity, options: NodeOptions) -> int:
     """``meshd run``: serve until SIGINT/SIGTERM, then leave and exit 0."""
-    node = Node(identity, options)
-    await node.bind()  # fail here, with a plain error (BindError), before any task starts
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        ctrl_c.raise_if_lost()  # a Ctrl-C while the modules loaded: exit 130, nothing started
+        node = Node(identity, options)
+        await node.bind()  # fail here, with a plain error (BindError), before any task starts
         async with trio.open_nursery() as nursery:
             daemon: Daemon = await nursery.start(serve_daemon, node)
             log.debug("%d objects set aside from garbage collection", settle_heap())

@@ -112,7 +112,7 @@ def test_started_with_sigint_ignored_meshd_takes_it_before_its_first_module_load
     """A script's background job inherits SIGINT ignored: from meshd's first line on a SIGINT
     is Ctrl-C all the same, not lost while the node starts and then waited for forever."""
     from meshd import __main__ as entry_module
-    from meshd import cli
+    from meshd import cli, ctrl_c
 
     seen = []
     monkeypatch.setattr(cli, "main", lambda: seen.append(signal.getsignal(signal.SIGINT)) or 0)
@@ -122,7 +122,7 @@ def test_started_with_sigint_ignored_meshd_takes_it_before_its_first_module_load
             entry_module.entry()
     finally:
         signal.signal(signal.SIGINT, previous)
-    assert seen == [signal.default_int_handler]
+    assert seen == [ctrl_c.interrupt]
 
 
 def test_an_error_not_caused_by_ctrl_c_is_not_taken_for_one(monkeypatch):
@@ -177,3 +177,55 @@ def test_the_stub_checkpoint_is_written_once_per_user(tmp_path):
     assert path.startswith(str(tmp_path / "meshd" / "stub-"))
     # nothing half-written beside it
     assert [p.name for p in (tmp_path / "meshd").iterdir()] == [os.path.basename(path)]
+
+
+def test_a_ctrl_c_python_swallowed_while_meshd_started_still_ends_the_node(monkeypatch, capsys):
+    """A KeyboardInterrupt raised inside a weakref callback (every import releases its module
+    lock in one) is printed as "Exception ignored" and dropped by the interpreter.  The node
+    must not start as if the Ctrl-C never came: it exits as Ctrl-C asks, having bound nothing."""
+    import gc
+    import weakref
+
+    import trio
+
+    from meshd import ctrl_c
+    from meshd.daemon import run_daemon
+    from meshd.identity import Identity
+    from meshd.node import NodeOptions
+
+    class Lock:
+        pass
+
+    ignored = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: ignored.append(unraisable.exc_type))
+    lock = Lock()
+    released = weakref.ref(lock, lambda _: ctrl_c.interrupt(signal.SIGINT, None))
+    del lock
+    gc.collect()
+    assert released() is None and ignored == [KeyboardInterrupt]  # Python dropped it
+    with pytest.raises(KeyboardInterrupt):
+        trio.run(run_daemon, Identity.generate(), NodeOptions(profile="local", stages=1, stage=0))
+    assert "meshd node id=" not in capsys.readouterr().out
+
+
+def test_the_ctrl_c_python_swallows_is_not_printed_as_a_traceback():
+    """As a process sees it, without the test runner's own hook for dropped exceptions."""
+    script = """
+import gc, signal, weakref
+from meshd import ctrl_c
+ctrl_c.install()
+class Lock: pass
+lock = Lock()
+released = weakref.ref(lock, lambda _: ctrl_c.interrupt(signal.SIGINT, None))
+del lock
+gc.collect()
+try:
+    ctrl_c.raise_if_lost()
+except KeyboardInterrupt:
+    print("raised")
+ctrl_c.raise_if_lost()  # once: the Ctrl-C is not raised twice
+print("once")
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.split() == ["raised", "once"], r
+    assert "Traceback" not in r.stderr and "KeyboardInterrupt" not in r.stderr, r.stderr

@@ -7,6 +7,7 @@ import signal
 import sys
 from functools import partial
 
+from .. import ctrl_c
 from ..argtypes import positive_float
 from ..net.udp import AddressError, format_addr, parse_addr
 
@@ -68,6 +69,7 @@ async def _serve_until_signal(bind: tuple[str, int], relay) -> int:
     set_node("relay", "-")
 
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        ctrl_c.raise_if_lost()
         async with trio.open_nursery() as nursery:
             try:
                 host, port = await nursery.start(partial(serve_relay, bind[0], bind[1], relay=relay))
