@@ -35,10 +35,15 @@ def install() -> None:
     sys.unraisablehook = _unraisable
 
 
-def raise_if_lost() -> None:
-    """Raise the KeyboardInterrupt of a Ctrl-C that came and was swallowed where it landed.
-    Call it once SIGINT is another handler's: from then on none can be lost."""
+def lost() -> bool:
+    """Whether a Ctrl-C came and was swallowed where it landed (once: it is then taken).
+    Ask once SIGINT is another handler's: from then on none can be lost."""
     global _raised
-    if _raised:
-        _raised = 0
+    taken, _raised = _raised, 0
+    return bool(taken)
+
+
+def raise_if_lost() -> None:
+    """Raise the KeyboardInterrupt of a Ctrl-C that was swallowed (see :func:`lost`)."""
+    if lost():
         raise KeyboardInterrupt

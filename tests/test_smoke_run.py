@@ -277,3 +277,15 @@ def test_on_a_terminal_the_phases_are_live_and_the_report_is_a_table(run_dir, tm
     table = shown[shown.rindex("smoke-run: "):]
     for row in ("stage map", "generated 8 tokens; matches meshd generate: yes", "leftovers", "│"):
         assert row in table, table
+
+
+def test_a_ctrl_c_python_swallowed_as_smoke_run_started_stops_it_before_any_job(run_dir):
+    """As `meshd smoke-run` loads, a Ctrl-C that lands in a weakref callback is dropped by
+    Python; smoke-run reads it once its own handler holds SIGINT and stops, nothing started."""
+    script = ("import sys; from meshd import ctrl_c, __main__ as entry; ctrl_c._raised = 1; "
+              "sys.argv = ['meshd', 'smoke-run', '--json', '--stages', '1']; entry.entry()")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert r.returncode == 130 and out["status"] == "stopped" and out["leftovers"] == 0, r
+    assert "starting" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert meshd_children(run_dir) == []

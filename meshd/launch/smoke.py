@@ -23,6 +23,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from .. import ctrl_c
 from ..argtypes import int_up_to, positive_int
 from ..keyring import generate_file
 from . import checks
@@ -92,6 +93,8 @@ def run_smoke(args: argparse.Namespace) -> int:
     handlers = {sig: signal.signal(sig, interrupted) for sig in _SIGNALS}
     try:
         try:
+            if ctrl_c.lost():  # a Ctrl-C while the modules loaded: stopped before anything started
+                raise Interrupted("SIGINT")
             _run(args, session, outcome, progress)
         except RunFailed as exc:
             session.fail(outcome, exc.failure)
