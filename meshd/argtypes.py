@@ -3,17 +3,43 @@
 from __future__ import annotations
 
 import argparse
+import errno
+import math
+import os
+import tempfile
 from collections.abc import Callable
 
 
-def positive_float(text: str) -> float:
+def finite_float(text: str) -> float:
+    """A number that is not NaN or infinite: a wait, a rate or a temperature of ``inf`` or
+    ``nan`` passes every comparison it meets unseen and hangs or crashes far from here."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = finite_float(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be greater than 0")
     return value
+
+
+def float_between(least: float, most: float, unit: str = "") -> Callable[[str], float]:
+    """A parser of a finite number from ``least`` to ``most`` (``unit`` follows them in its error)."""
+    unit = f" {unit}" if unit else ""
+
+    def parse(text: str) -> float:
+        value = finite_float(text)
+        if not least <= value <= most:
+            raise argparse.ArgumentTypeError(f"{text!r} must be from {least:g} to {most:g}{unit}")
+        return value
+
+    return parse
 
 
 def int_up_to(most: int, what: str = "") -> Callable[[str], int]:
@@ -38,3 +64,15 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
     return value
+
+
+def writable_dir(text: str) -> str:
+    """A directory this process can write files in, made (with its parents) if missing."""
+    try:
+        if os.path.exists(text) and not os.path.isdir(text):
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory")
+        os.makedirs(text, exist_ok=True)
+        tempfile.TemporaryFile(dir=text).close()
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"{text}: {exc.strerror or exc}") from None
+    return text

@@ -7,12 +7,12 @@ import os
 import sys
 
 from . import __version__
-from .argtypes import int_up_to, positive_float, positive_int
+from .argtypes import float_between, int_up_to, positive_int, writable_dir
 from .identity import Identity, IdentityError, load_node_ids, load_or_create
 from .net.faults import Faults, FaultSpecError
 from .net.udp import AddressError, BindError, first_of, parse_addr
 from .swim import PROFILES
-from .wire import MAX_BATCH_ROWS
+from .wire import MAX_BATCH_ROWS, MAX_STAGES
 
 
 def _addr(text: str) -> str:
@@ -60,8 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="node identity, created 0600 if missing (default: a new identity each run)")
     run.add_argument("--profile", choices=sorted(PROFILES), default="lan",
                      help="protocol timings, as memberlist's profiles (default %(default)s)")
-    run.add_argument("--snapshot-dir", metavar="DIR", help="append JSON-line snapshots to DIR/<prefix>.jsonl")
-    run.add_argument("--snapshot-interval", type=positive_float, default=5.0, metavar="SECONDS")
+    run.add_argument("--snapshot-dir", type=writable_dir, metavar="DIR",
+                     help="append JSON-line snapshots to DIR/<prefix>.jsonl")
+    run.add_argument("--snapshot-interval", type=float_between(0.1, 86400, "seconds"), default=5.0,
+                     metavar="SECONDS", help="how often to append a snapshot (default %(default)s)")
     model = run.add_mutually_exclusive_group()
     model.add_argument("--model", metavar="DIR", help="checkpoint folder (config.json + model.safetensors)")
     model.add_argument("--stub", action="store_true", help="serve the tiny built-in model")
@@ -129,6 +131,8 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         dstack_env.apply(args, os.environ)
     except ValueError as exc:
         parser.error(f"run: {exc}")
+    if args.stages is not None and not 1 <= args.stages <= MAX_STAGES:
+        parser.error(f"run: --stages must be from 1 to {MAX_STAGES}, not {args.stages}")
     if args.role == "stage":
         if args.stage is None or args.stages is None:
             parser.error("run: --role stage needs --stage K and --stages N")
@@ -136,8 +140,6 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parser.error(f"run: --stage {args.stage} is outside 0..{args.stages - 1}")
     elif args.stage is not None:
         parser.error("run: --stage is only for --role stage")
-    if args.stages is not None and args.stages < 1:
-        parser.error("run: --stages must be at least 1")
     from .relay.client import parse_relay_url
 
     for url in args.relay or []:
@@ -198,6 +200,14 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except IdentityError as exc:
         print(f"meshd: error: {exc}", file=sys.stderr)
         return 2
+    if args.snapshot_dir:
+        from .snapshot import SnapshotWriter
+
+        try:
+            SnapshotWriter(args.snapshot_dir, identity.prefix)
+        except OSError as exc:
+            print(f"meshd: error: --snapshot-dir {args.snapshot_dir}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
     from .logs import set_node
 
     set_node(f"stage-{args.stage}" if args.role == "stage" else args.role, identity.prefix)
@@ -224,13 +234,22 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         mesh_key=mesh_key,
         mesh_key_file=args.mesh_key_file,
     )
+    from .pipeline.checkpoint import CheckpointError
+    from .pipeline.tokenizer import TokenizerError
+
     try:
         return trio.run(run_daemon, identity, options)
-    except (BindError, BaseExceptionGroup) as exc:
+    except (BindError, CheckpointError, TokenizerError, BaseExceptionGroup) as exc:
         bind = first_of(exc, BindError)
-        if not isinstance(bind, BindError):
+        if isinstance(bind, BindError):
+            print(f"meshd: error: {bind.strerror}", file=sys.stderr)
+            return 2
+        # The weights and the tokenizer load as the node starts: a file that breaks there
+        # is named, as the config's fields are above.
+        bad = first_of(exc, CheckpointError) or first_of(exc, TokenizerError)
+        if bad is None:
             raise
-        print(f"meshd: error: {bind.strerror}", file=sys.stderr)
+        print(f"meshd: error: --model {model_dir}: {bad}", file=sys.stderr)
         return 2
 
 

@@ -7,6 +7,7 @@ outside this module reaches into protocol objects for display.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -15,6 +16,8 @@ from .identity import prefix
 from .net.path_table import RELAY, PathTable
 from .readiness import readiness
 from .swim import Member, Swim
+
+log = logging.getLogger(__name__)
 
 
 def member_view(m: Member, now: float) -> dict:
@@ -120,16 +123,31 @@ class SnapshotWriter:
     """Appends one JSON line per snapshot to ``DIR/<prefix>.jsonl``."""
 
     def __init__(self, directory: str | os.PathLike, node_prefix: str) -> None:
+        """Raises OSError when the file cannot be made there (the caller names the option)."""
         self.path = Path(directory) / f"{node_prefix}.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        open(self.path, "a", encoding="utf-8").close()
+        self._failing = False
 
     def write(self, snap: dict) -> None:
+        """Append ``snap``; a write that fails (the disk full, the directory gone) is one log
+        line until writes work again: the node serves on without its snapshots."""
         line = json.dumps(snap, separators=(",", ":")) + "\n"
         # One append of one line.  A reader that reads while it is under way can still
         # meet the line's first part only (the kernel copies a write page by page):
         # ``read_snapshots`` leaves an unterminated last line out.
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(line)
+        try:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(line)
+        except OSError as exc:
+            if not self._failing:
+                log.warning("cannot write the snapshot to %s: %s; serving on without it",
+                            self.path, exc.strerror or exc)
+            self._failing = True
+        else:
+            if self._failing:
+                log.info("writing snapshots to %s again", self.path)
+            self._failing = False
 
 
 def read_snapshots(path: str | os.PathLike) -> list[dict]:

@@ -24,8 +24,9 @@ from types import FrameType
 from typing import Any
 
 from .. import ctrl_c
-from ..argtypes import int_up_to, positive_int
+from ..argtypes import int_up_to, positive_float, positive_int
 from ..keyring import generate_file
+from ..net.faults import Faults
 from . import checks
 from .drive import (
     Driven,
@@ -43,7 +44,7 @@ from .jobs import JobDriver
 from .local import LocalProcess
 from .model import job_status_message, new_run, relay_job_names
 from .netns import NetnsProvider
-from .plan import RunPlan, job_argvs, node_names
+from .plan import RunPlan, job_argvs, node_names, plan_faults
 from .report import Generated, Outcome, Progress, print_report, summary
 from .state import default_run_dir, next_run_name, save_logs
 
@@ -267,7 +268,8 @@ def add_parser(sub: Any) -> None:
                         "the replica serving the request, stage-K.j names one")
     p.add_argument("--startup-order", choices=["any", "master-first", "workers-first"], default="any")
     p.add_argument("--stop-criteria", choices=["all-done", "master-done"], default="master-done")
-    p.add_argument("--timeout", type=float, default=60.0, metavar="S", help="for convergence and generation")
+    p.add_argument("--timeout", type=positive_float, default=60.0, metavar="S",
+                   help="for convergence and generation (default %(default)s)")
     p.add_argument("--run-dir", metavar="DIR", help="where run state is kept")
     p.add_argument("--insecure-mesh", action="store_true",
                    help="run without a mesh key (by default the run makes one and gives it to the relay "
@@ -276,8 +278,26 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=_cmd_smoke)
 
 
+def check_faults(args: argparse.Namespace) -> None:
+    """Each ``--fault`` as the run would plan it and each node would read its part, before
+    anything starts: ValueError names a bad one.  The netns testbed checks its NAT specs."""
+    names = node_names(args.stages, args.replicas)
+    jobs = relay_job_names(args.relays) + names
+    addrs = {name: f"127.0.0.1:{port}" for port, name in enumerate(jobs, start=1)}
+    for spec in args.fault:
+        if args.provider == "netns" and spec.startswith(("nat:", "nat-symmetric:")):
+            continue
+        for flags in plan_faults([spec], addrs, args.max_tokens).node_faults.values():
+            Faults.parse(flags)
+
+
 def _cmd_smoke(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """Refuse, in one line and before anything starts, a model that cannot be split so."""
+    """Refuse, in one line and before anything starts, a fault spec the run cannot plan and a
+    model that cannot be split so."""
+    try:
+        check_faults(args)
+    except ValueError as exc:
+        parser.error(f"smoke-run: {exc}")
     model = None
     if args.stub:
         from ..pipeline.stub import stub_checkpoint

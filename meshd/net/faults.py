@@ -35,6 +35,7 @@ in-process and a test on the netns testbed mean the same thing:
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 
@@ -42,6 +43,7 @@ from .udp import AddressError, format_addr, parse_addr
 
 RTO_S = 0.2  # Linux's minimum retransmission timeout (TCP_RTO_MIN)
 SYN_RTO_S = 1.0  # Linux's initial retransmission timeout, a lost SYN's (TCP_TIMEOUT_INIT)
+MAX_DELAY_MS = 60_000.0  # a minute each way: past every timeout of the mesh, so a test of any of them fits
 
 
 class FaultSpecError(ValueError):
@@ -75,8 +77,8 @@ class Faults:
                     raise FaultSpecError(f"--fault {spec}: loss must be in [0, 1)")
             elif kind == "delay" and sep:
                 ms = _number(spec, arg)
-                if ms < 0:
-                    raise FaultSpecError(f"--fault {spec}: delay must not be negative")
+                if not 0 <= ms <= MAX_DELAY_MS:
+                    raise FaultSpecError(f"--fault {spec}: delay must be from 0 to {MAX_DELAY_MS:g} ms")
                 faults.delay_s = ms / 1000
             else:
                 raise FaultSpecError(
@@ -135,6 +137,9 @@ class Faults:
 
 def _number(spec: str, text: str) -> float:
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
         raise FaultSpecError(f"--fault {spec}: {text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise FaultSpecError(f"--fault {spec}: {text!r} is not a finite number")
+    return value

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from ..argtypes import writable_dir
 from ..swim import PROFILES
 
 
@@ -74,7 +75,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object and nothing else")
     p.add_argument("--timing", action="store_true",
                    help="include CPU time in the output (it varies run to run)")
-    p.add_argument("--plot", metavar="DIR",
+    p.add_argument("--plot", type=writable_dir, metavar="DIR",
                    help="write the detection-time CDF for this run to DIR/detection_cdf.png")
     p.set_defaults(func=run)
     return p
@@ -108,11 +109,16 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if show:
             bar.stop()
     data = result.to_dict(timing=args.timing)
+    plot_failed = False
     if args.plot:
         from .plots import plot_detection_cdf
 
-        path = plot_detection_cdf([result], args.plot)
-        if not args.json:
+        try:
+            path = plot_detection_cdf([result], args.plot)
+        except OSError as exc:  # the directory went away or filled while the simulation ran
+            print(f"meshd: error: sim: --plot {args.plot}: {exc.strerror or exc}", file=sys.stderr)
+            plot_failed = True
+        if not plot_failed and not args.json:
             print(f"wrote {path}", file=sys.stderr)
     if args.json:
         print(json.dumps(data, sort_keys=False))
@@ -122,7 +128,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             t = result.timing()
             print(f"cpu: {t['cpu_seconds']:.1f} s, {t['cpu_us_per_node_period']:.0f} µs per "
                   "node-period", file=sys.stderr)
-    return 0
+    return 1 if plot_failed else 0  # the results are printed all the same
 
 
 def _yes(v: bool) -> str:
