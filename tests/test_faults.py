@@ -46,7 +46,7 @@ def test_delay_is_in_milliseconds():
         ("drop:nowhere", "is not HOST:PORT"),
         ("loss:1", "loss must be in [0, 1)"),
         ("loss:x", "is not a number"),
-        ("delay:-5", "must not be negative"),
+        ("delay:-5", "must be from 0 to 60000 ms"),
         ("isolate:me", "expected drop:HOST:PORT"),
         ("flood", "expected drop:HOST:PORT"),
     ],
