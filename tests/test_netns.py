@@ -187,8 +187,10 @@ def test_an_isolated_stage_fails_the_run_naming_it():
 
 
 def test_a_bad_fault_is_refused_before_anything_is_built():
-    rc, out = netns_smoke("--stages", "2", "--stub", "--fault", "nat:stage-9")
-    assert rc == 1 and "no node named 'stage-9'" in out["reason"]
+    r = subprocess.run([sys.executable, "-m", "meshd", "smoke-run", "--provider", "netns", "--stages", "2",
+                        "--stub", "--fault", "nat:stage-9"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "no node named 'stage-9'" in r.stderr and "testbed" not in r.stderr, r.stderr
+    assert_nothing_left({"leftovers": 0})
 
 
 def test_sigterm_mid_generation_removes_the_testbed_and_a_second_run_passes():

@@ -286,6 +286,8 @@ def check_faults(args: argparse.Namespace) -> None:
     addrs = {name: f"127.0.0.1:{port}" for port, name in enumerate(jobs, start=1)}
     for spec in args.fault:
         if args.provider == "netns" and spec.startswith(("nat:", "nat-symmetric:")):
+            if (who := spec.partition(":")[2]) not in names:
+                raise ValueError(f"--fault {spec}: no node named {who!r} (have {', '.join(sorted(names))})")
             continue
         for flags in plan_faults([spec], addrs, args.max_tokens).node_faults.values():
             Faults.parse(flags)
