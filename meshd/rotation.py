@@ -51,7 +51,8 @@ class KeyRotation:
         key (they could not open what we send), a ``remove`` while one still seals with it."""
         ring = self.node.mesh_key
         if ring is None:
-            raise KeyringError("this node runs without a mesh key (--insecure): it has no keyring to change")
+            raise KeyringError("this node runs without a mesh key (it was started without --mesh-key-file): "
+                               "it has no keyring to change")
         kid, raw = parse_change(op, key)
         if op == "use" and not ring.has(kid):
             raise KeyringError(f"no key {kid} in the keyring here (it holds {', '.join(ring.ids)}): "

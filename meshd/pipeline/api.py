@@ -29,9 +29,18 @@ class NotReady(PipelineError):
     says to retry after ``retry_after`` seconds."""
 
     def __init__(self, missing: list[str], retry_after: int = 1) -> None:
-        super().__init__("pipeline not ready: " + ", ".join(f"{n} does not resolve" for n in missing))
+        super().__init__("pipeline not ready: " + ", ".join(f"{n} does not resolve ({_serving(n)})"
+                                                            for n in missing))
         self.missing = missing
         self.retry_after = retry_after
+
+
+def _serving(name: str) -> str:
+    """What a missing pipeline name means in the stages' own names."""
+    if name == "pp-entry":
+        return "no live node takes requests as stage-0"
+    stage = name.removeprefix("pp-")
+    return f"no live node serves {stage}" if stage != name else "no live node holds it"
 
 
 class Busy(PipelineError):
