@@ -137,7 +137,8 @@ async def test_chat_errors_come_in_openais_shape_with_the_templates_message(chec
                 r = await client.post("/v1/chat/completions", json={"messages": twice[:1]})
                 assert r.status_code == 503, r.text
                 assert r.json()["error"]["type"] == "service_unavailable"
-                assert "pp-stage-0 does not resolve (no live node serves stage-0)" in r.json()["error"]["message"]
+                message = r.json()["error"]["message"]
+                assert "pp-stage-0 does not resolve (no live node serves stage-0)" in message
                 # A served path asked with the wrong method, and one not served.
                 r = await client.get("/v1/chat/completions")
                 assert r.status_code == 405 and "takes POST" in r.json()["error"]["message"]
