@@ -19,6 +19,12 @@ dashboard, a state-changing request must come from its own page (Origin) with
 a bounded JSON body, and bound beyond loopback everything but the page, its
 static files and ``/metrics`` needs the node's token (printed at boot) as
 ``Authorization: Bearer TOKEN``, ``X-Meshd-Token`` or ``?token=``.
+
+Every error under ``/api`` and ``/v1`` is JSON, an unknown path's 404 and a wrong method's
+405 (with ``Allow``) included: ``{"error": message}`` under ``/api``, OpenAI's
+``{"error": {"message", "type", "param", "code"}}`` under ``/v1`` (``http_error``).  The
+page and its static files answer those in plain text.  A method a route does not serve is
+a 405 before the guard looks at the body (``served_methods``).
 """
 
 from __future__ import annotations
@@ -27,14 +33,16 @@ import ipaddress
 import logging
 import os
 import secrets
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import trio
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, Response
-from starlette.routing import Mount, Route, WebSocketRoute
+from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
+from starlette.routing import BaseRoute, Match, Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
 from meshd.pipeline.api import Generator
@@ -185,6 +193,75 @@ async def page(request: Request) -> Response:
     return HTMLResponse((STATIC / "index.html").read_text(encoding="utf-8"))
 
 
+ANY_METHOD = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
+
+def _route_scope(scope: Mapping[str, Any]) -> dict[str, Any]:
+    """What routing reads of a request: its method and whole path (a Mount that has already
+    matched moves ``root_path``, which would hide the path from the routes)."""
+    return {"type": "http", "method": scope.get("method", "GET"), "path": scope.get("path", "")}
+
+
+def served_methods(routes: Iterable[BaseRoute], scope: Mapping[str, Any]) -> frozenset[str] | None:
+    """The methods the routes take at the request's path, every route on that path counted
+    (``/api/keys`` has one for GET and one for POST); None where no route has that path."""
+    request = _route_scope(scope)
+    methods: set[str] = set()
+    found = False
+    for route in routes:
+        if not isinstance(route, (Route, Mount)) or route.matches(request)[0] is Match.NONE:
+            continue
+        found = True
+        if isinstance(route, Mount):
+            methods |= {"GET", "HEAD"} if isinstance(route.app, StaticFiles) else ANY_METHOD
+        else:
+            methods |= route.methods or ANY_METHOD
+    return frozenset(methods) if found else None
+
+
+def _is_api_path(path: str) -> bool:
+    return path == "/api" or path.startswith("/api/")
+
+
+def _listed(paths: list[str]) -> str:
+    return ", ".join(paths[:-1]) + f" and {paths[-1]}" if len(paths) > 1 else "".join(paths)
+
+
+def _http_error_message(routes: list[BaseRoute], status: int, method: str, path: str,
+                        methods: frozenset[str] | None, detail: str) -> str:
+    if status == 405 and methods:
+        named = methods - {"HEAD"} if "GET" in methods else methods
+        return f"{path} takes {' or '.join(sorted(named))}, not {method}"
+    if status == 404:
+        if any(isinstance(r, WebSocketRoute) and r.path_regex.match(path) for r in routes):
+            return f"{path} is a WebSocket: open it with a GET asking 'Upgrade: websocket'"
+        prefix, who = ("/v1/", "this mesh") if is_openai_path(path) else ("/api/", "this node")
+        served = list(dict.fromkeys(r.path for r in routes if isinstance(r, (Route, WebSocketRoute))
+                                    and r.path.startswith(prefix) and "{" not in r.path))
+        return f"{path} is not served here; {who} serves {_listed(served)}"
+    return detail
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    """Routing's 404 and 405 (and any other HTTPException): JSON in the API's shape under
+    ``/api`` and ``/v1``, plain text elsewhere; a 405's ``Allow`` names every method served at
+    the path."""
+    assert isinstance(exc, HTTPException)
+    path, method, status = request.scope["path"], request.method, exc.status_code
+    headers = dict(exc.headers or {})
+    routes = request.app.routes
+    methods = served_methods(routes, request.scope)
+    if status == 405 and methods:
+        headers = {k: v for k, v in headers.items() if k.lower() != "allow"}
+        headers["Allow"] = ", ".join(sorted(methods))
+    if not (_is_api_path(path) or is_openai_path(path)):
+        return PlainTextResponse(exc.detail, status_code=status, headers=headers)
+    message = _http_error_message(routes, status, method, path, methods, exc.detail)
+    response = openai_error(status, message) if is_openai_path(path) else error(status, message)
+    response.headers.update(headers)
+    return response
+
+
 async def crashed(request: Request, exc: Exception) -> Response:
     # An endpoint's bug is a 500 for that request, never a crash of the node.
     log.exception("dashboard %s %s failed", request.method, request.url.path)
@@ -213,11 +290,12 @@ def create_app(node: Mesh, generator: Generator | None = None, token: str | None
         Route("/api/state", api_state, methods=["GET"]),
         WebSocketRoute("/api/live", live),
         *generation.ROUTES,
-    ], exception_handlers={Exception: crashed})
+    ], exception_handlers={HTTPException: http_error, Exception: crashed})
     app.state.mesh, app.state.generator, app.state.inference = node, generator, inference
     app.state.history = History()
     app.state.live = LiveHub(lambda: state.page_state(node.snapshot(), generator), app.state.history)
-    return DashboardGuard(app, token=token, allowed_hosts=allowed_hosts or (), max_body=MAX_BODY_BYTES)
+    return DashboardGuard(app, token=token, allowed_hosts=allowed_hosts or (), max_body=MAX_BODY_BYTES,
+                          serves=lambda scope: scope["method"] in (served_methods(app.routes, scope) or ()))
 
 
 def dashboard_token(bind: str) -> str | None:

@@ -265,19 +265,6 @@ async def models(request: Request) -> Response:
         {"id": orch.model_name, "object": "model", "created": orch.created, "owned_by": "meshd"}]})
 
 
-SERVED = {"/v1/models": "GET", "/v1/completions": "POST", "/v1/chat/completions": "POST"}
-
-
-async def not_served(request: Request) -> Response:
-    """Any other ``/v1/...`` request: a 404 (or a 405 for a served path asked with another
-    method) an OpenAI client can read, naming what is served."""
-    path = request.url.path
-    if path in SERVED:
-        return openai_error(405, f"{path} takes {SERVED[path]}, not {request.method}")
-    return openai_error(404, f"{path} is not served here; this mesh serves /v1/models, /v1/completions "
-                             "and /v1/chat/completions")
-
-
 async def completions(request: Request) -> Response:
     return await _openai(request, chat=False)
 
@@ -382,5 +369,4 @@ ROUTES = [
     Route("/v1/models", models, methods=["GET"]),
     Route("/v1/completions", completions, methods=["POST"]),
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-    Route("/v1/{rest:path}", not_served, methods=["GET", "POST", "PUT", "PATCH", "DELETE"]),
 ]

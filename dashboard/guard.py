@@ -11,11 +11,19 @@ every request is checked here, in one place, before a handler runs:
   page's POST gets 403, even from another port of the same host.
 * **Token**: bound beyond loopback, everything but the page, its static files
   and ``/metrics`` needs the node's token (401 without it).
+* **Route**: a state-changing request to a path no route serves, or with a method
+  its route does not take, goes to the app with its body unread, before any check
+  below, and gets the app's 404 or 405 (with ``Allow``): what is wrong with it is
+  the method or the path, not the body it sends.
 * **Body** of a state-changing request: ``Content-Type: application/json``
   (415 otherwise: a form or a ``text/plain`` fetch is how a page posts without
   asking), at most ``max_body`` bytes counted while it streams in (413 as soon
   as it passes), UTF-8, and nested at most ``max_depth`` arrays/objects deep
   (400), measured without recursion so ``json.loads`` never recurses further.
+  The whole body must arrive within ``BODY_TIMEOUT_S`` (408 and the connection
+  closed otherwise): Hypercorn has no deadline on a request's body, and its
+  ``read_timeout`` would be one on every read of the connection, cutting
+  ``/api/live`` and long generations whose clients rightly send nothing.
 
 A **WebSocket** (``/api/live``) passes the same Host and token checks, and its
 Origin is checked whatever it asks for: no CORS stands between a page and a
@@ -35,10 +43,11 @@ import json
 import re
 import secrets
 from array import array
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from itertools import accumulate
 from urllib.parse import parse_qs, urlsplit
 
+import anyio
 from starlette.datastructures import Headers
 
 from .requests import is_openai_path, openai_error_body
@@ -47,6 +56,12 @@ SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 HOSTS_ENV = "MESHD_DASHBOARD_HOSTS"
 TOKEN_ENV = "MESHD_DASHBOARD_TOKEN"  # the token, set by the operator or printed at boot
+# How long a state-changing request's whole body may take to arrive, from the end of its headers
+# (a 408 and a close past it).  Bodies here are JSON of at most MAX_BODY_BYTES (1 MiB), most a few
+# hundred bytes sent with the headers; 15 s takes the largest at about 70 KiB/s, a slow link, while
+# a client that stalls (or drips a byte now and then: the deadline is for the whole body, not
+# each read) holds its connection and the bytes read so far for at most that long.
+BODY_TIMEOUT_S = 15.0
 
 SECURITY_HEADERS = [
     (b"content-security-policy",
@@ -124,8 +139,13 @@ class DashboardGuard:
 
     def __init__(self, app, *, token: str | None = None, allowed_hosts: Iterable[str] = (),
                  max_body: int, max_depth: int = 32, open_paths: Iterable[str] = ("/", "/metrics"),
-                 open_prefixes: Iterable[str] = ("/static/",)):
+                 open_prefixes: Iterable[str] = ("/static/",),
+                 serves: Callable[[dict], bool] | None = None, body_timeout: float | None = None):
+        """``serves(scope)``: whether a route of the app takes this method at this path (None:
+        every request is taken to be served); ``body_timeout``: seconds, ``BODY_TIMEOUT_S`` if None."""
         self.app = app
+        self.serves = serves
+        self.body_timeout = BODY_TIMEOUT_S if body_timeout is None else body_timeout
         self.token = token
         self.allowed = parse_allowed(allowed_hosts)
         self.max_body = max_body
@@ -146,15 +166,22 @@ class DashboardGuard:
             await self.app(scope, receive, send)
             return
 
+        # No route takes this method at this path: the app's 404 or 405 leaves the body unread,
+        # so Hypercorn closes the connection after it, and the answer says so.
+        unserved = (scope["method"] not in SAFE_METHODS and self.serves is not None
+                    and not self.serves(scope))
+
         async def send_secured(message) -> None:
             if message["type"] == "http.response.start":
                 names = {k.lower() for k, _ in message.get("headers", [])}
                 extra = [(k, v) for k, v in SECURITY_HEADERS if k not in names]
+                if unserved and b"connection" not in names:
+                    extra.append((b"connection", b"close"))
                 message = {**message, "headers": [*message.get("headers", []), *extra]}
             await send(message)
 
         try:
-            receive = await self._admit(scope, receive)
+            receive = await self._admit(scope, receive, unserved)
         except Refused as refusal:
             await self._refuse(send_secured, refusal, scope["path"])
             return
@@ -194,8 +221,9 @@ class DashboardGuard:
             raise Refused(401, "this dashboard is bound beyond loopback: open the page as /?token=TOKEN "
                                "(printed at boot); its live feed passes the token on as ?token=TOKEN")
 
-    async def _admit(self, scope, receive):
-        """``receive`` for the app (the body replayed, when read here), or None; Refused otherwise."""
+    async def _admit(self, scope, receive, unserved: bool = False):
+        """``receive`` for the app (the body replayed, when read here), or None; Refused otherwise.
+        ``unserved``: no route takes this request, so its body is left to the app, unread."""
         headers = Headers(scope=scope)
         server = scope.get("server") or (None, None)
         self._check_host(headers, server)
@@ -210,11 +238,18 @@ class DashboardGuard:
                                "?token=TOKEN")
         if not state_changing:
             return receive
+        if unserved:
+            return receive  # the app answers 404 or 405 and never reads the body
         media_type = headers.get("content-type", "").partition(";")[0].strip().lower()
         if media_type != "application/json" and not media_type.endswith("+json"):
             raise Refused(415, f"send the body as 'Content-Type: application/json', not "
                                f"{media_type or 'no Content-Type'!r}")
-        body = await self._read_body(headers, receive)
+        body: bytes | None = b""
+        with anyio.move_on_after(self.body_timeout) as reading:
+            body = await self._read_body(headers, receive)
+        if reading.cancelled_caught:
+            raise Refused(408, f"the request's body did not arrive within {self.body_timeout:g} s; "
+                               "send it whole, with its headers")
         if body is None:
             return None
         self._check_json(body)
