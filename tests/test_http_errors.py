@@ -10,27 +10,12 @@ import json
 import pytest
 import trio
 from starlette.testclient import TestClient
+from test_dashboard_api import FakeNode
 
 import dashboard.guard
 from dashboard.app import create_app, serve_dashboard
 
 OPENAI_ERROR_FIELDS = {"message", "type", "param", "code"}
-
-
-class FakeNode:
-    """Enough of a node for the app: a fixed snapshot, and joins recorded."""
-
-    def __init__(self) -> None:
-        self.joined: list[list[str]] = []
-
-    def snapshot(self) -> dict:
-        me = {"id": "aa" * 32, "prefix": "aaaaaaaa", "name": "stage-0", "role": "stage", "stage": 0,
-              "state": "alive", "incarnation": 0, "addr": "127.0.0.1:1", "relay_url": None}
-        return {"self": me, "members": [], "names": {}, "relay": None, "path_summaries": {},
-                "awareness": 0, "counters": {}}
-
-    def join(self, addrs: list[str]) -> None:
-        self.joined.append(list(addrs))
 
 
 @pytest.fixture
