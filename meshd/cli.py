@@ -235,18 +235,19 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         mesh_key_file=args.mesh_key_file,
     )
     from .pipeline.checkpoint import CheckpointError
+    from .pipeline.config import ConfigError
     from .pipeline.tokenizer import TokenizerError
 
     try:
         return trio.run(run_daemon, identity, options)
-    except (BindError, CheckpointError, TokenizerError, BaseExceptionGroup) as exc:
+    except (BindError, CheckpointError, ConfigError, TokenizerError, BaseExceptionGroup) as exc:
         bind = first_of(exc, BindError)
         if isinstance(bind, BindError):
             print(f"meshd: error: {bind.strerror}", file=sys.stderr)
             return 2
         # The weights and the tokenizer load as the node starts: a file that breaks there
         # is named, as the config's fields are above.
-        bad = first_of(exc, CheckpointError) or first_of(exc, TokenizerError)
+        bad = first_of(exc, CheckpointError) or first_of(exc, ConfigError) or first_of(exc, TokenizerError)
         if bad is None:
             raise
         print(f"meshd: error: --model {model_dir}: {bad}", file=sys.stderr)

@@ -8,11 +8,12 @@ and widened (uint16 -> uint32 << 16 -> float32), which is exact.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 import time
 from collections.abc import Callable, Iterable
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import numpy as np
 
@@ -30,6 +31,7 @@ INDEX_FILE = "model.safetensors.index.json"
 # safetensors dtype -> numpy dtype, for the ones numpy reads directly.
 _NUMPY_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
 _ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
+_READABLE = "F32, F16, BF16 or F64"
 
 SHARD_FILE = "model-{:05d}-of-{:05d}.safetensors"
 
@@ -77,6 +79,46 @@ def expected_tensors(config: LlamaConfig, layers: Iterable[int], *, embed: bool,
     return out
 
 
+def _brief(value: object, limit: int = 60) -> str:
+    """``repr(value)``, cut to ``limit`` characters: an error line stays one short line."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _is_count(value: object) -> bool:
+    """A JSON non-negative integer (not a bool, not a float)."""
+    return type(value) is int and value >= 0
+
+
+def _header_entry(path: Path, name: str, info: object,
+                  data_len: int) -> tuple[str, tuple[int, ...], int, int]:
+    """One tensor's header entry, every field checked: (dtype, shape, start, end)."""
+    where = f"{path}: safetensors header, tensor {name}"
+    if not isinstance(info, dict):
+        raise CheckpointError(f"{where}: expected an object with dtype, shape and data_offsets, "
+                              f"got {_brief(info)}")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if not isinstance(dtype, str) or not dtype:
+        raise CheckpointError(f"{where}: field dtype: expected a string such as F32, got {_brief(dtype)}")
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise CheckpointError(f"{where}: field shape: expected a list of non-negative integers, "
+                              f"got {_brief(shape)}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)):
+        raise CheckpointError(f"{where}: field data_offsets: expected [start, end], two non-negative "
+                              f"integers, got {_brief(offsets)}")
+    start, end = offsets
+    if start > end:
+        raise CheckpointError(f"{where}: field data_offsets: start {start} is past end {end}")
+    if end > data_len:
+        raise CheckpointError(f"{path}: tensor {name} lies outside the file "
+                              f"(bytes {start}..{end} of {data_len}; truncated?)")
+    dims = tuple(shape)
+    if dtype in _ITEMSIZE and end - start != math.prod(dims) * _ITEMSIZE[dtype]:
+        raise CheckpointError(f"{path}: tensor {name}: {end - start} bytes do not hold "
+                              f"{dtype} of shape {dims}")
+    return dtype, dims, start, end
+
+
 class _SafetensorsFile:
     """One .safetensors file: its header, parsed and checked, and single-tensor reads."""
 
@@ -95,31 +137,26 @@ class _SafetensorsFile:
                 raw = f.read(n)
         except FileNotFoundError:
             raise CheckpointError(f"{path}: no such file") from None
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # ValueError: a path with a NUL byte
             raise CheckpointError(f"{path}: cannot read: {exc}") from exc
+        if len(raw) != n:
+            raise CheckpointError(f"{path}: not a safetensors file (header cut short)")
         try:
-            header = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            header = json.loads(raw.decode("utf-8"))
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             raise CheckpointError(f"{path}: corrupted safetensors header: {exc}") from None
         if not isinstance(header, dict):
             raise CheckpointError(f"{path}: corrupted safetensors header (not a JSON object)")
-        header.pop("__metadata__", None)
+        metadata = header.pop("__metadata__", None)
+        if metadata is not None and not (isinstance(metadata, dict) and all(
+                isinstance(v, str) for v in metadata.values())):
+            raise CheckpointError(f"{path}: safetensors header field __metadata__: expected an object of "
+                                  f"strings, got {_brief(metadata)}")
         self.data_start = 8 + n
         data_len = size - self.data_start
         self.entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
         for name, info in header.items():
-            try:
-                dtype, shape, (start, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
-                count = int(np.prod(shape, dtype=np.int64))
-            except (KeyError, TypeError, ValueError):
-                raise CheckpointError(f"{path}: corrupted safetensors header entry for {name}") from None
-            if not 0 <= start <= end <= data_len:
-                raise CheckpointError(f"{path}: tensor {name} lies outside the file "
-                                      f"(bytes {start}..{end} of {data_len}; truncated?)")
-            if dtype in _ITEMSIZE and end - start != count * _ITEMSIZE[dtype]:
-                raise CheckpointError(f"{path}: tensor {name}: {end - start} bytes do not hold "
-                                      f"{dtype} of shape {shape}")
-            self.entries[name] = (dtype, shape, start, end)
+            self.entries[name] = _header_entry(path, name, info, data_len)
 
     def nbytes(self, name: str) -> int:
         """The tensor's size on disk."""
@@ -127,7 +164,16 @@ class _SafetensorsFile:
         return end - start
 
     def read(self, name: str) -> np.ndarray:
-        """The tensor as C-contiguous float32."""
+        """The tensor as C-contiguous float32; NaN or infinity in it is refused, naming it."""
+        array = self._read(name)
+        # One pass, no copy: a sum in float64 of float32 values is finite exactly when each is
+        # (it cannot overflow), so a flipped exponent bit is caught here, not as NaN logits.
+        if not math.isfinite(float(array.sum(dtype=np.float64))):
+            raise CheckpointError(f"{self.path}: tensor {name} holds NaN or infinite values "
+                                  f"(a corrupted file?)")
+        return array
+
+    def _read(self, name: str) -> np.ndarray:
         dtype, shape, start, end = self.entries[name]
         if dtype == "BF16":
             try:
@@ -141,8 +187,7 @@ class _SafetensorsFile:
             widened = np.frombuffer(raw, dtype="<u2").astype(np.uint32) << np.uint32(16)
             return widened.view(np.float32).reshape(shape)
         if dtype not in _NUMPY_DTYPES:
-            raise CheckpointError(f"{self.path}: tensor {name} has dtype {dtype}; "
-                                  f"expected F32, F16 or BF16")
+            raise CheckpointError(f"{self.path}: tensor {name} has dtype {dtype}; expected {_READABLE}")
         from safetensors import safe_open
 
         try:
@@ -150,19 +195,46 @@ class _SafetensorsFile:
                 array = f.get_tensor(name)
         except Exception as exc:  # safetensors raises its own SafetensorError and OSError
             raise CheckpointError(f"{self.path}: cannot read tensor {name}: {exc}") from exc
-        return np.ascontiguousarray(array, dtype=np.float32).reshape(shape)
+        try:
+            return np.ascontiguousarray(array, dtype=np.float32).reshape(shape)
+        except ValueError as exc:  # the library's idea of the tensor is not the header's
+            raise CheckpointError(f"{self.path}: cannot read tensor {name}: {exc}") from exc
 
 
 def _tensor_files(model_dir: Path) -> dict[str, Path]:
-    """Tensor name -> the file holding it (one file, or shards listed in an index)."""
+    """Tensor name -> the file holding it (one file, or shards listed in an index); {} for one file.
+
+    The index is checked: a JSON object whose ``weight_map`` maps each tensor name to the
+    name of a file inside ``model_dir``."""
     index = model_dir / INDEX_FILE
-    if not (model_dir / WEIGHTS_FILE).exists() and index.exists():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            return {name: model_dir / file for name, file in weight_map.items()}
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{index}: cannot read the shard index: {exc}") from exc
-    return {}
+    if (model_dir / WEIGHTS_FILE).exists() or not index.exists():
+        return {}
+    try:
+        raw = json.loads(index.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: bad JSON, bad UTF-8
+        raise CheckpointError(f"{index}: cannot read the shard index: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{index}: the shard index is not a JSON object")
+    if "weight_map" not in raw:
+        raise CheckpointError(f"{index}: field weight_map: missing")
+    weight_map = raw["weight_map"]
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index}: field weight_map: expected an object of tensor name -> file "
+                              f"name, got {_brief(weight_map)}")
+    out: dict[str, Path] = {}
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or not _inside(file):
+            raise CheckpointError(f"{index}: field weight_map[{name!r}]: expected the name of a file in "
+                                  f"{model_dir}, got {_brief(file)}")
+        out[name] = model_dir / file
+    return out
+
+
+def _inside(file: str) -> bool:
+    """A relative path that stays in its directory: not empty, no root, no "..", no NUL or backslash."""
+    path = PurePosixPath(file)
+    return (bool(path.parts) and not path.is_absolute() and ".." not in path.parts
+            and "\0" not in file and "\\" not in file)
 
 
 Progress = Callable[[int, int, int, int], None]  # (layers read, layers, bytes read, bytes)
@@ -189,15 +261,19 @@ def load_weights(model_dir: str | Path, layers: Iterable[int] | None = None, *, 
     files: dict[Path, _SafetensorsFile] = {}
     where: dict[str, _SafetensorsFile] = {}
     for name, shape in wanted.items():  # every header first: a missing tensor fails before any read
+        if shard_of and name not in shard_of:
+            raise CheckpointError(f"{model_dir / INDEX_FILE}: field weight_map: no file for tensor {name}")
         path = shard_of.get(name, model_dir / WEIGHTS_FILE)
         if path not in files:
             files[path] = _SafetensorsFile(path)
         st = files[path]
         if name not in st.entries:
             raise CheckpointError(f"{path}: missing tensor {name} (expected shape {shape})")
-        found = st.entries[name][1]
+        dtype, found = st.entries[name][:2]
         if found != shape:
             raise CheckpointError(f"{path}: tensor {name} has shape {found}, expected {shape}")
+        if dtype not in _ITEMSIZE:
+            raise CheckpointError(f"{path}: tensor {name} has dtype {dtype}; expected {_READABLE}")
         where[name] = st
     parts = [_part(name) for name in wanted]
     total_layers = len({p for p in parts if p is not None})
@@ -434,7 +510,10 @@ def fingerprint(model_dir: str | Path) -> str:
     files += [p for p in weights if p.is_file()]
     for path in files:
         digest.update(path.name.encode() + b"\0")
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 20):
-                digest.update(chunk)
+        try:
+            with open(path, "rb") as f:
+                while chunk := f.read(1 << 20):
+                    digest.update(chunk)
+        except OSError as exc:
+            raise CheckpointError(f"{path}: cannot read: {exc.strerror or exc}") from exc
     return digest.hexdigest()[:16]

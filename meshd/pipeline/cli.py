@@ -4,8 +4,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
+from collections.abc import Callable
+
+from ..argtypes import positive_int
+
+# The HTTP API's bounds (dashboard/generation.py's ``sampling``): a value the API refuses is
+# refused here too, so `meshd generate` stays the reference for what a request can ask.
+MAX_TOKENS = 4096
+MAX_TEMPERATURE = 10.0
+MAX_TOP_K = 1 << 20
+MAX_SEED = 2**63 - 1
 
 PRESET_HELP = {
     "tiny": "4 layers, dim 64, for tests",
@@ -30,10 +41,11 @@ def add_parser(sub) -> None:
     init.add_argument("--out", required=True, metavar="DIR", help="directory to write (created if missing)")
     init.add_argument("--preset", choices=list(PRESET_HELP), default="tiny", metavar="NAME",
                       help="; ".join(f"{k}: {v}" for k, v in PRESET_HELP.items()) + " (default %(default)s)")
-    init.add_argument("--seed", type=int, default=0, metavar="N", help="weights seed (default %(default)s)")
+    init.add_argument("--seed", type=seed_int, default=0, metavar="N",
+                      help=f"weights seed, 0 to {MAX_SEED} (default %(default)s)")
     init.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                       help="stored dtype (default %(default)s)")
-    init.add_argument("--shards", type=int, default=1, metavar="N",
+    init.add_argument("--shards", type=positive_int, default=1, metavar="N",
                       help="write the weights as N files and their index, as large checkpoints ship "
                       "(default %(default)s: one model.safetensors)")
     init.add_argument("--force", action="store_true", help="overwrite a non-empty directory")
@@ -54,17 +66,64 @@ def add_parser(sub) -> None:
         description="Run the whole model in this process: the tokens a pipelined run must equal.")
     gen.add_argument("--model", required=True, metavar="DIR", help="checkpoint directory")
     gen.add_argument("--prompt", required=True, metavar="TEXT")
-    gen.add_argument("--max-tokens", required=True, type=int, metavar="K")
+    gen.add_argument("--max-tokens", required=True, type=int, metavar="K",
+                     help=f"tokens to generate, 1 to {MAX_TOKENS}")
     gen.add_argument("--temperature", type=float, default=0.0, metavar="T",
-                     help="0 is greedy (default %(default)s)")
+                     help=f"0 is greedy; at most {MAX_TEMPERATURE:g} (default %(default)s)")
     gen.add_argument("--top-k", type=int, default=0, metavar="K",
-                     help="0 keeps every token (default %(default)s)")
+                     help=f"0 keeps every token; at most {MAX_TOP_K} (default %(default)s)")
     gen.add_argument("--top-p", type=float, default=1.0, metavar="P",
                      help="nucleus sampling: draw among the most likely tokens whose probability "
                      "reaches P together; 1 keeps every token (default %(default)s)")
-    gen.add_argument("--seed", type=int, default=0, metavar="S", help="sampling seed (default %(default)s)")
+    gen.add_argument("--seed", type=int, default=0, metavar="S",
+                     help=f"sampling seed, 0 to {MAX_SEED} (default %(default)s)")
     gen.add_argument("--json", action="store_true", help="one JSON object: tokens, text, timings")
     gen.set_defaults(func=_cmd_generate)
+
+
+def seed_int(text: str) -> int:
+    """A seed: a whole number from 0 to MAX_SEED (numpy refuses a negative one)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"{text!r} must be from 0 to {MAX_SEED}")
+    return value
+
+
+def _within(least: float, most: float) -> Callable[[float], bool]:
+    """A test of a number from ``least`` to ``most``; NaN and infinities fail it (an int of any size
+    is compared exactly, never made a float)."""
+    return lambda v: (isinstance(v, int) or math.isfinite(v)) and least <= v <= most
+
+
+# (option, attribute, test, what it must be): the API's bounds, one line naming the option.
+_GENERATE_BOUNDS: list[tuple[str, str, Callable[[float], bool], str]] = [
+    ("--max-tokens", "max_tokens", _within(1, MAX_TOKENS), f"must be at least 1 and at most {MAX_TOKENS}"),
+    ("--temperature", "temperature", _within(0, MAX_TEMPERATURE),
+     f"must be >= 0 and at most {MAX_TEMPERATURE:g}"),
+    ("--top-k", "top_k", _within(0, MAX_TOP_K), f"must be >= 0 and at most {MAX_TOP_K}"),
+    ("--top-p", "top_p", lambda v: 0 < v <= 1, "must be within (0, 1]"),
+    ("--seed", "seed", _within(0, MAX_SEED), f"must be from 0 to {MAX_SEED}"),
+]
+
+
+def check_generate_options(args: argparse.Namespace) -> str | None:
+    """What is wrong with ``meshd generate``'s sampling options and prompt, naming the option;
+    None when nothing is."""
+    for option, attr, ok, must in _GENERATE_BOUNDS:
+        value = getattr(args, attr)
+        if not ok(value):
+            return f"{option} {must}, got {value}"
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        # Bytes that are not UTF-8 reach us as lone surrogates (Python's surrogateescape): count
+        # the bytes before the first as the command line held them.
+        byte = len(args.prompt[:exc.start].encode("utf-8", "surrogateescape"))
+        return f"--prompt is not valid UTF-8 (byte {byte})"
+    return None
 
 
 def _error(message: str) -> int:
@@ -73,8 +132,19 @@ def _error(message: str) -> int:
 
 
 def _cmd_model_init(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from .checkpoint import CheckpointError, checkpoint_params, init_checkpoint
+    from .checkpoint import (
+        CheckpointError,
+        checkpoint_params,
+        expected_tensors,
+        init_checkpoint,
+        preset_config,
+    )
 
+    config = preset_config(args.preset)
+    tensors = len(expected_tensors(config, range(config.num_hidden_layers), embed=True, head=True))
+    if args.shards > tensors:
+        return _error(f"model init: --shards {args.shards}: the {args.preset} preset has only {tensors} "
+                      f"tensors, so at most {tensors} shards")
     t0 = time.perf_counter()
     try:
         config = init_checkpoint(args.out, args.preset, args.seed, dtype=args.dtype, force=args.force,
@@ -108,14 +178,9 @@ def _cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     from .model import StageModel
     from .tokenizer import TokenizerError
 
-    if args.max_tokens < 1:
-        return _error(f"generate: --max-tokens must be at least 1, got {args.max_tokens}")
-    if not args.temperature >= 0:
-        return _error(f"generate: --temperature must be >= 0, got {args.temperature}")
-    if args.top_k < 0:
-        return _error(f"generate: --top-k must be >= 0, got {args.top_k}")
-    if not 0 < args.top_p <= 1:
-        return _error(f"generate: --top-p must be within (0, 1], got {args.top_p}")
+    wrong = check_generate_options(args)
+    if wrong is not None:
+        return _error(f"generate: {wrong}")
     if not Path(args.model).is_dir():
         return _error(f"generate: --model {args.model}: no such directory")
     try:

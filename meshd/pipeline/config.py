@@ -15,6 +15,7 @@ Both spellings Hugging Face writes are read: ``rope_theta`` and
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -51,25 +52,32 @@ class RopeScaling:
         if raw is None:
             return None
         if not isinstance(raw, dict):
-            raise ConfigError(f"config field {field}: expected an object, got {raw!r}")
+            raise ConfigError(f"config field {field}: expected an object, got {_brief(raw)}")
         rope_type = raw.get("rope_type", raw.get("type", "default"))
         if rope_type == "default":
             return None
         if rope_type not in ROPE_TYPES:
-            raise ConfigError(f"config field {field}.rope_type: {rope_type!r} is not supported "
+            raise ConfigError(f"config field {field}.rope_type: {_brief(rope_type)} is not supported "
                               f"(supported: default, {', '.join(ROPE_TYPES)})")
-        numbers = ["factor"]
+        factor = _number(raw.get("factor"))
+        if factor is None or factor < 1:
+            raise ConfigError(f"config field {field}.factor: expected a finite number of at least 1 "
+                              f"(positions are stretched, never squeezed), got {_brief(raw.get('factor'))}")
         if rope_type == "llama3":
-            numbers += ["low_freq_factor", "high_freq_factor", "original_max_position_embeddings"]
-        for name in numbers:
-            value = raw.get(name)
-            if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"config field {field}.{name}: expected a positive number, got {value!r}")
+            for name in ("low_freq_factor", "high_freq_factor"):
+                value = _number(raw.get(name))
+                if value is None or value <= 0:
+                    raise ConfigError(f"config field {field}.{name}: expected a finite number above 0, "
+                                      f"got {_brief(raw.get(name))}")
+            if not _positive_int(raw.get("original_max_position_embeddings")):
+                got = _brief(raw.get("original_max_position_embeddings"))
+                raise ConfigError(f"config field {field}.original_max_position_embeddings: expected a "
+                                  f"positive integer, got {got}")
         if rope_type == "linear":
             return cls("linear", float(raw["factor"]))
         if raw["high_freq_factor"] <= raw["low_freq_factor"]:
-            raise ConfigError(f"config field {field}.high_freq_factor: {raw['high_freq_factor']!r} must be "
-                              f"above low_freq_factor {raw['low_freq_factor']!r}")
+            raise ConfigError(f"config field {field}.high_freq_factor: {_brief(raw['high_freq_factor'])} "
+                              f"must be above low_freq_factor {_brief(raw['low_freq_factor'])}")
         return cls("llama3", float(raw["factor"]), float(raw["low_freq_factor"]),
                    float(raw["high_freq_factor"]), int(raw["original_max_position_embeddings"]))
 
@@ -111,42 +119,47 @@ class LlamaConfig:
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "vocab_size", "max_position_embeddings"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"config field {name}: expected a positive integer, got {value!r}")
+            if not _positive_int(value):
+                raise ConfigError(f"config field {name}: expected a positive integer, got {_brief(value)}")
         if self.head_dim == 0:
             if self.hidden_size % self.num_attention_heads:
                 raise ConfigError(f"config field hidden_size: {self.hidden_size} is not a multiple of "
                                   f"num_attention_heads {self.num_attention_heads}")
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
-        if not isinstance(self.head_dim, int) or self.head_dim < 2 or self.head_dim % 2:
+        if not _positive_int(self.head_dim) or self.head_dim % 2:
             raise ConfigError(f"config field head_dim: expected a positive even integer, "
-                              f"got {self.head_dim!r}")
+                              f"got {_brief(self.head_dim)}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(f"config field num_key_value_heads: {self.num_key_value_heads} does not divide "
                               f"num_attention_heads {self.num_attention_heads}")
-        for name in ("rms_norm_eps", "rope_theta"):
-            value = getattr(self, name)
-            if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"config field {name}: expected a positive number, got {value!r}")
+        eps = _number(self.rms_norm_eps)
+        if eps is None or not 0 < eps < 1:
+            raise ConfigError(f"config field rms_norm_eps: expected a finite number above 0 and below 1, "
+                              f"got {_brief(self.rms_norm_eps)}")
+        theta = _number(self.rope_theta)
+        if theta is None or theta <= 1:  # at or below 1 the rotary frequencies do not fall with depth
+            raise ConfigError(f"config field rope_theta: expected a finite number above 1, "
+                              f"got {_brief(self.rope_theta)}")
         for name in ("tie_word_embeddings", "qkv_bias", "o_bias", "mlp_bias"):
             if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"config field {name}: expected true or false, got {getattr(self, name)!r}")
+                raise ConfigError(f"config field {name}: expected true or false, "
+                                  f"got {_brief(getattr(self, name))}")
         if self.model_type not in MODEL_TYPES:
-            raise ConfigError(f"config field model_type: {self.model_type!r} is not supported "
+            raise ConfigError(f"config field model_type: {_brief(self.model_type)} is not supported "
                               f"(supported: {', '.join(MODEL_TYPES)})")
         window = self.sliding_window
         if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
             raise ConfigError(f"config field sliding_window: expected a positive integer or null, "
-                              f"got {window!r}")
+                              f"got {_brief(window)}")
         if self.sliding_layers is not None and not all(
                 isinstance(n, int) and 0 <= n < self.num_hidden_layers for n in self.sliding_layers):
-            raise ConfigError(f"config field layer_types: layers {self.sliding_layers!r} are not all "
+            raise ConfigError(f"config field layer_types: layers {_brief(self.sliding_layers)} are not all "
                               f"within 0..{self.num_hidden_layers - 1}")
         special = [("bos_token_id", self.bos_token_id)] if self.bos_token_id is not None else []
         special += [("eos_token_id", t) for t in self.eos_token_ids]
         for name, token in special:
             if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < self.vocab_size:
-                raise ConfigError(f"config field {name}: {token!r} is not a token id below "
+                raise ConfigError(f"config field {name}: {_brief(token)} is not a token id below "
                                   f"vocab_size {self.vocab_size}")
 
     def window(self, layer: int) -> int | None:
@@ -167,10 +180,11 @@ class LlamaConfig:
             raise ConfigError("config.json is not a JSON object")
         model_type = raw.get("model_type", "llama")
         if model_type not in MODEL_TYPES:
-            raise ConfigError(f"config field model_type: {model_type!r} is not supported "
+            raise ConfigError(f"config field model_type: {_brief(model_type)} is not supported "
                               f"(supported: {', '.join(MODEL_TYPES)})")
         if raw.get("hidden_act", "silu") not in ("silu", "swish"):
-            raise ConfigError(f"config field hidden_act: {raw['hidden_act']!r} is not supported (only silu)")
+            raise ConfigError(f"config field hidden_act: {_brief(raw['hidden_act'])} is not supported "
+                              f"(only silu)")
         if raw.get("quantization_config") is not None:
             raise ConfigError("config field quantization_config: quantized checkpoints are not supported")
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -178,6 +192,10 @@ class LlamaConfig:
             if name not in raw:
                 raise ConfigError(f"config field {name}: missing")
         rope_theta, rope_scaling = _rope(raw)
+        head_dim = raw.get("head_dim")  # null or absent: hidden_size / num_attention_heads
+        if head_dim is not None and not _positive_int(head_dim):
+            raise ConfigError(f"config field head_dim: expected a positive even integer, "
+                              f"got {_brief(head_dim)}")
         eos = raw.get("eos_token_id", 2)
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         layers = raw["num_hidden_layers"]
@@ -199,7 +217,7 @@ class LlamaConfig:
             intermediate_size=raw["intermediate_size"],
             num_hidden_layers=layers,
             num_attention_heads=raw["num_attention_heads"],
-            num_key_value_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
+            num_key_value_heads=_default(raw, "num_key_value_heads", raw["num_attention_heads"]),
             vocab_size=raw["vocab_size"],
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
@@ -207,7 +225,7 @@ class LlamaConfig:
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             bos_token_id=raw.get("bos_token_id", 1),
             eos_token_ids=eos_ids,
-            head_dim=raw.get("head_dim") or 0,
+            head_dim=0 if head_dim is None else head_dim,
             model_type=model_type,
             rope_scaling=rope_scaling,
             qkv_bias=qkv_bias,
@@ -228,7 +246,7 @@ class LlamaConfig:
             raise ConfigError(f"{path}: cannot read: {exc}") from exc
         try:
             raw = json.loads(text)
-        except json.JSONDecodeError as exc:
+        except (ValueError, RecursionError) as exc:  # ValueError: JSONDecodeError, an integer too long
             raise ConfigError(f"{path}: not valid JSON: {exc}") from exc
         try:
             config = cls.from_dict(raw)
@@ -243,13 +261,13 @@ class LlamaConfig:
             raw = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             return self
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:  # ValueError: bad UTF-8, bad JSON
             raise ConfigError(f"{path}: cannot read: {exc}") from exc
         eos = raw.get("eos_token_id") if isinstance(raw, dict) else None
         extra = eos if isinstance(eos, list) else [] if eos is None else [eos]
         for token in extra:
             if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < self.vocab_size:
-                raise ConfigError(f"{path}: field eos_token_id: {token!r} is not a token id below "
+                raise ConfigError(f"{path}: field eos_token_id: {_brief(token)} is not a token id below "
                                   f"vocab_size {self.vocab_size}")
         merged = tuple(dict.fromkeys([*self.eos_token_ids, *extra]))
         return self if merged == self.eos_token_ids else replace(self, eos_token_ids=merged)
@@ -294,10 +312,39 @@ class LlamaConfig:
         return out
 
 
+def _brief(value: Any, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters: an error stays one short line, whatever the file holds."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _positive_int(value: Any) -> bool:
+    """A JSON integer of at least 1 (not a bool, not a float)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _number(value: Any) -> float | None:
+    """A JSON number as a finite float; None for anything else (NaN, Infinity, a string, a bool,
+    an integer too large for a float)."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _default(raw: dict[str, Any], name: str, default: Any) -> Any:
+    """``raw[name]``, or ``default`` when it is absent or null (never when it is 0 or false)."""
+    value = raw.get(name)
+    return default if value is None else value
+
+
 def _flag(raw: dict[str, Any], name: str) -> bool:
     value = raw.get(name, False)
     if not isinstance(value, bool):
-        raise ConfigError(f"config field {name}: expected true or false, got {value!r}")
+        raise ConfigError(f"config field {name}: expected true or false, got {_brief(value)}")
     return value
 
 
@@ -306,7 +353,7 @@ def _rope(raw: dict[str, Any]) -> tuple[Any, RopeScaling | None]:
     params = raw.get("rope_parameters")
     if params is not None:
         if not isinstance(params, dict):
-            raise ConfigError(f"config field rope_parameters: expected an object, got {params!r}")
+            raise ConfigError(f"config field rope_parameters: expected an object, got {_brief(params)}")
         if "full_attention" in params or "sliding_attention" in params:
             raise ConfigError("config field rope_parameters: per-layer-type parameters are not supported")
         theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
@@ -320,10 +367,10 @@ def _sliding_layers(raw: dict[str, Any], layers: Any, max_window_layers: Any) ->
     if types is None:
         if not isinstance(max_window_layers, int) or isinstance(max_window_layers, bool):
             raise ConfigError(f"config field max_window_layers: expected an integer, "
-                              f"got {max_window_layers!r}")
+                              f"got {_brief(max_window_layers)}")
         return tuple(range(max_window_layers, layers)) if isinstance(layers, int) else ()
     if not isinstance(types, list) or len(types) != layers or not all(
             t in ("full_attention", "sliding_attention") for t in types):
         raise ConfigError(f"config field layer_types: expected {layers} of full_attention or "
-                          f"sliding_attention, got {types!r}")
+                          f"sliding_attention, got {_brief(types)}")
     return tuple(n for n, t in enumerate(types) if t == "sliding_attention")

@@ -112,7 +112,7 @@ def tokenizer_config(model_dir: str | Path) -> dict:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         return {}
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: bad UTF-8, bad JSON
         raise TokenizerError(f"{path}: cannot read: {exc}") from exc
     if not isinstance(raw, dict):
         raise TokenizerError(f"{path}: not a JSON object")
@@ -140,18 +140,36 @@ def load_tokenizer(model_dir: str | Path, bos_token_id: int | None = None,
                            add_bos if isinstance(add_bos, bool) else None)
     spec_path = model_dir / BYTE_SPEC_FILE
     if spec_path.exists():
-        try:
-            spec = json.loads(spec_path.read_text(encoding="utf-8"))
-            if spec.get("type") != "byte":
-                raise TokenizerError(f"{spec_path}: unknown type {spec.get('type')!r}")
-            offset = spec["offset"]
-            if not isinstance(offset, int) or offset < 0:
-                raise TokenizerError(f"{spec_path}: offset {offset!r} is not a non-negative integer")
-            bos = spec.get("bos_token_id", bos_token_id)
-            eos = spec.get("eos_token_id")
-        except (OSError, ValueError, KeyError, AttributeError) as exc:
-            raise TokenizerError(f"{spec_path}: cannot read: {exc}") from exc
+        bos, eos, offset = _byte_spec(spec_path, bos_token_id)
         return ByteTokenizer(offset, bos, (eos,) if eos is not None else tuple(eos_token_ids))
     specials = [t for t in (bos_token_id, *eos_token_ids) if t is not None]
     low = [t for t in specials if t < 256]
     return ByteTokenizer(max(low) + 1 if low else 0, bos_token_id, tuple(eos_token_ids))
+
+
+def _byte_spec(path: Path, bos_token_id: int | None) -> tuple[int | None, int | None, int]:
+    """``byte_tokenizer.json``'s (bos, eos, offset), every field checked."""
+    try:
+        spec = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: bad UTF-8, bad JSON
+        raise TokenizerError(f"{path}: cannot read: {exc}") from exc
+    if not isinstance(spec, dict):
+        raise TokenizerError(f"{path}: not a JSON object")
+    if spec.get("type") != "byte":
+        raise TokenizerError(f"{path}: field type: unknown type {spec.get('type')!r} (expected \"byte\")")
+    if "offset" not in spec:
+        raise TokenizerError(f"{path}: field offset: missing")
+    offset = spec["offset"]
+    if not _token_id(offset):
+        raise TokenizerError(f"{path}: field offset: {offset!r} is not a non-negative integer")
+    bos = spec.get("bos_token_id", bos_token_id)
+    eos = spec.get("eos_token_id")
+    for name, value in (("bos_token_id", bos), ("eos_token_id", eos)):
+        if value is not None and not _token_id(value):
+            raise TokenizerError(f"{path}: field {name}: {value!r} is not a token id (a non-negative "
+                                 f"integer, or null)")
+    return bos, eos, offset
+
+
+def _token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
