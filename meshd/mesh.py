@@ -80,6 +80,16 @@ class Mesh(Protocol):
         refused a dial since (known in a round trip, before failure detection says so)."""
         ...
 
+    def report_down(self, node: bytes, epoch: int) -> None:
+        """A stage says ``node``'s process ``epoch`` is gone (its sends to it failed) before
+        failure detection says so: no new request is routed to it, and the snapshot (so
+        readiness) says why, for ``REPORTED_DOWN_S`` or until another process replaces it."""
+        ...
+
+    def reported_down(self, node: bytes) -> bool:
+        """Whether ``node``'s current process was reported down lately (``report_down``)."""
+        ...
+
     def down_since(self, node: bytes) -> float | None:
         """When ``node`` started to look down (trio time), or None."""
         ...

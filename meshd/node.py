@@ -70,6 +70,10 @@ MAX_HELD_ANSWERS = 64
 
 # A handler's unexpected error is logged with its traceback this many times, then counted only.
 MAX_LOGGED_HANDLER_ERRORS = 20
+# A process a stage reported down is not routed to for this long, unless a new one replaces
+# it; past it failure detection has had its say, and the member is as it says.
+REPORTED_DOWN_S = 30.0
+MAX_REPORTED_DOWN = 1024
 
 # A join no seed answered within this long (or this many probe timeouts, if longer) is said
 # in a log line, again at twice the wait each time, and the relays are asked for members.
@@ -193,6 +197,7 @@ class Node:
         # proves itself (answers our ping); oldest dropped first.
         self._held_answers: dict[str, bytes] = {}
         self._handler_errors_logged = 0
+        self._reported_down: dict[bytes, tuple[int, float]] = {}  # node -> (its epoch, when)
         self._memory = node_memory.NodeMemory()  # as loaded, then as last saved
         self._memory_error: str | None = None  # the last save error, logged once
         self._memory_lock = trio.Lock()  # the loop and leave() write the same file
@@ -445,6 +450,17 @@ class Node:
     def down_since(self, node: bytes) -> float | None:
         return self.data.down_since(node)
 
+    def report_down(self, node: bytes, epoch: int) -> None:
+        self._reported_down[node] = (epoch, time.monotonic())
+        while len(self._reported_down) > MAX_REPORTED_DOWN:
+            self._reported_down.pop(next(iter(self._reported_down)))
+
+    def reported_down(self, node: bytes) -> bool:
+        seen = self._reported_down.get(node)
+        m = self.swim.members.get(node) if seen is not None and self.swim is not None else None
+        return (m is not None and seen is not None and seen[0] == m.meta.epoch
+                and time.monotonic() - seen[1] < REPORTED_DOWN_S)
+
     def probe_soon(self, node: bytes) -> None:
         self.core.probe_soon(node, trio.current_time())
         self._wake.set()
@@ -555,7 +571,8 @@ class Node:
     def snapshot(self) -> dict:
         assert self.swim is not None
         relays = self.relays.snapshot() if self.relays is not None else None
-        snap = snapshot(self.swim, trio.current_time(), self.paths, relays[0] if relays else None)
+        snap = snapshot(self.swim, trio.current_time(), self.paths, relays[0] if relays else None,
+                        self.reported_down)
         snap["relays"] = relays or []
         snap["join"] = self.join_status()
         for view in snap["members"]:

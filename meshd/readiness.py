@@ -112,10 +112,13 @@ def _replica(entry: dict, views: dict[str, dict], run_checkpoint: str) -> dict:
     draining = bool(view.get("draining"))
     mismatch = bool(run_checkpoint and checkpoint and checkpoint != run_checkpoint)
     live = bool(entry.get("live"))
+    # A stage reported its process gone before failure detection says so: the orchestrator
+    # routes no new request to it meanwhile (``Mesh.report_down``), so it does not serve.
+    down = bool(view.get("reported_down"))
     return {"prefix": entry["owner"], "state": view.get("state", "unknown"), "checkpoint": checkpoint or None,
-            "draining": draining, "serving": live and not draining and not mismatch,
+            "draining": draining, "serving": live and not draining and not mismatch and not down,
             "live": live, "mismatch": mismatch, "tombstone": bool(entry.get("tombstone")),
-            "id": view.get("id")}
+            "id": view.get("id"), "reported_down": down}
 
 
 def _role_row(label: str, name: str, names: dict, views: dict[str, dict], run_checkpoint: str,
@@ -151,12 +154,18 @@ def _unserved(label: str, name: str, replicas: list[dict], run_checkpoint: str) 
         return [f"{label}: every owner is draining ({', '.join(r['prefix'] for r in live)})"]
     out = []
     for r in live:
-        if r["mismatch"]:
+        if r["reported_down"]:
+            out.append(f"{label}: {r['prefix']} {_REPORTED_DOWN}")
+        elif r["mismatch"]:
             out.append(f"{label}: {r['prefix']} serves checkpoint {_short(r['checkpoint'])} "
                        f"but the run's is {_short(run_checkpoint)}")
         elif r["draining"]:
             out.append(f"{label}: {r['prefix']} is draining")
     return out
+
+
+_REPORTED_DOWN = ("was reported down by a stage that sends to it (its sends failed); failure detection "
+                  "has not said so yet: is its process running?")
 
 
 def _gone(state: str) -> str:
@@ -176,6 +185,8 @@ def _degraded(label: str, shown: list[dict], serving: int, run_checkpoint: str) 
                        f"run's is {_short(run_checkpoint)}; not used{rest}")
         elif r["draining"]:
             out.append(f"{label}: replica {r['prefix']} is draining{rest}")
+        elif r["reported_down"]:
+            out.append(f"{label}: replica {r['prefix']} {_REPORTED_DOWN}{rest}")
         elif r["state"] == "suspect":
             out.append(f"{label}: replica {r['prefix']} is suspect" + (rest if others else ""))
     return out

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from .identity import prefix
@@ -50,14 +51,18 @@ def member_view(m: Member, now: float) -> dict:
     }
 
 
-def snapshot(swim: Swim, now: float, paths: PathTable | None = None, relay: dict | None = None) -> dict:
-    """A JSON-ready picture of the node: self, members (with their paths), names, counters."""
+def snapshot(swim: Swim, now: float, paths: PathTable | None = None, relay: dict | None = None,
+             reported_down: Callable[[bytes], bool] | None = None) -> dict:
+    """A JSON-ready picture of the node: self, members (with their paths), names, counters.
+    ``reported_down(id)``: whether a stage reported the member's process gone (``Mesh.report_down``),
+    which readiness counts as not serving."""
     members = []
     for m in swim.members.values():
         if m.id == swim.id:
             continue
         view = member_view(m, now)
         view["path_checks"] = swim.path_checks.get(m.id, 0)
+        view["reported_down"] = reported_down is not None and reported_down(m.id)
         if paths is not None:
             path_view = paths.view(m.id, now)
             del path_view["peer"]

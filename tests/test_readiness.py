@@ -164,6 +164,27 @@ def test_a_dead_replica_beside_a_live_one_is_a_warning():
     assert r["warnings"] == [f"stage-1: replica {S1B} is down (dead); 1 other serves"]
 
 
+def test_a_stage_reported_down_before_failure_detection_says_so_stops_the_run_naming_it():
+    """The orchestrator routes no new request to a process a stage reported gone: readiness
+    says the same, or doctor would say all is well while every request gets a 503."""
+    me, others = healthy()
+    others[3] = {**node(S2, 2), "reported_down": True}
+    r = readiness(snap_of(me, others))
+    assert r["ready"] is False and r["stages"][2]["live"] == 0
+    [why] = r["why"]
+    assert why.startswith(f"stage-2: {S2} was reported down") and "is its process running?" in why
+
+
+def test_a_replica_reported_down_beside_a_live_one_is_a_warning():
+    me, others = healthy()
+    others[2] = {**node(S1B, 1), "reported_down": True}
+    r = readiness(snap_of(me, others))
+    assert r["ready"] is True and r["stages"][1]["live"] == 1
+    [warning] = r["warnings"]
+    assert warning.startswith(f"stage-1: replica {S1B} was reported down")
+    assert warning.endswith("1 other serves")
+
+
 def test_the_stage_count_comes_from_us_else_from_the_members():
     me, others = healthy()
     silent = [node(v["prefix"], v["stage"], stages=None) for v in others]
@@ -253,7 +274,22 @@ async def test_doctor_says_why_until_the_missing_stage_joins_then_peers_shows_it
 
             code, out = await _run(capsys, "peers", orch.dashboard_url)
             assert code == 0 and "pipeline: ready" in out
+
             rows = [line.split()[:3] for line in out.splitlines() if line.startswith("stage-1 ")]
             prefixes = sorted(r.identity.prefix for r in replicas)
             assert rows == [["stage-1", "(1/2)", prefixes[0]], ["stage-1", "(2/2)", prefixes[1]]], out
+
+            # A stage reports one replica's process gone: a warning while the other serves;
+            # both reported, the stage has nobody the orchestrator would route to.
+            first, second = replicas
+            orch.report_down(first.identity.node_id, first.data.epoch)
+            code, out = await _run(capsys, "doctor", orch.dashboard_url)
+            assert code == 0 and f"replica {first.identity.prefix} was reported down" in out, out
+            orch.report_down(second.identity.node_id, second.data.epoch)
+            code, out = await _run(capsys, "doctor", orch.dashboard_url)
+            assert code == 1 and out.startswith("not ready\nWhy\n  stage-1: "), out
+            assert f"{second.identity.prefix} was reported down" in out
+            orch.report_down(second.identity.node_id, second.data.epoch + 1)  # another process
+            code, out = await _run(capsys, "doctor", orch.dashboard_url)
+            assert code == 0, out
             nursery.cancel_scope.cancel()

@@ -54,13 +54,12 @@ log = logging.getLogger("meshd.pipeline")
 
 LOST_CHECK_S = 0.05  # how often a waiting request looks at the nodes of its route (``_tick``)
 MAX_FAILOVERS = 8  # per request: past this, it fails
-MAX_REPORTED_DOWN = 1024
+MAX_STRANGERS = 1024  # members logged once for messages off a request's route
 # A request stalls when no token came for STALL_GAPS of its median gaps (at least STALL_MIN_S;
 # STALL_FIRST_S before it has tokens): then its route is probed first.
 STALL_GAPS = 8
 STALL_MIN_S = 0.25
 STALL_FIRST_S = 2.0
-REPORTED_DOWN_S = 30.0  # past this, failure detection has had its say: it is alive
 MAX_DEFAULT_TOKENS = 4096  # a request that names no max_tokens: the rest of the context, up to this
 RELEASE_S = 1.0  # how long a request that ends early may take telling its route
 
@@ -133,7 +132,6 @@ class Orchestrator(App):
         self._refused: set[tuple[bytes, str]] = set()  # (node, checkpoint) already logged as refused
         # Nodes a stage saw go down, with their process epoch then: not picked again until
         # the mesh says more (a new epoch), bounded.
-        self._reported_down: dict[bytes, tuple[int, float]] = {}
         self._strangers: dict[bytes, None] = {}  # who sent for requests it does not serve (said once)
 
     def start_background(self, nursery: trio.Nursery) -> None:
@@ -167,9 +165,9 @@ class Orchestrator(App):
         return sorted(out, key=rank)
 
     def _seen_down(self, m: MemberInfo) -> bool:
-        """A stage reported ``m`` down lately, and it runs the same process still."""
-        seen = self._reported_down.get(m.id)
-        return seen is not None and seen[0] == m.epoch and time.monotonic() - seen[1] < REPORTED_DOWN_S
+        """A stage reported ``m`` down lately, and it runs the same process still (the mesh
+        keeps the report, so the snapshot, and readiness, say the same)."""
+        return self.mesh.reported_down(m.id)
 
     def _usable(self, m: MemberInfo, stage: int) -> bool:
         if m.draining:
@@ -468,7 +466,7 @@ class Orchestrator(App):
         self.metrics.not_from_route += 1
         if src not in self._strangers:
             self._strangers[src] = None
-            while len(self._strangers) > MAX_REPORTED_DOWN:
+            while len(self._strangers) > MAX_STRANGERS:
                 self._strangers.pop(next(iter(self._strangers)))
             log.warning("ignoring %s for request %s from %s, which does not serve it (its route: %s)",
                         type(msg).__name__, req.req_id, self.mesh.describe(src), self._describe_route(req))
@@ -510,10 +508,7 @@ class Orchestrator(App):
                 # A stage naming itself lost the request's state, or hands it over while draining.
                 req.trouble = (req.route.index(msg.peer), msg.peer, msg.message, msg.peer != src)
                 if msg.peer != src:  # about the process the request was routed to
-                    epoch = req.epochs[req.route.index(msg.peer)]
-                    self._reported_down[msg.peer] = (epoch, time.monotonic())
-                    while len(self._reported_down) > MAX_REPORTED_DOWN:
-                        self._reported_down.pop(next(iter(self._reported_down)))
+                    self.mesh.report_down(msg.peer, req.epochs[req.route.index(msg.peer)])
             else:
                 req.error = f"{msg.stage}: {msg.message}"
             req.tell()
