@@ -529,6 +529,40 @@ async def test_a_batch_row_that_is_not_a_running_requests_next_step_is_handled_a
             nursery.cancel_scope.cancel()
 
 
+async def test_steps_that_do_not_follow_a_requests_cache_fail_it_in_one_line_not_a_traceback(checkpoint,
+                                                                                                caplog):
+    """Steps resent to a restarted stage from before its restart (a prompt, then rows past
+    it that skip some): each fails its request with one line naming the request, its
+    position and the cache's, and the cache is left as it was."""
+    lines: list[str] = []
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nodes = await start_pipeline(nursery, checkpoint, 3, lines)
+            orch, stage1 = nodes[0].app, nodes[2].app
+            told: list = []
+
+            async def tell(origin, error) -> None:
+                told.append(error.message)
+
+            stage1._tell = tell
+            sampling = Sampling(32, 0.0, 0, 0, False)
+            origin = orch.mesh.node_id
+            route = tuple(n.app.mesh.node_id for n in nodes[1:])
+            start = Activation("r1", origin, 0, 0, 11, 64, bytes(4 * 64 * 11), (), sampling, 0.0, (), route)
+            await stage1._on_message(origin, start)
+            assert stage1.jobs["r1"].cache.length == 11
+            for pos, rows in ((12, 2), (13, 1), (11, 40)):
+                hidden = bytes(4 * 64 * rows)
+                ahead = Activation("r1", origin, pos, 1, rows, 64, hidden, (), sampling, 0.0, (), route)
+                await stage1._on_message(origin, ahead)
+            assert told == [f"stage-1: request r1 step 1 at position {pos} ({rows} rows) does not follow its "
+                            f"cache (11 of {stage1.jobs['r1'].cache.max_seq} filled)"
+                            for pos, rows in ((12, 2), (13, 1), (11, 40))]
+            assert stage1.jobs["r1"].cache.length == 11
+            assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
+            nursery.cancel_scope.cancel()
+
+
 async def test_a_hundred_concurrent_http_requests_all_complete_within_the_kv_budget(checkpoint):
     """Past --max-running the requests wait (none is refused: the queue holds them, and none
     is evicted), and what each stage holds stays within its KV budget."""

@@ -123,9 +123,9 @@ class _Job:
     reported: set[bytes] = field(default_factory=set)  # peers already reported down for it
     decoding: bool = False  # a decode step of it came here: its next ones come back
 
-    def follows(self, pos: int) -> bool:
-        """Whether a one-row step at ``pos`` is the next its cache takes."""
-        return pos == self.cache.length and pos < self.cache.max_seq
+    def follows(self, pos: int, rows: int = 1) -> bool:
+        """Whether ``rows`` rows from ``pos`` on are the next its cache takes."""
+        return pos == self.cache.length and pos + rows <= self.cache.max_seq
 
 
 def splits_head(config: LlamaConfig, stages: int) -> bool:
@@ -411,11 +411,13 @@ class StageService(App):
         else:
             hidden = np.frombuffer(msg.hidden, dtype=np.float32).reshape(msg.rows, msg.dims)
         job = self._job(msg)
+        if msg.pos and not job.follows(msg.pos, hidden.shape[0]):
+            # Rows of a request this process did not run from its start (steps resent from
+            # before a restart), or rows past its cache: its state here cannot take them.
+            raise PipelineError(f"{self.name}: request {msg.req_id} step {msg.step} at position "
+                                f"{msg.pos} ({hidden.shape[0]} rows) does not follow its cache "
+                                f"({job.cache.length} of {job.cache.max_seq} filled)")
         if self._batching() and hidden.shape[0] == 1 and not msg.prefill:
-            if not job.follows(msg.pos):
-                raise PipelineError(f"{self.name}: request {msg.req_id} step {msg.step} at position "
-                                    f"{msg.pos} does not follow its cache ({job.cache.length} of "
-                                    f"{job.cache.max_seq} filled)")
             job.decoding = True
             self._ready.append(_Step(msg, job, hidden, trace, trio.current_time()))
             self._work.set()
