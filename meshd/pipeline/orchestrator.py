@@ -352,15 +352,21 @@ class Orchestrator(App):
     async def _release(self, req: _Request) -> None:
         """Tell the route to drop a request it would go on computing: one a stop string ended,
         or whose caller left, or that failed.  The Release passes down the chain from stage 0,
-        behind the request's messages in flight."""
-        entry = self.mesh.member_by_id(req.route[0]) if req.route[0] != self.mesh.node_id else None
-        if req.route[0] != self.mesh.node_id and (entry is None or not entry.live):
-            return
+        behind the request's messages in flight; each later stage gets one from us too, since
+        the chain stops at a stage that is down (and then the stages past it would hold the
+        request's cache until it aged out).  A stage that gets its Release before the request
+        does holds the request until the chained one comes."""
+        release = Release(req.wire_id)
         with trio.CancelScope(shield=True, deadline=trio.current_time() + RELEASE_S):
-            try:
-                await self.send(req.route[0], Release(req.wire_id))
-            except Exception as exc:  # the request is over either way; its caches age out
-                log.warning("request %s: could not release it on its route: %s", req.req_id, exc)
+            for node in dict.fromkeys(req.route):
+                entry = self.mesh.member_by_id(node) if node != self.mesh.node_id else None
+                if node != self.mesh.node_id and (entry is None or not entry.live):
+                    continue
+                try:
+                    await self.send(node, release)
+                except Exception as exc:  # the request is over either way; its caches age out
+                    log.warning("request %s: could not release it at %s: %s", req.req_id,
+                                self.mesh.describe(node), exc)
 
     @staticmethod
     def _stall_s(req: _Request) -> float:

@@ -56,7 +56,10 @@ log = logging.getLogger("meshd.pipeline")
 
 MAX_CACHED_REQUESTS = 64  # bounds what is kept of requests that ended or died (not their caches)
 ENDED_KEPT = 4096  # ids of the requests that ended last, each a few dozen bytes
-JOB_IDLE_S = 600.0  # a request without a message for this long lost its end: its cache goes
+# A request without a message for this long lost its end (its Release): its cache goes.  The
+# orchestrator fails a request after 30 s without a token and releases it; a request running
+# anywhere on its route brings every stage a message per token.
+JOB_IDLE_S = 120.0
 # Decode steps of up to this many requests run as one forward pass (``--max-batch``): each
 # weight is read once per batch, not once per request.  1 runs each step alone.
 DEFAULT_MAX_BATCH = 16
