@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from meshd.pipeline.api import Busy, Generator, NotReady, PipelineError
+from meshd.pipeline.api import Busy, Generator, NotReady, PipelineError, StageLost
 from meshd.pipeline.stops import MAX_STOP_CHARS, MAX_STOPS, settled
 
 from .requests import BadRequest, error, field, json_body, openai_error
@@ -168,9 +168,9 @@ async def _prepare(request: Request, api: str = "native") -> tuple[Generator, di
     return orch, body, params
 
 
-def _retry_later(exc: Busy | NotReady, fail) -> Response:
-    """503 with Retry-After: every slot is taken and the queue is full, or a pipeline name
-    does not resolve yet (then ``missing`` lists them)."""
+def _retry_later(exc: Busy | NotReady | StageLost, fail) -> Response:
+    """503 with Retry-After: every slot is taken and the queue is full, a pipeline name
+    does not resolve yet (then ``missing`` lists them), or a stage was lost mid-request."""
     extra = {"missing": exc.missing} if isinstance(exc, NotReady) else {}
     response = fail(503, str(exc), **extra)
     response.headers["Retry-After"] = str(exc.retry_after)
@@ -196,7 +196,7 @@ async def _generate(request: Request, orch: Generator, params: dict, openai: boo
         return result
     except ValueError as exc:
         return fail(400, str(exc))
-    except (Busy, NotReady) as exc:
+    except (Busy, NotReady, StageLost) as exc:
         return _retry_later(exc, fail)
     except PipelineError as exc:
         return fail(503, str(exc))

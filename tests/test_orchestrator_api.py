@@ -145,3 +145,27 @@ async def test_chat_errors_come_in_openais_shape_with_the_templates_message(chec
                 r = await client.post("/v1/embeddings", json={})
                 assert r.status_code == 404 and "/v1/chat/completions" in r.json()["error"]["message"]
             nursery.cancel_scope.cancel()
+
+
+async def test_a_request_that_lost_a_stage_gets_503_with_retry_after(checkpoint, monkeypatch):
+    """Stages restart within seconds and replicas take over at once: a client told its
+    request lost a stage is told when to try again, on both APIs."""
+    from meshd.pipeline.api import StageLost
+
+    lines: list[str] = []
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            orch = await _mesh(nursery, checkpoint, 1, lines)
+            await orch.app.wait_ready(10)
+
+            async def lost(**_params):
+                raise StageLost("stage-0 (peer 5c3e9a10 dead)")
+
+            monkeypatch.setattr(orch.app, "generate", lost)
+            async with httpx.AsyncClient(base_url=orch.dashboard_url, timeout=30) as client:
+                for path, body in (("/api/generate", {"prompt": "Hello", "max_tokens": 4}),
+                                   ("/v1/completions", {"prompt": "Hello", "max_tokens": 4})):
+                    r = await client.post(path, json=body)
+                    assert r.status_code == 503 and r.headers.get("retry-after") == "1", (path, r.text)
+                    assert "lost: stage-0 (peer 5c3e9a10 dead)" in r.text
+            nursery.cancel_scope.cancel()

@@ -16,11 +16,14 @@ class PipelineError(Exception):
 
 
 class StageLost(PipelineError):
-    """A stage died mid-request; ``lost`` reads ``stage-2 (peer 2b91108e dead)``."""
+    """A stage died mid-request; ``lost`` reads ``stage-2 (peer 2b91108e dead)``.  Stages
+    restart within seconds and replicas take over at once, so the 503 says to retry after
+    ``retry_after`` seconds."""
 
-    def __init__(self, lost: str) -> None:
+    def __init__(self, lost: str, retry_after: int = 1) -> None:
         super().__init__(f"lost: {lost}")
         self.lost = lost
+        self.retry_after = retry_after
 
 
 class NotReady(PipelineError):
