@@ -175,20 +175,22 @@ def _gone(state: str) -> str:
 def _degraded(label: str, shown: list[dict], serving: int, run_checkpoint: str) -> list[str]:
     """What is wrong with some replicas while ``serving`` others take the work."""
     out = []
+    # Nodes of one stage are its replicas; two orchestrators are two orchestrators.
+    replica = "replica " if label.startswith("stage-") else ""
     for r in shown:
         others = serving - (1 if r["serving"] else 0)
         rest = f"; {others} other{'s' if others != 1 else ''} serve{'' if others != 1 else 's'}"
         if not r["live"]:
-            out.append(f"{label}: replica {r['prefix']} is down ({r['state']}){rest}")
+            out.append(f"{label}: {replica}{r['prefix']} is down ({r['state']}){rest}")
         elif r["mismatch"]:
             out.append(f"{label}: {r['prefix']} serves checkpoint {_short(r['checkpoint'] or '')} but the "
                        f"run's is {_short(run_checkpoint)}; not used{rest}")
         elif r["draining"]:
-            out.append(f"{label}: replica {r['prefix']} is draining{rest}")
+            out.append(f"{label}: {replica}{r['prefix']} is draining{rest}")
         elif r["reported_down"]:
-            out.append(f"{label}: replica {r['prefix']} {_REPORTED_DOWN}{rest}")
+            out.append(f"{label}: {replica}{r['prefix']} {_REPORTED_DOWN}{rest}")
         elif r["state"] == "suspect":
-            out.append(f"{label}: replica {r['prefix']} is suspect" + (rest if others else ""))
+            out.append(f"{label}: {replica}{r['prefix']} is suspect" + (rest if others else ""))
     return out
 
 
