@@ -529,11 +529,12 @@ async def test_a_batch_row_that_is_not_a_running_requests_next_step_is_handled_a
             nursery.cancel_scope.cancel()
 
 
-async def test_steps_that_do_not_follow_a_requests_cache_fail_it_in_one_line_not_a_traceback(checkpoint,
-                                                                                                caplog):
+async def test_steps_that_do_not_follow_a_requests_cache_are_lost_state_in_one_line_not_a_traceback(
+        checkpoint, caplog):
     """Steps resent to a restarted stage from before its restart (a prompt, then rows past
-    it that skip some): each fails its request with one line naming the request, its
-    position and the cache's, and the cache is left as it was."""
+    it that skip some) find state that is not theirs: the stage says once that it lost the
+    request, naming its position and the cache's, so the orchestrator replays it; rows past
+    the end of a cache they follow fail the request.  The cache is left as it was."""
     lines: list[str] = []
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
@@ -542,7 +543,7 @@ async def test_steps_that_do_not_follow_a_requests_cache_fail_it_in_one_line_not
             told: list = []
 
             async def tell(origin, error) -> None:
-                told.append(error.message)
+                told.append(error)
 
             stage1._tell = tell
             sampling = Sampling(32, 0.0, 0, 0, False)
@@ -555,9 +556,12 @@ async def test_steps_that_do_not_follow_a_requests_cache_fail_it_in_one_line_not
                 hidden = bytes(4 * 64 * rows)
                 ahead = Activation("r1", origin, pos, 1, rows, 64, hidden, (), sampling, 0.0, (), route)
                 await stage1._on_message(origin, ahead)
-            assert told == [f"stage-1: request r1 step 1 at position {pos} ({rows} rows) does not follow its "
-                            f"cache (11 of {stage1.jobs['r1'].cache.max_seq} filled)"
-                            for pos, rows in ((12, 2), (13, 1), (11, 40))]
+            size = stage1.jobs["r1"].cache.max_seq
+            cache = f"does not follow its cache (11 of {size} filled)"
+            assert [(e.message, e.peer) for e in told] == [
+                (f"stage-1: request r1 step 1 at position 12 (2 rows) {cache}",
+                 stage1.mesh.node_id),  # lost here: replay it (said once)
+                (f"stage-1: request r1 step 1 at position 11 (40 rows) {cache}", b"")]
             assert stage1.jobs["r1"].cache.length == 11
             assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
             nursery.cancel_scope.cancel()

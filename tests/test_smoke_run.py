@@ -195,6 +195,17 @@ def test_a_restarted_serving_replica_comes_back_with_its_key_and_the_run_passes(
     assert out["run_status"] == "done" and set(out["jobs"].values()) == {"exited (0)"}
 
 
+@pytest.mark.parametrize("stage", ["stage-0", "stage-2"])
+def test_a_stage_without_replicas_restarted_mid_generation_takes_its_request_back(run_dir, stage):
+    """The entry and the last stage restarted under their key while a request runs through
+    them: the request waits for the new process and replays on it, with the same tokens."""
+    rc, out = smoke("--stages", "3", "--stub", "--fault", f"restart:{stage}@token-4", "--max-tokens", "32")
+    assert rc == 0, json.dumps(out)
+    assert out["matches_reference"] and out["leftovers"] == 0 and meshd_children(run_dir) == []
+    [failover] = out["failovers"]
+    assert failover["from_job"] == failover["to_job"] == stage
+
+
 def test_sigterm_mid_generation_leaves_no_process_behind(run_dir):
     rc, stdout, _ = smoke_signalled_at("generating", timeout=30)
     assert rc == 130
@@ -216,11 +227,13 @@ def test_sigterm_while_tearing_down_lets_the_teardown_finish_and_the_report_out(
 
 
 def test_bad_fault_is_one_line():
+    """A usage error, as a bad option is, --json or not: nothing starts, so no run to report."""
     r = subprocess.run([sys.executable, "-m", "meshd", "smoke-run", "--stages", "2", "--stub", "--json",
                         "--fault", "drop:stage-7->orchestrator"], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 1
-    out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert "no node named 'stage-7'" in out["reason"] and out["leftovers"] == 0
+    assert r.returncode == 2 and r.stdout == ""
+    said = r.stderr.strip().splitlines()[-1]
+    assert said == ("meshd: error: smoke-run: --fault drop:stage-7->orchestrator: no node named 'stage-7' "
+                    "(have orchestrator, relay, stage-0, stage-1)")
     assert "Traceback" not in r.stderr
 
 

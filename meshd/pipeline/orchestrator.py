@@ -55,6 +55,10 @@ log = logging.getLogger("meshd.pipeline")
 LOST_CHECK_S = 0.05  # how often a waiting request looks at the nodes of its route (``_tick``)
 MAX_FAILOVERS = 8  # per request: past this, it fails
 MAX_STRANGERS = 1024  # members logged once for messages off a request's route
+# A node of a request's route whose process looks gone (its stream ended, a dial refused) while
+# the mesh still holds it alive, with no replica to take over: the request waits this long for
+# it to come back (a restart under its key takes a few seconds) or to be declared dead.
+DOWN_WAIT_S = 15.0
 # A request stalls when no token came for STALL_GAPS of its median gaps (at least STALL_MIN_S;
 # STALL_FIRST_S before it has tokens): then its route is probed first.
 STALL_GAPS = 8
@@ -406,6 +410,12 @@ class Orchestrator(App):
                 # the same key): with no replica, the mesh's verdict decides.  Look again.
                 req.trouble = trouble if why != "suspect" else None
                 return
+            if why == "down" and m is not None and m.state == "alive" and self._may_come_back(node):
+                # Its process looks gone, and the mesh has not said so yet: one restarting under
+                # its key comes back as a new process of the same member, which takes the
+                # replay ("restarted"); one that does not is declared dead, or stays down past
+                # DOWN_WAIT_S.  Either way the request fails only then.
+                return
             state = self._state_word(node, why)
             detail = "" if why == state else f" ({why})"
             peer = node.hex()[:8]
@@ -413,6 +423,11 @@ class Orchestrator(App):
         if gone:
             req.excluded.add(node)
         await self._failover(req, stage, node, why)
+
+    def _may_come_back(self, node: bytes) -> bool:
+        """Whether ``node``, looking down, has not looked so for DOWN_WAIT_S yet."""
+        since = self.mesh.down_since(node)
+        return since is None or trio.current_time() - since < DOWN_WAIT_S
 
     def _state_word(self, node: bytes, why: str) -> str:
         """One word for what became of ``node``: its member state if it is not alive, else

@@ -415,11 +415,13 @@ class StageService(App):
             hidden = np.frombuffer(msg.hidden, dtype=np.float32).reshape(msg.rows, msg.dims)
         job = self._job(msg)
         if msg.pos and not job.follows(msg.pos, hidden.shape[0]):
-            # Rows of a request this process did not run from its start (steps resent from
-            # before a restart), or rows past its cache: its state here cannot take them.
-            raise PipelineError(f"{self.name}: request {msg.req_id} step {msg.step} at position "
-                                f"{msg.pos} ({hidden.shape[0]} rows) does not follow its cache "
-                                f"({job.cache.length} of {job.cache.max_seq} filled)")
+            # Rows of a request whose state here is not the one they follow (steps resent from
+            # before a restart to the new process): the orchestrator replays it, as for a
+            # request this stage does not hold.  Rows past a cache they follow are a bad request.
+            error = LostState if msg.pos != job.cache.length else PipelineError
+            raise error(f"{self.name}: request {msg.req_id} step {msg.step} at position {msg.pos} "
+                        f"({hidden.shape[0]} rows) does not follow its cache ({job.cache.length} of "
+                        f"{job.cache.max_seq} filled)")
         if self._batching() and hidden.shape[0] == 1 and not msg.prefill:
             job.decoding = True
             self._ready.append(_Step(msg, job, hidden, trace, trio.current_time()))
