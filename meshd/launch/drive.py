@@ -419,8 +419,9 @@ def generate(client: httpx.Client, board: Dashboard, prompt: str, max_tokens: in
         raise RunFailed(Failure.timeout(f"the generation stalled: no token within {timeout:g}s after "
                                         f"{len(tokens)} of {max_tokens}")) from None
     except httpx.HTTPError as exc:
-        raise RunFailed(Failure.error(f"the generation's stream broke after {len(tokens)} tokens: "
-                                      f"{type(exc).__name__}: {exc}")) from None
+        # Only the orchestrator's process going away (or the network to it) breaks its stream.
+        raise RunFailed(Failure.error(f"the orchestrator's stream ({board.url}) broke after {len(tokens)} "
+                                      f"tokens: {exc or type(exc).__name__}")) from None
     return Generation(tokens, first_token_s, time.monotonic() - t_gen, request, failovers)
 
 
