@@ -620,6 +620,9 @@ async def test_a_peer_restarted_with_its_key_gets_our_messages_at_once(first):
             if first == "it dials us":
                 assert await b2.send(a_id, b"hello again") == "direct"
                 assert await a.received.receive() == (b_id, b"hello again")
+                # Nothing of ours has reached the new process yet: no path to it is claimed,
+                # and nothing the old one's paths did is held against it.
+                assert a.view(b_id) == {"data_out": None, "data_sent": 0, "data_last_failure": None}
             with trio.fail_after(5):  # a held message would wait for the send timeout (30 s)
                 assert await a.send(b_id, b"after") == "direct"
                 assert await b2.received.receive() == (a_id, b"after")

@@ -139,13 +139,18 @@ class Sender:
 
         Its stream to the old process goes, and every unacked message is sent
         again in a new session, which the new process numbers from 1 as we do.
-        A new process is also a new chance for the direct path: no backoff.
+        A new process is also a new chance for the direct path: no backoff, and
+        nothing of the old process's paths is held against it.
         """
         peer = self._peers.get(node)
         if peer is None:
             return
         self.drop_stream(peer)
-        peer.link.backoff = peer.link.direct_retry_at = 0.0
+        link = peer.link
+        link.backoff = link.direct_retry_at = 0.0
+        # What its old process's paths did says nothing of the new one's: the snapshot shows
+        # no data path to it (and no failure) until a message of ours reaches it.
+        link.path, link.last_failure, link.direct_failure, peer.sent = "direct", None, None, 0
         self._renew(peer)
 
     async def send(self, node: bytes, data: bytes, timeout: float) -> str:
