@@ -50,7 +50,7 @@ class FetchError(Exception):
 def fetch_snapshot(url: str, timeout: float = DEFAULT_TIMEOUT_S) -> dict:
     """The node's ``GET /api/snapshot``, within ``timeout`` seconds all told; FetchError names
     the URL and says what is wrong: no answer, a refusal, or an answer no meshd node gives."""
-    from meshd.node_client import NodeError, ask_node, dashboard_base
+    from meshd.dashboard_client import NodeError, ask_node, dashboard_base
 
     try:
         base, token = dashboard_base(url)  # a dashboard beyond loopback wants the token
@@ -81,7 +81,7 @@ def _check_snapshot(snap: Any, target: str) -> None:
     """FetchError unless ``snap`` has the frame of a meshd snapshot: ``self`` and each of
     ``members`` an object with an ``id`` and a ``prefix``, and the tables the views read
     objects.  What lies within is checked as the views read it (``_not_a_snapshot``)."""
-    from meshd.node_client import json_kind
+    from meshd.dashboard_client import json_kind
 
     def wrong(what: str) -> FetchError:
         return FetchError(f"{target} does not answer as a meshd node: {what}")
@@ -135,7 +135,7 @@ def _show(args: argparse.Namespace, command: str, as_json: Callable[[dict], tupl
                 code = as_text(console, snap)
             out = captured.get()
     except _not_a_snapshot() as exc:
-        from meshd.node_client import dashboard_base
+        from meshd.dashboard_client import dashboard_base
 
         print(f"meshd {command}: {dashboard_base(args.url)[0]}/api/snapshot does not answer as a meshd "
               f"node: its snapshot does not fit ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})",

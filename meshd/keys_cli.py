@@ -23,6 +23,7 @@ import time
 from typing import Any
 
 from .argtypes import positive_float
+from .dashboard_client import TOKEN_ENV, NodeError, ask_node, dashboard_base, json_kind
 from .keyring import (
     KEY_BYTES,
     KEY_ID_BYTES,
@@ -33,7 +34,6 @@ from .keyring import (
     load,
     parse_change,
 )
-from .node_client import TOKEN_ENV, NodeError, ask_node, dashboard_base, json_kind
 
 POLL_S = 0.5
 LIVE = ("alive", "suspect")  # members that must catch up: a suspect one may well be alive
