@@ -81,7 +81,8 @@ class Mesh(Protocol):
         ...
 
     def report_down(self, node: bytes, epoch: int) -> None:
-        """A stage says ``node``'s process ``epoch`` is gone (its sends to it failed) before
+        """``node``'s process ``epoch`` looks gone to a node that sends to it (a stage whose
+        sends failed, or the orchestrator, which saw its stream end and a dial refused) before
         failure detection says so: no new request is routed to it, and the snapshot (so
         readiness) says why, for ``REPORTED_DOWN_S`` or until another process replaces it."""
         ...

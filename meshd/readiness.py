@@ -164,8 +164,8 @@ def _unserved(label: str, name: str, replicas: list[dict], run_checkpoint: str) 
     return out
 
 
-_REPORTED_DOWN = ("was reported down by a stage that sends to it (its sends failed); failure detection "
-                  "has not said so yet: is its process running?")
+_REPORTED_DOWN = ("looks down to a node that sends to it (its stream ended and a dial was refused, or "
+                  "its sends failed); failure detection has not said so yet: is its process running?")
 
 
 def _gone(state: str) -> str:

@@ -450,6 +450,8 @@ class Orchestrator(App):
             if m.epoch != req.epochs[k]:
                 return k, node, "restarted", False
             if self.mesh.peer_down(node):
+                # Seen down here: routed to by no new request meanwhile, as if a stage said so.
+                self.mesh.report_down(node, m.epoch)
                 return k, node, "down", True
         return None
 
