@@ -5,12 +5,18 @@ that is a weakref callback or a ``__del__`` (one runs inside every import, relea
 module lock), the interpreter prints "Exception ignored" and goes on: the Ctrl-C is lost,
 and a node would start and serve as if it had never come.  :func:`interrupt` is meshd's
 SIGINT handler from its first line, and counts each Ctrl-C it raises; a command that takes
-signals over with trio asks :func:`raise_if_lost` once it has, and ends as Ctrl-C asks."""
+signals over with trio asks :func:`raise_if_lost` once it has, and ends as Ctrl-C asks.
+A command that leaves SIGINT to trio's own handling runs its ``trio.run`` inside
+:func:`pythons_own`: trio guards its internals from a KeyboardInterrupt only where SIGINT's
+handler is Python's default one."""
 
 from __future__ import annotations
 
 import signal
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import FrameType
 
 _raised = 0
@@ -37,7 +43,8 @@ def install() -> None:
 
 def lost() -> bool:
     """Whether a Ctrl-C came and was swallowed where it landed (once: it is then taken).
-    Ask once SIGINT is another handler's: from then on none can be lost."""
+    Ask once SIGINT is another handler's: a Ctrl-C that lands after the answer is no longer
+    counted, so an answer given earlier can miss it."""
     global _raised
     taken, _raised = _raised, 0
     return bool(taken)
@@ -47,3 +54,19 @@ def raise_if_lost() -> None:
     """Raise the KeyboardInterrupt of a Ctrl-C that was swallowed (see :func:`lost`)."""
     if lost():
         raise KeyboardInterrupt
+
+
+@contextmanager
+def pythons_own() -> Iterator[None]:
+    """Within: SIGINT is Python's default handler, so ``trio.run`` takes Ctrl-C over and
+    delivers it as one KeyboardInterrupt where trio can unwind cleanly, not inside its own
+    bookkeeping.  A Ctrl-C swallowed before is raised on entry."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread has signal handlers, and only it gets a Ctrl-C
+        return
+    raise_if_lost()
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

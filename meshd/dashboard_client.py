@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from . import ctrl_c
+
 TOKEN_ENV = "MESHD_DASHBOARD_TOKEN"  # as dashboard.guard names it
 MAX_ANSWER_BYTES = 64 << 20  # a node's largest answer (a big mesh's snapshot) is a few MB
 
@@ -99,7 +101,8 @@ def ask_node(method: str, url: str, *, headers: dict[str, str], timeout: float,
         return None
 
     try:
-        answer = trio.run(within_deadline)
+        with ctrl_c.pythons_own():
+            answer = trio.run(within_deadline)
     except (httpx.InvalidURL, httpx.UnsupportedProtocol) as exc:
         raise NodeError(f"not a URL meshd can ask: {exc}") from exc
     except httpx.HTTPError as exc:

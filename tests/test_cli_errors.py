@@ -229,3 +229,29 @@ print("once")
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.split() == ["raised", "once"], r
     assert "Traceback" not in r.stderr and "KeyboardInterrupt" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("command", ["doctor", "peers"])
+def test_ctrl_c_while_a_command_waits_on_a_node_is_exit_130_without_a_traceback(command):
+    """A node that takes the connection and never answers: Ctrl-C ends the wait at once with
+    exit 130, as trio's own handling of Ctrl-C gives it, and prints no traceback."""
+    script = os.path.join(os.path.dirname(sys.executable), "meshd")
+    if not os.path.exists(script):
+        pytest.skip(f"{script}: the meshd script is not installed beside this Python")
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        port = silent.getsockname()[1]
+        proc = subprocess.Popen([script, command, f"http://127.0.0.1:{port}", "--timeout", "60"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        silent.settimeout(30)
+        conn, _ = silent.accept()  # the command is inside its trio run, waiting on the answer
+        with conn:
+            time.sleep(0.2)
+            proc.send_signal(signal.SIGINT)
+            try:
+                out, err = proc.communicate(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
+                raise AssertionError(f"meshd {command} still waits 20s after Ctrl-C\n{out}{err}") from None
+    assert proc.returncode == 130, (out, err)
+    assert "Traceback" not in err and "Exception ignored" not in err, err
