@@ -533,8 +533,9 @@ async def test_steps_that_do_not_follow_a_requests_cache_are_lost_state_in_one_l
         checkpoint, caplog):
     """Steps resent to a restarted stage from before its restart (a prompt, then rows past
     it that skip some) find state that is not theirs: the stage says once that it lost the
-    request, naming its position and the cache's, so the orchestrator replays it; rows past
-    the end of a cache they follow fail the request.  The cache is left as it was."""
+    request, naming its position and the cache's, and lets that state go, so the orchestrator
+    replays it.  Rows past the end of a cache they follow fail the request, and leave the
+    cache as it was."""
     lines: list[str] = []
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
@@ -549,19 +550,27 @@ async def test_steps_that_do_not_follow_a_requests_cache_are_lost_state_in_one_l
             sampling = Sampling(32, 0.0, 0, 0, False)
             origin = orch.mesh.node_id
             route = tuple(n.app.mesh.node_id for n in nodes[1:])
-            start = Activation("r1", origin, 0, 0, 11, 64, bytes(4 * 64 * 11), (), sampling, 0.0, (), route)
-            await stage1._on_message(origin, start)
-            assert stage1.jobs["r1"].cache.length == 11
-            for pos, rows in ((12, 2), (13, 1), (11, 40)):
+
+            async def send(pos: int, step: int, rows: int) -> None:
                 hidden = bytes(4 * 64 * rows)
-                ahead = Activation("r1", origin, pos, 1, rows, 64, hidden, (), sampling, 0.0, (), route)
-                await stage1._on_message(origin, ahead)
+                msg = Activation("r1", origin, pos, step, rows, 64, hidden, (), sampling, 0.0, (), route)
+                await stage1._on_message(origin, msg)
+
+            await send(0, 0, 11)
+            assert stage1.jobs["r1"].cache.length == 11
             size = stage1.jobs["r1"].cache.max_seq
             cache = f"does not follow its cache (11 of {size} filled)"
+            await send(11, 1, 40)
             assert [(e.message, e.peer) for e in told] == [
-                (f"stage-1: request r1 step 1 at position 12 (2 rows) {cache}",
-                 stage1.mesh.node_id),  # lost here: replay it (said once)
                 (f"stage-1: request r1 step 1 at position 11 (40 rows) {cache}", b"")]
+            assert stage1.jobs["r1"].cache.length == 11
+            for pos, rows in ((12, 2), (13, 1)):
+                await send(pos, 1, rows)
+            assert [(e.message, e.peer) for e in told[1:]] == [
+                (f"stage-1: request r1 step 1 at position 12 (2 rows) {cache}",
+                 stage1.mesh.node_id)]  # lost here: replay it (said once)
+            assert "r1" not in stage1.jobs  # its stale state holds no memory while the replay comes
+            await send(0, 0, 11)  # the replay starts it again
             assert stage1.jobs["r1"].cache.length == 11
             assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
             nursery.cancel_scope.cancel()

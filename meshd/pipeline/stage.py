@@ -417,11 +417,15 @@ class StageService(App):
         if msg.pos and not job.follows(msg.pos, hidden.shape[0]):
             # Rows of a request whose state here is not the one they follow (steps resent from
             # before a restart to the new process): the orchestrator replays it, as for a
-            # request this stage does not hold.  Rows past a cache they follow are a bad request.
-            error = LostState if msg.pos != job.cache.length else PipelineError
-            raise error(f"{self.name}: request {msg.req_id} step {msg.step} at position {msg.pos} "
-                        f"({hidden.shape[0]} rows) does not follow its cache ({job.cache.length} of "
-                        f"{job.cache.max_seq} filled)")
+            # request this stage does not hold, and the state here goes (nothing will extend it).
+            # Rows past a cache they follow are a bad request.
+            why = (f"{self.name}: request {msg.req_id} step {msg.step} at position {msg.pos} "
+                   f"({hidden.shape[0]} rows) does not follow its cache ({job.cache.length} of "
+                   f"{job.cache.max_seq} filled)")
+            if msg.pos == job.cache.length:
+                raise PipelineError(why)
+            self._forget(msg.req_id)
+            raise LostState(why)
         if self._batching() and hidden.shape[0] == 1 and not msg.prefill:
             job.decoding = True
             self._ready.append(_Step(msg, job, hidden, trace, trio.current_time()))
