@@ -80,11 +80,12 @@ class Mesh(Protocol):
         refused a dial since (known in a round trip, before failure detection says so)."""
         ...
 
-    def report_down(self, node: bytes, epoch: int) -> None:
+    def report_down(self, node: bytes, epoch: int, *, seen_here: bool = False) -> None:
         """``node``'s process ``epoch`` looks gone to a node that sends to it (a stage whose
         sends failed, or the orchestrator, which saw its stream end and a dial refused) before
         failure detection says so: no new request is routed to it, and the snapshot (so
-        readiness) says why, for ``REPORTED_DOWN_S`` or until another process replaces it."""
+        readiness) says why, for ``REPORTED_DOWN_S`` or until another process replaces it.
+        ``seen_here``: this node's own stream ended, so a stream it proves again clears it."""
         ...
 
     def reported_down(self, node: bytes) -> bool:

@@ -197,7 +197,7 @@ class Node:
         # proves itself (answers our ping); oldest dropped first.
         self._held_answers: dict[str, bytes] = {}
         self._handler_errors_logged = 0
-        self._reported_down: dict[bytes, tuple[int, float]] = {}  # node -> (its epoch, when)
+        self._reported_down: dict[bytes, tuple[int, float, bool]] = {}  # node -> (epoch, when, seen here)
         self._memory = node_memory.NodeMemory()  # as loaded, then as last saved
         self._memory_error: str | None = None  # the last save error, logged once
         self._memory_lock = trio.Lock()  # the loop and leave() write the same file
@@ -450,16 +450,25 @@ class Node:
     def down_since(self, node: bytes) -> float | None:
         return self.data.down_since(node)
 
-    def report_down(self, node: bytes, epoch: int) -> None:
-        self._reported_down[node] = (epoch, time.monotonic())
+    def report_down(self, node: bytes, epoch: int, *, seen_here: bool = False) -> None:
+        """Take ``node``'s process ``epoch`` as down for ``REPORTED_DOWN_S``: a stage said so,
+        or (``seen_here``) this node's own stream with it ended and its dial was refused, in
+        which case a stream it proves again clears it at once."""
+        self._reported_down[node] = (epoch, time.monotonic(), seen_here)
         while len(self._reported_down) > MAX_REPORTED_DOWN:
             self._reported_down.pop(next(iter(self._reported_down)))
 
     def reported_down(self, node: bytes) -> bool:
         seen = self._reported_down.get(node)
-        m = self.swim.members.get(node) if seen is not None and self.swim is not None else None
-        return (m is not None and seen is not None and seen[0] == m.meta.epoch
-                and time.monotonic() - seen[1] < REPORTED_DOWN_S)
+        if seen is None:
+            return False
+        epoch, when, seen_here = seen
+        m = self.swim.members.get(node) if self.swim is not None else None
+        if (m is None or epoch != m.meta.epoch or time.monotonic() - when >= REPORTED_DOWN_S
+                or (seen_here and not self.data.is_down(node))):
+            del self._reported_down[node]
+            return False
+        return True
 
     def probe_soon(self, node: bytes) -> None:
         self.core.probe_soon(node, trio.current_time())

@@ -293,4 +293,9 @@ async def test_doctor_says_why_until_the_missing_stage_joins_then_peers_shows_it
             orch.report_down(second.identity.node_id, second.data.epoch + 1)  # another process
             code, out = await _run(capsys, "doctor", orch.dashboard_url)
             assert code == 0, out
+            # Seen down by the orchestrator's own stream, which is up again: no longer down.
+            orch.report_down(second.identity.node_id, second.data.epoch, seen_here=True)
+            assert not orch.data.is_down(second.identity.node_id)
+            code, out = await _run(capsys, "doctor", orch.dashboard_url)
+            assert code == 0, out
             nursery.cancel_scope.cancel()

@@ -451,7 +451,7 @@ class Orchestrator(App):
                 return k, node, "restarted", False
             if self.mesh.peer_down(node):
                 # Seen down here: routed to by no new request meanwhile, as if a stage said so.
-                self.mesh.report_down(node, m.epoch)
+                self.mesh.report_down(node, m.epoch, seen_here=True)
                 return k, node, "down", True
         return None
 
