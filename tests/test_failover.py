@@ -292,3 +292,33 @@ async def test_a_replica_gone_silent_mid_generation_is_suspected_and_its_request
         assert got["tokens"] == reference(checkpoint, 60, 0.0, 0, 0)
         (failover,) = got["failovers"]
         assert failover["from"] == silenced[0].hex()[:8] and failover["why"] == "suspect"
+
+
+async def test_only_a_stage_that_exchanges_a_requests_steps_with_a_node_reports_it_down(checkpoint, caplog):
+    """A stage reports the next one down when its sends fail (and the last stage, stage 0,
+    which it sends its head share to).  Another member of the route knows nothing of that
+    link: its word neither takes the node out of routing nor moves the request."""
+    from meshd.pipeline.messages import Sampling, StageError
+    from meshd.pipeline.orchestrator import _Request
+    from meshd.testing.inprocess import start_pipeline
+
+    lines: list[str] = []
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nodes = await start_pipeline(nursery, checkpoint, 4, lines)
+            orch = nodes[0].app
+            route = tuple(n.app.mesh.node_id for n in nodes[1:])
+            epochs = tuple(orch.mesh.member_by_id(n).epoch for n in route)
+            req = _Request("r1", [1, 2], Sampling(8, 0.0, 0, 0, False), route, epochs, "w1")
+            orch.requests["w1"] = req
+            s0, _, s2, s3 = route
+
+            await orch.on_message(s2, StageError("w1", "stage-2", "stage-0 is down", s0))
+            assert req.trouble is None and not orch.mesh.reported_down(s0)
+            assert "stage-2 (" in caplog.text and "says stage-0 (" in caplog.text
+            assert "of request r1 is down, but does not exchange its steps with it: not taken" in caplog.text
+
+            await orch.on_message(s3, StageError("w1", "stage-3", "stage-0 is down", s0))
+            assert req.trouble is not None and req.trouble[1] == s0
+            assert orch.mesh.reported_down(s0)
+            nursery.cancel_scope.cancel()

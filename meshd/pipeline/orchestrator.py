@@ -528,7 +528,14 @@ class Orchestrator(App):
             if req is None:
                 return
             if msg.peer and msg.peer in req.route:
-                # A stage naming itself lost the request's state, or hands it over while draining.
+                # A stage naming itself lost the request's state, or hands it over while draining;
+                # or one that sends to or hears from the named stage for this request saw it down.
+                # Only those know: another member's word would take a live stage out of routing.
+                if src not in (msg.peer, self.mesh.node_id) and not _next_to(req.route, src, msg.peer):
+                    log.warning("%s says %s of request %s is down, but does not exchange its steps "
+                                "with it: not taken", self.mesh.describe(src),
+                                self.mesh.describe(msg.peer), req.req_id)
+                    return
                 req.trouble = (req.route.index(msg.peer), msg.peer, msg.message, msg.peer != src)
                 if msg.peer != src:  # about the process the request was routed to
                     self.mesh.report_down(msg.peer, req.epochs[req.route.index(msg.peer)])
@@ -546,6 +553,14 @@ class Orchestrator(App):
         if req is not None and peer in req.route:
             req.trouble = (req.route.index(peer), peer, str(exc), True)
             req.tell()
+
+
+def _next_to(route: tuple[bytes, ...], a: bytes, b: bytes) -> bool:
+    """Whether ``a`` and ``b`` exchange a request's messages on ``route``: one stage's
+    activations go to the next, and the last stage's head share goes to stage 0."""
+    if a not in route:
+        return False
+    return (route.index(b) - route.index(a)) % len(route) in (1, len(route) - 1)
 
 
 def summarize(traces: list[tuple[Hop, ...]]) -> list[dict]:
