@@ -232,7 +232,7 @@ def _http_error_message(routes: list[BaseRoute], status: int, method: str, path:
     if status == 405 and methods:
         named = methods - {"HEAD"} if "GET" in methods else methods
         return f"{path} takes {' or '.join(sorted(named))}, not {method}"
-    if status == 404:
+    if status == 404 and methods is None:  # routing's: no route here (an endpoint's says why)
         if any(isinstance(r, WebSocketRoute) and r.path_regex.match(path) for r in routes):
             return f"{path} is a WebSocket: open it with a GET asking 'Upgrade: websocket'"
         prefix, who = ("/v1/", "this mesh") if is_openai_path(path) else ("/api/", "this node")

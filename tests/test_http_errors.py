@@ -64,6 +64,24 @@ def test_an_unknown_v1_path_is_a_404_in_openais_shape(client, path):
         assert error["type"] == "not_found_error" and "/v1/chat/completions" in error["message"]
 
 
+def test_a_404_an_endpoint_raises_keeps_its_own_words():
+    """Routing's 404 lists what the node serves; an endpoint that found no such thing says
+    what it looked for, and that is what the caller reads."""
+    from starlette.exceptions import HTTPException
+    from starlette.routing import Route
+
+    async def lookup(request):
+        raise HTTPException(404, "no request abc123 here")
+
+    guard = create_app(FakeNode())
+    guard.app.router.routes.append(Route("/api/lookup", lookup))
+    with TestClient(guard, backend="trio") as c:
+        r = c.get("/api/lookup")
+        assert r.status_code == 404 and api_error(r) == "no request abc123 here"
+        r = c.get("/api/lookdown")
+        assert r.status_code == 404 and api_error(r).startswith("/api/lookdown is not served here")
+
+
 @pytest.mark.parametrize("path", ["/nope", "/static/nope.js", "/index.html/x"])
 def test_pages_and_static_files_stay_404(client, path):
     assert client.get(path).status_code == 404
