@@ -118,7 +118,7 @@ def _replica(entry: dict, views: dict[str, dict], run_checkpoint: str) -> dict:
     return {"prefix": entry["owner"], "state": view.get("state", "unknown"), "checkpoint": checkpoint or None,
             "draining": draining, "serving": live and not draining and not mismatch and not down,
             "live": live, "mismatch": mismatch, "tombstone": bool(entry.get("tombstone")),
-            "id": view.get("id"), "reported_down": down}
+            "id": view.get("id"), "reported_down": down, "age_s": view.get("state_age_s")}
 
 
 def _role_row(label: str, name: str, names: dict, views: dict[str, dict], run_checkpoint: str,
@@ -172,15 +172,36 @@ def _gone(state: str) -> str:
     return {"left": "left", "dead": "is dead", "unknown": "is not a known member"}.get(state, f"is {state}")
 
 
+REPLACED_SHOWN_S = 600.0  # how long a warning names a dead node that a newer one replaced
+
+
+def _replaced_by(r: dict, shown: list[dict]) -> dict | None:
+    """The serving node that came up after ``r`` went down, if any: ``r``'s process was
+    replaced (a restart under a new identity), not a replica lost beside one that serves."""
+    down_for = r.get("age_s")
+    if r["live"] or down_for is None:
+        return None
+    newer = [s for s in shown if s["serving"] and s.get("age_s") is not None and s["age_s"] < down_for]
+    return min(newer, key=lambda s: s["age_s"]) if newer else None
+
+
 def _degraded(label: str, shown: list[dict], serving: int, run_checkpoint: str) -> list[str]:
     """What is wrong with some replicas while ``serving`` others take the work."""
     out = []
-    # Nodes of one stage are its replicas; two orchestrators are two orchestrators.
-    replica = "replica " if label.startswith("stage-") else ""
+    replaced = {r["prefix"]: _replaced_by(r, shown) for r in shown}
+    # Nodes of one stage are its replicas (a node and the one that replaced it are not);
+    # two orchestrators are two orchestrators.
+    peers = [r for r in shown if not replaced[r["prefix"]]]
+    replica = "replica " if label.startswith("stage-") and len(peers) > 1 else ""
     for r in shown:
         others = serving - (1 if r["serving"] else 0)
         rest = f"; {others} other{'s' if others != 1 else ''} serve{'' if others != 1 else 's'}"
-        if not r["live"]:
+        newer = replaced[r["prefix"]]
+        if newer is not None:
+            if r["age_s"] < REPLACED_SHOWN_S:
+                out.append(f"{label}: {r['prefix']} is down ({r['state']}); {newer['prefix']}, "
+                           f"started since, serves in its place")
+        elif not r["live"]:
             out.append(f"{label}: {replica}{r['prefix']} is down ({r['state']}){rest}")
         elif r["mismatch"]:
             out.append(f"{label}: {r['prefix']} serves checkpoint {_short(r['checkpoint'] or '')} but the "

@@ -164,6 +164,32 @@ def test_a_dead_replica_beside_a_live_one_is_a_warning():
     assert r["warnings"] == [f"stage-1: replica {S1B} is down (dead); 1 other serves"]
 
 
+def test_a_node_replaced_by_one_started_since_is_named_as_replaced_not_as_a_replica():
+    """A stage restarted under a new identity leaves its old identity dead until the mesh
+    forgets it: the node serving now came up after it went down, so it replaced it; a node
+    that served before the other died is a replica that is left."""
+    me, others = healthy()
+    del others[2]  # stage-1 is S1A alone ...
+    dead = {**node(S1B, 1, state="dead"), "state_age_s": 30.0}  # ... and the identity it replaced
+    others[1]["state_age_s"] = 12.0
+    r = readiness(snap_of(me, [*others, dead], tombstoned=(S1B,)))
+    assert r["ready"] is True
+    assert r["warnings"] == [f"stage-1: {S1B} is down (dead); {S1A}, started since, serves in its place"]
+    others[1]["state_age_s"] = 300.0  # up before the other went down: that one was a replica
+    r = readiness(snap_of(me, [*others, dead], tombstoned=(S1B,)))
+    assert r["warnings"] == [f"stage-1: replica {S1B} is down (dead); 1 other serves"]
+    others[1]["state_age_s"] = 12.0
+    r = readiness(snap_of(me, [*others, {**dead, "state_age_s": 3600.0}], tombstoned=(S1B,)))
+    assert r["ready"] is True and r["warnings"] == []  # replaced long ago: nothing to say
+
+
+def test_a_suspect_stage_of_one_node_is_not_called_a_replica():
+    me, others = healthy()
+    others[3] = node(S2, 2, state="suspect")
+    r = readiness(snap_of(me, others))
+    assert r["ready"] is True and r["warnings"] == [f"stage-2: {S2} is suspect"]
+
+
 def test_a_stage_reported_down_before_failure_detection_says_so_stops_the_run_naming_it():
     """The orchestrator routes no new request to a process a stage reported gone: readiness
     says the same, or doctor would say all is well while every request gets a 503."""
