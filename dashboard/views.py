@@ -192,6 +192,7 @@ def problems(snap: dict, topo: dict | None = None) -> list[dict[str, Any]]:
         out.append({"kind": "asymmetric", "where": f"{a['a']}→{a['b']}", "detail": a["detail"],
                     "check": check})
     end = _end_names(topo["nodes"])
+    alive = {n["id"] for n in topo["nodes"] if n.get("state") == "alive"}
     unreported: dict[str, list[str]] = {}  # node id -> the peers it has not reported a path to
     for e in topo["edges"]:
         a, b = end[e["from"]], end[e["to"]]
@@ -199,7 +200,8 @@ def problems(snap: dict, topo: dict | None = None) -> list[dict[str, Any]]:
             out.append({"kind": "no-path", "where": f"{a}→{b}",
                         "detail": e.get("reason") or "neither direct nor relay answered",
                         "check": f"is {b} up, and do both reach the relay?"})
-        elif e["path"] == "unknown" and e["from"] != snap["self"]["id"]:
+        elif e["path"] == "unknown" and e["from"] != snap["self"]["id"] and e["from"] in alive:
+            # (a suspect node's silence is its suspicion, said once, not once per peer)
             unreported.setdefault(e["from"], []).append(b)
     reported = set(topo.get("reported", []))
     for node, peers in unreported.items():  # one line for each such node, not one for each pair

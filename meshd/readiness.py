@@ -118,7 +118,8 @@ def _replica(entry: dict, views: dict[str, dict], run_checkpoint: str) -> dict:
     return {"prefix": entry["owner"], "state": view.get("state", "unknown"), "checkpoint": checkpoint or None,
             "draining": draining, "serving": live and not draining and not mismatch and not down,
             "live": live, "mismatch": mismatch, "tombstone": bool(entry.get("tombstone")),
-            "id": view.get("id"), "reported_down": down, "age_s": view.get("state_age_s")}
+            "id": view.get("id"), "reported_down": down, "age_s": view.get("state_age_s"),
+            "addr": view.get("addr")}
 
 
 def _role_row(label: str, name: str, names: dict, views: dict[str, dict], run_checkpoint: str,
@@ -128,9 +129,13 @@ def _role_row(label: str, name: str, names: dict, views: dict[str, dict], run_ch
     replicas = [_replica(e, views, run_checkpoint) for e in entries]
     # A tombstone shows only while its owner is known dead: a replica that went down.
     shown = [r for r in replicas if not r["tombstone"] or r["state"] == "dead"]
+    replaced = {r["prefix"]: _replaced_by(r, shown) for r in shown}
+    for r in shown:
+        if replaced[r["prefix"]] is not None:
+            r["serving"] = False  # a suspect whose address a newer node holds is gone
     serving = [r for r in shown if r["serving"]]
     if serving:
-        warnings.extend(_degraded(label, shown, len(serving), run_checkpoint))
+        warnings.extend(_degraded(label, shown, replaced, len(serving), run_checkpoint))
     else:
         why.extend(_unserved(label, name, replicas, run_checkpoint))
     public = [{k: r[k] for k in _REPLICA_KEYS} for r in shown]
@@ -176,19 +181,29 @@ REPLACED_SHOWN_S = 600.0  # how long a warning names a dead node that a newer on
 
 
 def _replaced_by(r: dict, shown: list[dict]) -> dict | None:
-    """The serving node that came up after ``r`` went down, if any: ``r``'s process was
-    replaced (a restart under a new identity), not a replica lost beside one that serves."""
-    down_for = r.get("age_s")
-    if r["live"] or down_for is None:
+    """The serving node that took ``r``'s place, if any: ``r``'s process was replaced (a
+    restart under a new identity), not a replica lost beside one that serves.  One serving
+    at ``r``'s address replaced it (two processes cannot hold one port); elsewhere, one that
+    came up after ``r`` went down did."""
+    if r["state"] == "alive":
         return None
-    newer = [s for s in shown if s["serving"] and s.get("age_s") is not None and s["age_s"] < down_for]
+    serving = [s for s in shown if s["serving"] and s["state"] == "alive"]
+    same_addr = [s for s in serving if r.get("addr") and s.get("addr") == r["addr"]]
+    if same_addr:
+        return same_addr[0]
+    if r["live"]:
+        return None  # a suspect elsewhere may refute: it is a replica until it is dead
+    down_for = r.get("age_s")
+    newer = [s for s in serving if down_for is not None and s.get("age_s") is not None
+             and s["age_s"] < down_for]
     return min(newer, key=lambda s: s["age_s"]) if newer else None
 
 
-def _degraded(label: str, shown: list[dict], serving: int, run_checkpoint: str) -> list[str]:
-    """What is wrong with some replicas while ``serving`` others take the work."""
+def _degraded(label: str, shown: list[dict], replaced: dict[str, dict | None], serving: int,
+              run_checkpoint: str) -> list[str]:
+    """What is wrong with some replicas while ``serving`` others take the work; ``replaced``:
+    the node that took each one's place, if any (``_replaced_by``)."""
     out = []
-    replaced = {r["prefix"]: _replaced_by(r, shown) for r in shown}
     # Nodes of one stage are its replicas (a node and the one that replaced it are not);
     # two orchestrators are two orchestrators.
     peers = [r for r in shown if not replaced[r["prefix"]]]
@@ -198,7 +213,7 @@ def _degraded(label: str, shown: list[dict], serving: int, run_checkpoint: str) 
         rest = f"; {others} other{'s' if others != 1 else ''} serve{'' if others != 1 else 's'}"
         newer = replaced[r["prefix"]]
         if newer is not None:
-            if r["age_s"] < REPLACED_SHOWN_S:
+            if r["age_s"] is None or r["age_s"] < REPLACED_SHOWN_S:
                 out.append(f"{label}: {r['prefix']} is down ({r['state']}); {newer['prefix']}, "
                            f"started since, serves in its place")
         elif not r["live"]:

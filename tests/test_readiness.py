@@ -181,6 +181,26 @@ def test_a_node_replaced_by_one_started_since_is_named_as_replaced_not_as_a_repl
     others[1]["state_age_s"] = 12.0
     r = readiness(snap_of(me, [*others, {**dead, "state_age_s": 3600.0}], tombstoned=(S1B,)))
     assert r["ready"] is True and r["warnings"] == []  # replaced long ago: nothing to say
+    # Restarted at its address before the mesh saw it die: the same port, so replaced.
+    dead = {**dead, "addr": others[1]["addr"]}
+    others[1]["state_age_s"] = 300.0
+    r = readiness(snap_of(me, [*others, dead], tombstoned=(S1B,)))
+    assert r["warnings"] == [f"stage-1: {S1B} is down (dead); {S1A}, started since, serves in its place"]
+
+
+def test_a_suspect_node_whose_address_a_newer_node_of_its_stage_holds_is_replaced():
+    """Restarted at once under a new identity, at its address: the old identity is suspect
+    for a few seconds, and cannot serve (its port is the new process's)."""
+    me, others = healthy()
+    others[2] = {**node(S1B, 1, state="suspect"), "addr": others[1]["addr"], "state_age_s": 1.0}
+    others[1]["state_age_s"] = 2.0
+    r = readiness(snap_of(me, others))
+    assert r["ready"] is True and r["stages"][1]["live"] == 1
+    assert r["warnings"] == [f"stage-1: {S1B} is down (suspect); {S1A}, started since, serves in its place"]
+    others[2]["addr"] = "127.0.0.1:9"  # elsewhere: a replica that may refute
+    r = readiness(snap_of(me, others))
+    assert r["stages"][1]["live"] == 2
+    assert r["warnings"] == [f"stage-1: replica {S1B} is suspect; 1 other serves"]
 
 
 def test_a_suspect_stage_of_one_node_is_not_called_a_replica():
@@ -258,6 +278,10 @@ def test_a_problem_names_which_replica_and_says_once_what_a_node_has_not_reporte
     ]
     [no_path] = [p for p in found if p["kind"] == "no-path"]
     assert no_path["where"] == "stage-0→stage-2" and "is stage-2 up" in no_path["check"]
+    # Suspect, stage-1's second replica is a warning of readiness; its silence is no problem.
+    others[2] = node(S1B, 1, state="suspect")
+    found = problems(snap_of(me, others, summaries=summaries))
+    assert [p["where"] for p in found if p["kind"] == "unreported"] == [f"stage-0→stage-1 ({S1A})"]
 
 
 # ------------------------------------------------------------- through the CLI, on real nodes
