@@ -10,12 +10,15 @@ from . import ctrl_c
 def _ctrl_c(exc: BaseException | None) -> bool:
     """Whether ``exc`` is Ctrl-C, or an error the interpreter made of one: a KeyboardInterrupt
     raised while a class is being made (in a field's ``__set_name__``, as a module loads)
-    comes out as a RuntimeError caused by it."""
+    comes out as a RuntimeError caused by it; one that lands while trio waits in a nursery
+    (a connection being opened) comes out in an exception group."""
     for _ in range(8):
         if exc is None:
             return False
         if isinstance(exc, KeyboardInterrupt):
             return True
+        if isinstance(exc, BaseExceptionGroup):
+            return exc.subgroup(lambda e: not isinstance(e, BaseExceptionGroup) and _ctrl_c(e)) is not None
         exc = exc.__cause__
     return False
 
@@ -38,7 +41,7 @@ def entry() -> None:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         code = 141  # as a process SIGPIPE stopped
-    except Exception as exc:
+    except BaseException as exc:  # an error, or an exception group holding Ctrl-C
         if not _ctrl_c(exc):
             raise
         code = 130

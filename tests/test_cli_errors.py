@@ -255,3 +255,32 @@ def test_ctrl_c_while_a_command_waits_on_a_node_is_exit_130_without_a_traceback(
                 raise AssertionError(f"meshd {command} still waits 20s after Ctrl-C\n{out}{err}") from None
     assert proc.returncode == 130, (out, err)
     assert "Traceback" not in err and "Exception ignored" not in err, err
+
+
+def test_ctrl_c_while_a_command_is_still_connecting_is_exit_130_without_a_traceback():
+    """A node whose listen queue is full never completes the connection (its SYNs are
+    dropped): Ctrl-C then lands while trio waits for the connection in a nursery."""
+    script = os.path.join(os.path.dirname(sys.executable), "meshd")
+    if not os.path.exists(script):
+        pytest.skip(f"{script}: the meshd script is not installed beside this Python")
+    with socket.socket() as full:
+        full.bind(("127.0.0.1", 0))
+        full.listen(0)
+        port = full.getsockname()[1]
+        fillers = [socket.create_connection(("127.0.0.1", port), timeout=5)]  # the queue of one is full
+        try:
+            proc = subprocess.Popen([script, "doctor", f"http://127.0.0.1:{port}", "--timeout", "60"],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            time.sleep(2.5)  # started, and waiting for the connection
+            proc.send_signal(signal.SIGINT)
+            try:
+                out, err = proc.communicate(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
+                raise AssertionError(f"meshd doctor still waits 20s after Ctrl-C\n{out}{err}") from None
+        finally:
+            for f in fillers:
+                f.close()
+    assert proc.returncode == 130, (out, err)
+    assert "Traceback" not in err and "Exception ignored" not in err, err
