@@ -454,6 +454,10 @@ class Node:
         """Take ``node``'s process ``epoch`` as down for ``REPORTED_DOWN_S``: a stage said so,
         or (``seen_here``) this node's own stream with it ended and its dial was refused, in
         which case a stream it proves again clears it at once."""
+        held = self._reported_down.get(node)
+        if (seen_here and held is not None and held[0] == epoch and not held[2]
+                and time.monotonic() - held[1] < REPORTED_DOWN_S):
+            return  # a stage's report stands: our own link proving itself says nothing of its link
         self._reported_down[node] = (epoch, time.monotonic(), seen_here)
         while len(self._reported_down) > MAX_REPORTED_DOWN:
             self._reported_down.pop(next(iter(self._reported_down)))

@@ -129,7 +129,10 @@ def _role_row(label: str, name: str, names: dict, views: dict[str, dict], run_ch
     replicas = [_replica(e, views, run_checkpoint) for e in entries]
     # A tombstone shows only while its owner is known dead: a replica that went down.
     shown = [r for r in replicas if not r["tombstone"] or r["state"] == "dead"]
-    replaced = {r["prefix"]: _replaced_by(r, shown) for r in shown}
+    replaced: dict[str, dict | None] = {}
+    for r in shown:  # each newer node takes the place of one node at most
+        taken = {n["prefix"] for n in replaced.values() if n is not None}
+        replaced[r["prefix"]] = _replaced_by(r, [s for s in shown if s["prefix"] not in taken])
     for r in shown:
         if replaced[r["prefix"]] is not None:
             r["serving"] = False  # a suspect whose address a newer node holds is gone
@@ -213,7 +216,10 @@ def _degraded(label: str, shown: list[dict], replaced: dict[str, dict | None], s
         rest = f"; {others} other{'s' if others != 1 else ''} serve{'' if others != 1 else 's'}"
         newer = replaced[r["prefix"]]
         if newer is not None:
-            if r["age_s"] is None or r["age_s"] < REPLACED_SHOWN_S:
+            # Said for ten minutes where the address shows the replacement; otherwise (a
+            # newer node elsewhere might be a replica added since) for as long as it is known.
+            if (r["age_s"] is None or r["age_s"] < REPLACED_SHOWN_S
+                    or not r.get("addr") or newer.get("addr") != r["addr"]):
                 out.append(f"{label}: {r['prefix']} is down ({r['state']}); {newer['prefix']}, "
                            f"started since, serves in its place")
         elif not r["live"]:

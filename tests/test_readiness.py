@@ -178,14 +178,23 @@ def test_a_node_replaced_by_one_started_since_is_named_as_replaced_not_as_a_repl
     others[1]["state_age_s"] = 300.0  # up before the other went down: that one was a replica
     r = readiness(snap_of(me, [*others, dead], tombstoned=(S1B,)))
     assert r["warnings"] == [f"stage-1: replica {S1B} is down (dead); 1 other serves"]
-    others[1]["state_age_s"] = 12.0
-    r = readiness(snap_of(me, [*others, {**dead, "state_age_s": 3600.0}], tombstoned=(S1B,)))
-    assert r["ready"] is True and r["warnings"] == []  # replaced long ago: nothing to say
     # Restarted at its address before the mesh saw it die: the same port, so replaced.
     dead = {**dead, "addr": others[1]["addr"]}
     others[1]["state_age_s"] = 300.0
     r = readiness(snap_of(me, [*others, dead], tombstoned=(S1B,)))
     assert r["warnings"] == [f"stage-1: {S1B} is down (dead); {S1A}, started since, serves in its place"]
+    r = readiness(snap_of(me, [*others, {**dead, "state_age_s": 3600.0}], tombstoned=(S1B,)))
+    assert r["ready"] is True and r["warnings"] == []  # replaced at its address long ago
+    # Elsewhere, long ago: still said (the newer node may be a replica added since).
+    others[1]["state_age_s"] = 12.0
+    far = {**dead, "addr": "127.0.0.1:9", "state_age_s": 3600.0}
+    r = readiness(snap_of(me, [*others, far], tombstoned=(S1B,)))
+    assert r["warnings"] == [f"stage-1: {S1B} is down (dead); {S1A}, started since, serves in its place"]
+    # Two gone and one newer node: it took one place; the other is a replica lost.
+    other_dead = {**node("51c51c51", 1, state="dead"), "addr": "127.0.0.1:8", "state_age_s": 40.0}
+    r = readiness(snap_of(me, [*others, far, other_dead], tombstoned=(S1B, "51c51c51")))
+    assert len([w for w in r["warnings"] if "serves in its place" in w]) == 1
+    assert len([w for w in r["warnings"] if "is down (dead); 1 other serves" in w]) == 1
 
 
 def test_a_suspect_node_whose_address_a_newer_node_of_its_stage_holds_is_replaced():
@@ -348,4 +357,9 @@ async def test_doctor_says_why_until_the_missing_stage_joins_then_peers_shows_it
             assert not orch.data.is_down(second.identity.node_id)
             code, out = await _run(capsys, "doctor", orch.dashboard_url)
             assert code == 0, out
+            # A stage's report stands: the orchestrator's own stream says nothing of the stage's.
+            orch.report_down(second.identity.node_id, second.data.epoch)
+            orch.report_down(second.identity.node_id, second.data.epoch, seen_here=True)
+            code, out = await _run(capsys, "doctor", orch.dashboard_url)
+            assert code == 1 and f"{second.identity.prefix} looks down to a node" in out, out
             nursery.cancel_scope.cancel()
