@@ -137,6 +137,12 @@ class App:
         """``msg``'s request failed here; ``peer`` is the node that did not take it, if one."""
 
 
+def route_neighbours(route: tuple[bytes, ...], k: int) -> set[bytes]:
+    """The nodes stage ``k`` of ``route`` exchanges a request's messages with: the stage
+    before it and the one after, the last stage's after being stage 0 (its head share)."""
+    return {route[k - 1] if k > 0 else route[-1], route[k + 1] if k + 1 < len(route) else route[0]}
+
+
 def arrived(trace: tuple[Hop, ...], sent_at: float) -> tuple[Hop, ...]:
     """Fill in the transit time of the hop that just arrived (the last one)."""
     if not trace or trace[-1].kind != "transit":

@@ -39,7 +39,7 @@ from ..mesh import MemberInfo, Mesh
 from ..wire import Message
 from .admission import Admission, TooLarge, kv_bytes
 from .api import Busy, NotReady, PipelineError, StageLost
-from .app import App, arrived, resolve
+from .app import App, arrived, resolve, route_neighbours
 from .chat import ChatTemplate
 from .checkpoint import fingerprint
 from .config import LlamaConfig
@@ -531,7 +531,8 @@ class Orchestrator(App):
                 # A stage naming itself lost the request's state, or hands it over while draining;
                 # or one that sends to or hears from the named stage for this request saw it down.
                 # Only those know: another member's word would take a live stage out of routing.
-                if src not in (msg.peer, self.mesh.node_id) and not _next_to(req.route, src, msg.peer):
+                neighbour = src in req.route and msg.peer in route_neighbours(req.route, req.route.index(src))
+                if src not in (msg.peer, self.mesh.node_id) and not neighbour:
                     log.warning("%s says %s of request %s is down, but does not exchange its steps "
                                 "with it: not taken", self.mesh.describe(src),
                                 self.mesh.describe(msg.peer), req.req_id)
@@ -553,14 +554,6 @@ class Orchestrator(App):
         if req is not None and peer in req.route:
             req.trouble = (req.route.index(peer), peer, str(exc), True)
             req.tell()
-
-
-def _next_to(route: tuple[bytes, ...], a: bytes, b: bytes) -> bool:
-    """Whether ``a`` and ``b`` exchange a request's messages on ``route``: one stage's
-    activations go to the next, and the last stage's head share goes to stage 0."""
-    if a not in route:
-        return False
-    return (route.index(b) - route.index(a)) % len(route) in (1, len(route) - 1)
 
 
 def summarize(traces: list[tuple[Hop, ...]]) -> list[dict]:

@@ -32,7 +32,7 @@ from ..mesh import Mesh
 from ..wire import MAX_BATCH_ROWS, Message
 from .admission import DEFAULT_KV_BUDGET_MB
 from .api import PipelineError
-from .app import PREFILL_ROWS, App, arrived
+from .app import PREFILL_ROWS, App, arrived, route_neighbours
 from .checkpoint import LoadProgress, fingerprint
 from .config import LlamaConfig
 from .messages import (
@@ -885,8 +885,7 @@ class StageService(App):
 
     def _neighbours(self, job: _Job) -> set[bytes]:
         """The nodes this stage exchanges the request's messages with."""
-        route, k = job.route, self.stage
-        out = {route[k - 1] if k > 0 else route[-1], route[k + 1] if k + 1 < len(route) else route[0]}
+        out = route_neighbours(job.route, self.stage)
         out.discard(self.mesh.node_id)
         return out
 
