@@ -130,9 +130,11 @@ def _role_row(label: str, name: str, names: dict, views: dict[str, dict], run_ch
     # A tombstone shows only while its owner is known dead: a replica that went down.
     shown = [r for r in replicas if not r["tombstone"] or r["state"] == "dead"]
     replaced: dict[str, dict | None] = {}
-    for r in shown:  # each newer node takes the place of one node at most
-        taken = {n["prefix"] for n in replaced.values() if n is not None}
-        replaced[r["prefix"]] = _replaced_by(r, [s for s in shown if s["prefix"] not in taken])
+    taken: set[str] = set()  # each newer node takes the place of one node at most
+    for r in shown:
+        newer = replaced[r["prefix"]] = _replaced_by(r, [s for s in shown if s["prefix"] not in taken])
+        if newer is not None:
+            taken.add(newer["prefix"])
     for r in shown:
         if replaced[r["prefix"]] is not None:
             r["serving"] = False  # a suspect whose address a newer node holds is gone
