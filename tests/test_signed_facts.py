@@ -23,7 +23,9 @@ from meshd.swim.facts import (
     paths_data,
 )
 from meshd.wire import (
+    COUNTER_MAX,
     STATE_ALIVE,
+    STATE_DEAD,
     STATE_LEFT,
     Alive,
     Dead,
@@ -207,3 +209,40 @@ def test_an_unsigned_alive_from_a_stranger_adds_no_member(mesh):
 def test_the_simulator_signs_nothing_and_takes_everything():
     facts = Unsigned()
     assert facts.sign(b"x") == b"" and facts.verify(b"\0" * 32, b"", b"x")
+
+
+@pytest.mark.parametrize("kind", [Suspect, Dead])
+def test_a_members_signed_accusation_at_the_counter_limit_cannot_bury_a_live_member(mesh, kind):
+    """At COUNTER_MAX a refutation cannot beat an accusation.  A member's own signed word
+    at an incarnation the victim never said is dropped by every node, the victim included:
+    it costs the victim nothing, and nothing is left that it could not answer."""
+    victim, observer, accuser = mesh.swims[1], mesh.swims[2], mesh.swims[3]
+    accusation = accuser._accusation(kind, victim.id, COUNTER_MAX)
+    for to in (observer, victim):
+        mesh.tell(to, accuser.id, accusation)
+    assert observer.members[victim.id].state is State.ALIVE
+    assert observer.members[victim.id].incarnation == victim.incarnation == 0
+    assert (observer.counters["rx_accusations_ahead"], victim.counters["rx_accusations_ahead"]) == (1, 1)
+    assert not [e for e in observer.events() if e.kind.name in ("SUSPECT", "DEAD")]
+    # At the victim's own incarnation the accusation counts, and the victim's refutation wins.
+    mesh.tell(observer, accuser.id, accuser._accusation(kind, victim.id, 0))
+    assert observer.members[victim.id].state is not State.ALIVE
+    mesh.tell(victim, accuser.id, accuser._accusation(kind, victim.id, 0))
+    (alive,) = [m for m in victim.broadcasts.take(10_000, 10) if isinstance(m, Alive) and m.node == victim.id]
+    mesh.tell(observer, victim.id, alive, now=2.0)
+    assert observer.members[victim.id].state is State.ALIVE
+
+
+def test_push_pull_cannot_say_a_member_is_dead_past_its_own_word(mesh):
+    """A push-pull entry is nobody's signed word: one past the member's incarnation is
+    dropped, and the member moves past such an entry about itself only when it carries
+    its own signed Alive there (its last process's)."""
+    victim, observer, sender = mesh.swims[1], mesh.swims[2], mesh.swims[3]
+    forged = MemberState(victim.id, victim.me.addr, COUNTER_MAX, STATE_DEAD, victim.me.meta, b"\0" * 64)
+    for to in (observer, victim):
+        mesh.tell(to, sender.id, PushPull(False, False, (forged,), ()))
+    assert observer.members[victim.id].state is State.ALIVE and victim.incarnation == 0
+    # Its own signed Alive at 7 (a process before this one, same key): it answers past it.
+    signed = mesh.ids[1].sign(alive_data(victim.id, 7, victim.me.addr, victim.me.meta))
+    mesh.tell(victim, sender.id, PushPull(False, False, (replace(forged, incarnation=7, sig=signed),), ()))
+    assert victim.incarnation == 8
