@@ -128,6 +128,12 @@ def _openai_only(body: dict) -> None:
     if field(body, "n", int, 1) != 1:
         raise BadRequest("'n' must be 1: one choice per request", "n")
     field(body, "stream", bool, False)  # "yes" or 1 would stream where a client asked for JSON
+    field(body, "model", str, "")  # any name: the mesh serves one model, and answers under it
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict) or type(options.get("include_usage", False)) is not bool:
+            raise BadRequest("'stream_options' must be an object whose 'include_usage' is true or false",
+                             "stream_options")
     for name, nothing in _UNSERVED.items():
         value = body.get(name)
         if value is not None and not any(type(value) is type(v) and value == v for v in nothing):

@@ -97,6 +97,32 @@ async def test_bad_bodies_get_400_with_a_message(checkpoint, body, message):
             nursery.cancel_scope.cancel()
 
 
+@pytest.mark.parametrize(("extra", "param", "message"), [
+    ({"model": {"x": 1}}, "model", "'model' must be a string"),
+    ({"stream_options": {"include_usage": "x"}}, "stream_options", "'include_usage' is true or false"),
+    ({"stream_options": ["include_usage"]}, "stream_options", "'stream_options' must be an object"),
+])
+async def test_openai_fields_of_the_wrong_type_get_400_naming_the_field(checkpoint, extra, param, message):
+    """A client's mistake in a field we take is named, not read as its default."""
+    lines: list[str] = []
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            orch = await _mesh(nursery, checkpoint, 1, lines)
+            await orch.app.wait_ready(10)
+            async with httpx.AsyncClient(base_url=orch.dashboard_url, timeout=30) as client:
+                chat = {"messages": [{"role": "user", "content": "x"}]}
+                for path, body in (("/v1/completions", {"prompt": "x", "max_tokens": 2}),
+                                   ("/v1/chat/completions", chat)):
+                    r = await client.post(path, json={**body, "stream": True, **extra})
+                    assert r.status_code == 400, r.text
+                    error = r.json()["error"]
+                    assert message in error["message"] and error["param"] == param, error
+                r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "model": "any",
+                                                               "stream_options": {"include_usage": True}})
+                assert r.status_code == 200, r.text
+            nursery.cancel_scope.cancel()
+
+
 async def test_a_mesh_that_is_not_ready_gets_503_naming_the_missing_stage(checkpoint):
     lines: list[str] = []
     with trio.fail_after(60):
