@@ -10,8 +10,9 @@ and the page read the result from the snapshot, so they cannot disagree.
 A reason in ``why`` stops the pipeline; a warning in ``warnings`` does not
 (another replica serves, or a pair of replicas has no path while another pair
 has one).  Every message starts with the stage or hop it concerns.  Facts the
-snapshot lacks are not guessed: an unreported path or an empty checkpoint
-fingerprint is never held against a node.
+snapshot lacks are not guessed: an unreported path is never held against a
+node.  An empty checkpoint fingerprint is a node started without a model
+(no ``--model`` or ``--stub``): it serves nothing where the run has one.
 """
 
 from __future__ import annotations
@@ -72,12 +73,18 @@ def _views_by_prefix(snap: dict) -> dict[str, dict]:
 
 
 def _run_checkpoint(snap: dict, names: dict, views: dict[str, dict]) -> str:
-    """The orchestrator's checkpoint fingerprint when it says one, else ours ("" when none)."""
+    """The orchestrator's checkpoint fingerprint when it says one, else ours, else the one
+    every live member with a model serves ("" when none: a mesh without models)."""
     for owner in (names.get(ORCHESTRATOR) or {}).get("live", []):
         fingerprint = views.get(owner, {}).get("checkpoint")
         if fingerprint:
             return str(fingerprint)
-    return str(snap["self"].get("checkpoint") or "")
+    own = str(snap["self"].get("checkpoint") or "")
+    if own:
+        return own
+    members = snap.get("members", [])
+    served = {m["checkpoint"] for m in members if m.get("state") in LIVE and m.get("checkpoint")}
+    return served.pop() if len(served) == 1 else ""
 
 
 def _stage_count_warnings(snap: dict, expected: int) -> list[str]:
@@ -95,6 +102,12 @@ def _label(view: dict) -> str:
     return str(view.get("role") or view.get("name") or "?")
 
 
+def _serves(replica: dict) -> str:
+    if not replica["checkpoint"]:
+        return "serves no model (started without --model or --stub)"
+    return f"serves checkpoint {_short(replica['checkpoint'])}"
+
+
 def _short(fingerprint: str) -> str:
     return fingerprint if len(fingerprint) <= 12 else fingerprint[:12] + ".."
 
@@ -110,7 +123,7 @@ def _replica(entry: dict, views: dict[str, dict], run_checkpoint: str) -> dict:
     view = views.get(entry["owner"], {})
     checkpoint = str(view.get("checkpoint") or "")
     draining = bool(view.get("draining"))
-    mismatch = bool(run_checkpoint and checkpoint and checkpoint != run_checkpoint)
+    mismatch = bool(run_checkpoint) and checkpoint != run_checkpoint  # no model at all, too
     live = bool(entry.get("live"))
     # A stage reported its process gone before failure detection says so: the orchestrator
     # routes no new request to it meanwhile (``Mesh.report_down``), so it does not serve.
@@ -167,8 +180,7 @@ def _unserved(label: str, name: str, replicas: list[dict], run_checkpoint: str) 
         if r["reported_down"]:
             out.append(f"{label}: {r['prefix']} {_REPORTED_DOWN}")
         elif r["mismatch"]:
-            out.append(f"{label}: {r['prefix']} serves checkpoint {_short(r['checkpoint'])} "
-                       f"but the run's is {_short(run_checkpoint)}")
+            out.append(f"{label}: {r['prefix']} {_serves(r)} but the run's is {_short(run_checkpoint)}")
         elif r["draining"]:
             out.append(f"{label}: {r['prefix']} is draining")
     return out
@@ -227,8 +239,8 @@ def _degraded(label: str, shown: list[dict], replaced: dict[str, dict | None], s
         elif not r["live"]:
             out.append(f"{label}: {replica}{r['prefix']} is down ({r['state']}){rest}")
         elif r["mismatch"]:
-            out.append(f"{label}: {r['prefix']} serves checkpoint {_short(r['checkpoint'] or '')} but the "
-                       f"run's is {_short(run_checkpoint)}; not used{rest}")
+            out.append(f"{label}: {r['prefix']} {_serves(r)} but the run's is {_short(run_checkpoint)}; "
+                       f"not used{rest}")
         elif r["draining"]:
             out.append(f"{label}: {replica}{r['prefix']} is draining{rest}")
         elif r["reported_down"]:

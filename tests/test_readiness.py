@@ -87,6 +87,26 @@ def test_a_last_stage_started_without_stages_leaves_pp_exit_unowned():
     assert r["ready"] is False and r["why"] == ["stage-2: no live owner of pp-exit"]
 
 
+def test_nodes_started_without_a_model_do_not_count_where_the_run_has_one():
+    """A stage or an orchestrator with no --model (and no --stub) claims its name but serves
+    nothing: seen from any node, the run is not ready, and the line says what to add."""
+    me, others = healthy()
+    others[0] = node(S0, 0, checkpoint="")
+    r = readiness(snap_of(me, others))
+    assert r["why"] == [f"stage-0: {S0} serves no model (started without --model or --stub) but the run's "
+                        f"is {RUN[:12]}.."]
+    # The orchestrator without one, seen from itself: the stages say which model the run serves.
+    me, others = healthy()
+    me = node(ORCH, checkpoint="")
+    r = readiness(snap_of(me, others))
+    assert not r["ready"] and r["why"] == [f"orchestrator: {ORCH} serves no model (started without --model "
+                                           f"or --stub) but the run's is {RUN[:12]}.."]
+    # A mesh where nobody serves a model (gossip alone) is judged by its names and paths only.
+    me, others = node(ORCH, checkpoint=""), [node(p, k, checkpoint="") for p, k in
+                                             ((S0, 0), (S1A, 1), (S1B, 1), (S2, 2))]
+    assert readiness(snap_of(me, others))["ready"] is True
+
+
 def test_a_stage_whose_owner_is_dead_names_it():
     me, others = healthy()
     others[0] = node(S0, 0, state="dead")
