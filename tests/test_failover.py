@@ -14,6 +14,7 @@ from meshd.node import NodeOptions
 from meshd.pipeline.api import StageLost
 from meshd.pipeline.checkpoint import init_checkpoint
 from meshd.pipeline.generate import diverges, generate, near_ties
+from meshd.pipeline.messages import HANDING_OVER, StageError
 from meshd.relay.server import serve_relay
 from meshd.testing.inprocess import start_killable, wait_converged
 
@@ -225,6 +226,27 @@ async def test_a_draining_replica_takes_no_new_request_and_none_fails(checkpoint
             await node.node.leave()
             scope.cancel()
         assert errors == [] and results == [want] * 20
+
+
+async def test_a_stage_handing_a_request_over_before_its_drain_is_gossiped_never_gets_it_back(checkpoint):
+    """A draining stage's hand-over reaches the orchestrator on the data channel, before its
+    leave does by gossip: the request still goes to the other replica, not back to it."""
+    async with running(checkpoint, [1, 2, 1]) as mesh:
+        told = []
+
+        async def on_token(_token):
+            if not told:
+                node = mesh.serving(1)
+                told.append(node)
+                stage = mesh.nodes[node][0].app
+                (req_id,) = stage.jobs
+                await stage._tell(mesh.orch.node_id, StageError(req_id, stage.name, HANDING_OVER, node))
+
+        got = await mesh.orch.app.generate(PROMPT, 60, on_token=on_token)
+        assert got["tokens"] == reference(checkpoint, 60, 0.0, 0, 0)
+        (failover,) = got["failovers"]
+        assert failover["from"] == told[0].hex()[:8] and failover["to"] != failover["from"], failover
+        assert failover["why"] == HANDING_OVER
 
 
 async def test_a_replica_with_another_checkpoint_is_refused_with_a_line_saying_why(checkpoint, tmp_path,

@@ -129,6 +129,10 @@ class Release(Message):
     _fields_ = (check_str,)
 
 
+# A draining stage's StageError naming itself: the request goes on elsewhere, never back to it.
+HANDING_OVER = "is draining: handing the request over"
+
+
 @dataclass(frozen=True, slots=True)
 class StageError(Message):
     """A stage could not serve ``req_id``; the orchestrator fails the request with it."""

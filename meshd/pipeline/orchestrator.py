@@ -44,7 +44,7 @@ from .chat import ChatTemplate
 from .checkpoint import fingerprint
 from .config import LlamaConfig
 from .generate import check_context, prompt_ids
-from .messages import Activation, Hop, Release, Sampling, StageError, Token
+from .messages import HANDING_OVER, Activation, Hop, Release, Sampling, StageError, Token
 from .metrics import OrchestratorMetrics, measured
 from .model import split_layers
 from .stops import find_stop
@@ -537,6 +537,9 @@ class Orchestrator(App):
                                 "with it: not taken", self.mesh.describe(src),
                                 self.mesh.describe(msg.peer), req.req_id)
                     return
+                if msg.peer == src and msg.message == HANDING_OVER:
+                    # Its leave may reach us by gossip only later: for this request it is gone.
+                    req.excluded.add(src)
                 req.trouble = (req.route.index(msg.peer), msg.peer, msg.message, msg.peer != src)
                 if msg.peer != src:  # about the process the request was routed to
                     self.mesh.report_down(msg.peer, req.epochs[req.route.index(msg.peer)])

@@ -36,6 +36,7 @@ from .app import PREFILL_ROWS, App, arrived, route_neighbours
 from .checkpoint import LoadProgress, fingerprint
 from .config import LlamaConfig
 from .messages import (
+    HANDING_OVER,
     Activation,
     Batch,
     HeadInput,
@@ -906,9 +907,7 @@ class StageService(App):
         for req_id in self.active():
             job = self.jobs[req_id]
             self.counters["handed_over"] += 1
-            await self._tell(job.origin, StageError(
-                req_id, self.name, f"{self.mesh.describe(self.mesh.node_id)} is draining: "
-                "handing the request over", self.mesh.node_id))
+            await self._tell(job.origin, StageError(req_id, self.name, HANDING_OVER, self.mesh.node_id))
         await trio.sleep(0.2)  # the hand-over notes reach their orchestrators
 
 
