@@ -130,7 +130,9 @@ def _show(args: argparse.Namespace, command: str, as_json: Callable[[dict], tupl
         else:
             from rich.console import Console
 
-            console = Console(width=max(Console().width, 120))
+            # Piped (a script, a log), no terminal width applies: wide enough that no column
+            # (an address, a path) is cut.
+            console = Console(width=max(Console().width, 120) if sys.stdout.isatty() else 400)
             with console.capture() as captured:
                 code = as_text(console, snap)
             out = captured.get()
