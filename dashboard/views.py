@@ -10,6 +10,7 @@ from collections import Counter
 from typing import Any
 
 from meshd.readiness import path, readiness
+from meshd.relay.protocol import CLOSE_NOT_MEMBER
 
 LIVE = ("alive", "suspect")
 
@@ -175,11 +176,18 @@ def problems(snap: dict, topo: dict | None = None) -> list[dict[str, Any]]:
     topo = topo or topology(snap)
     out: list[dict[str, Any]] = []
     join = join_view(snap)
+    relays = [r for r in snap.get("relays") or [snap.get("relay")] if isinstance(r, dict)]
+    key_check = ("the relay admits mesh members only: does our --mesh-key-file hold a key its "
+                 "--mesh-key-file holds (`meshd keys` lists both ids)?")
     if not join["joined"]:
         seeds = ", ".join(join.get("seeds") or [])
+        check = (f"is a meshd node listening at {seeds}, and do our UDP packets reach it? Do we hold "
+                 "its mesh key (--mesh-key-file)? A node drops every packet not sealed with a key it "
+                 "holds. With a relay both hold (--relay), we join through it")
+        if any(_not_member(r) for r in relays):
+            check = f"{key_check} The mesh drops our packets for the same reason"
         out.append({"kind": "not-joined", "where": _name(snap["self"]), "detail": join["status"],
-                    "check": f"is a meshd node listening at {seeds}, and do our UDP packets reach it? "
-                             "With a relay both hold (--relay), we join through it"})
+                    "check": check})
     for a in topo["asymmetric"]:
         check = (f"a firewall or NAT rule dropping {a['a']}'s packets to {a['b']} "
                  f"(UDP and TCP on {a['b']}'s port); {a['b']}→{a['a']} works, so it is "
@@ -224,16 +232,23 @@ def problems(snap: dict, topo: dict | None = None) -> list[dict[str, Any]]:
                         "detail": f"{_name(m)} ({m['prefix']}) is {m['state']}",
                         "check": f"is {_name(m)}'s process running at {m.get('addr')}? its log, "
                                  "and the network between us"})
-    relays = snap.get("relays") or [snap.get("relay")]
     for relay in relays:
-        if isinstance(relay, dict) and relay.get("connected") is False:
-            others = [r["url"] for r in relays if isinstance(r, dict) and r.get("connected")]
+        if relay.get("connected") is False:
+            others = [r["url"] for r in relays if r.get("connected")]
             also = f"; pairs use {', '.join(others)} meanwhile" if others else ""
+            refused = _not_member(relay)
             out.append({"kind": "relay", "where": _name(snap["self"]),
-                        "detail": f"not connected to the relay {relay.get('url', '')}{also}",
-                        "check": "is the relay running and reachable over TCP (WebSocket)?"})
+                        "detail": f"not connected to the relay {relay.get('url', '')}"
+                                  + (": it refused us as not a member" if refused else "") + also,
+                        "check": key_check if refused else "is the relay running and reachable over TCP "
+                                                           "(WebSocket)?"})
     out.extend(_unresolved(snap))
     return out
+
+
+def _not_member(relay: dict) -> bool:
+    """Whether the relay's last word to us was that we hold none of its mesh keys."""
+    return f"{CLOSE_NOT_MEMBER} not a member" in str(relay.get("last_error") or "")
 
 
 def _end_names(nodes: list[dict]) -> dict[str, str]:

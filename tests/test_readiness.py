@@ -383,3 +383,24 @@ async def test_doctor_says_why_until_the_missing_stage_joins_then_peers_shows_it
             code, out = await _run(capsys, "doctor", orch.dashboard_url)
             assert code == 1 and f"{second.identity.prefix} looks down to a node" in out, out
             nursery.cancel_scope.cancel()
+
+
+def test_doctor_names_the_mesh_key_when_the_relay_refused_us_as_not_a_member():
+    """A node holding none of the mesh's keys is dropped by every node and refused by the
+    relay: doctor points at the key, not at the network."""
+    me = node(S0, 0)
+    snap = snap_of(me, [])
+    snap["join"] = {"joined": False, "seeds": ["127.0.0.1:7946"]}
+    refused = {"url": "ws://127.0.0.1:3340", "connected": False, "last_error":
+               "relay ws://127.0.0.1:3340 closed the connection during authentication (4008 not a member: "
+               "no valid mesh-key proof)"}
+    snap["relays"] = [refused]
+    by_kind = {p["kind"]: p for p in problems(snap)}
+    assert "refused us as not a member" in by_kind["relay"]["detail"]
+    assert "--mesh-key-file" in by_kind["relay"]["check"] and "reachable" not in by_kind["relay"]["check"]
+    assert by_kind["not-joined"]["check"].startswith("the relay admits mesh members only")
+    # A relay that is simply down is still a network question; joining names the key as one.
+    snap["relays"] = [{**refused, "last_error": "[Errno 111] Connection refused"}]
+    by_kind = {p["kind"]: p for p in problems(snap)}
+    assert by_kind["relay"]["check"] == "is the relay running and reachable over TCP (WebSocket)?"
+    assert "mesh key (--mesh-key-file)" in by_kind["not-joined"]["check"]
