@@ -702,13 +702,14 @@ class Swim:
         if m is None or ms.incarnation < m.incarnation or not m.state.live:
             return
         if ms.node == self.id:
-            # Whoever says it, we answer in our own word; past its incarnation only when the
-            # entry carries our own signed Alive there (our last process's).
-            if not self.leaving and (ms.incarnation <= self.incarnation or self._signed_alive(
-                    Alive(ms.incarnation, ms.node, ms.addr, ms.meta, ms.sig))):
+            # Whoever says it, we answer in our own word.  Past our incarnation, only as our
+            # own signed Alive there (our last process's, which the entry carries) moves us.
+            if ms.incarnation > self.incarnation:
+                self._on_alive(Alive(ms.incarnation, ms.node, ms.addr, ms.meta, ms.sig), now)
+            elif not self.leaving:
                 self._refute(ms.incarnation, now)
             return
-        if self._ahead(ms.node, ms.incarnation, m):
+        if self._ahead(m, ms.incarnation):
             return
         s = self._suspicions.get(ms.node)
         if m.state is State.SUSPECT and (s is None or not s.would_confirm(self.id)):
@@ -725,7 +726,7 @@ class Swim:
                 # A stale accusation: its author missed our refutation; say it again.
                 self.broadcasts.queue(self.id, self._alive_self())
             return
-        if self._ahead(msg.node, msg.incarnation, m):
+        if self._ahead(m, msg.incarnation):
             return
         if msg.node == self.id:
             if not self.leaving and self._signed_accusation(msg):
@@ -755,7 +756,7 @@ class Swim:
         m = self.members.get(msg.node)
         if m is None or msg.incarnation < m.incarnation or m.state in (State.DEAD, State.LEFT):
             return
-        if msg.sender != msg.node and self._ahead(msg.node, msg.incarnation, m):
+        if msg.sender != msg.node and self._ahead(m, msg.incarnation):
             return  # a leave is the member's own word, at whatever incarnation it says
         if not self._signed_accusation(msg):
             return  # a leave is only ever the member's own word; a death, a member's
@@ -803,15 +804,14 @@ class Swim:
             for tomb in self.registry.tombstone_owner_name(self.id, claim.name, self._sign_claim):
                 self.broadcasts.queue(("name", tomb.name, self.id), tomb)
 
-    def _ahead(self, node: bytes, incarnation: int, m: Member) -> bool:
-        """Whether an accusation of ``node`` (``m``) names an incarnation past the newest its
-        own signed Alive gave us (ours, for us): nobody saw it live there, so nobody can
+    def _ahead(self, m: Member, incarnation: int) -> bool:
+        """Whether an accusation of ``m`` names an incarnation past the newest its own signed
+        Alive gave us (ours, for us: ``self.me``): nobody saw it live there, so nobody can
         suspect it there.  Such an accusation is dropped, counted: taken, it would set the
         member's incarnation where it cannot answer (at COUNTER_MAX a refutation cannot
         beat it), and a live member would be buried for good.  An honest accuser that saw a
         newer Alive than ours is rare and brief: that Alive reaches us by the same gossip."""
-        known = self.incarnation if node == self.id else m.incarnation
-        if incarnation <= known:
+        if incarnation <= m.incarnation:
             return False
         self.counters["rx_accusations_ahead"] += 1
         return True
