@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from contextlib import asynccontextmanager
 
 import httpx
 import pytest
@@ -22,6 +23,18 @@ async def _mesh(nursery, checkpoint, stages: int, lines: list[str], start_stages
         nodes.append(await start_node(nursery, NodeOptions(stage=k, seeds=[orch.addr], **opts), lines))
     await wait_converged(nodes)
     return orch
+
+
+@asynccontextmanager
+async def _ready_client(checkpoint):
+    """A ready one-stage mesh's orchestrator and an HTTP client of its dashboard."""
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            orch = await _mesh(nursery, checkpoint, 1, [])
+            await orch.app.wait_ready(10)
+            async with httpx.AsyncClient(base_url=orch.dashboard_url, timeout=30) as client:
+                yield orch, client
+            nursery.cancel_scope.cancel()
 
 
 async def test_generate_and_completions_match_the_reference(checkpoint):
@@ -74,27 +87,21 @@ async def test_generate_and_completions_match_the_reference(checkpoint):
     ],
 )
 async def test_bad_bodies_get_400_with_a_message(checkpoint, body, message):
-    lines: list[str] = []
-    with trio.fail_after(60):
-        async with trio.open_nursery() as nursery:
-            orch = await _mesh(nursery, checkpoint, 1, lines)
-            await orch.app.wait_ready(10)
-            async with httpx.AsyncClient(base_url=orch.dashboard_url, timeout=30) as client:
-                headers = {"content-type": "application/json"}
-                r = await client.post("/api/generate", content=body, headers=headers)
-                if b'"stream"' in body:  # OpenAI's field: the native API has no stream to ask for
-                    assert r.status_code == 200, r.text
-                else:
-                    assert r.status_code == 400, r.text
-                    assert message in r.json()["error"]
-                # The same in OpenAI's shape on /v1, naming the field where there is one.
-                r = await client.post("/v1/completions", content=body, headers=headers)
-                assert r.status_code == 400, r.text
-                error = r.json()["error"]
-                assert message in error["message"] and error["type"] == "invalid_request_error"
-                if message.startswith("'"):
-                    assert error["param"] == message.split("'")[1]
-            nursery.cancel_scope.cancel()
+    async with _ready_client(checkpoint) as (_orch, client):
+        headers = {"content-type": "application/json"}
+        r = await client.post("/api/generate", content=body, headers=headers)
+        if b'"stream"' in body:  # OpenAI's field: the native API has no stream to ask for
+            assert r.status_code == 200, r.text
+        else:
+            assert r.status_code == 400, r.text
+            assert message in r.json()["error"]
+        # The same in OpenAI's shape on /v1, naming the field where there is one.
+        r = await client.post("/v1/completions", content=body, headers=headers)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert message in error["message"] and error["type"] == "invalid_request_error"
+        if message.startswith("'"):
+            assert error["param"] == message.split("'")[1]
 
 
 @pytest.mark.parametrize(("extra", "param", "message"), [
@@ -104,23 +111,17 @@ async def test_bad_bodies_get_400_with_a_message(checkpoint, body, message):
 ])
 async def test_openai_fields_of_the_wrong_type_get_400_naming_the_field(checkpoint, extra, param, message):
     """A client's mistake in a field we take is named, not read as its default."""
-    lines: list[str] = []
-    with trio.fail_after(60):
-        async with trio.open_nursery() as nursery:
-            orch = await _mesh(nursery, checkpoint, 1, lines)
-            await orch.app.wait_ready(10)
-            async with httpx.AsyncClient(base_url=orch.dashboard_url, timeout=30) as client:
-                chat = {"messages": [{"role": "user", "content": "x"}]}
-                for path, body in (("/v1/completions", {"prompt": "x", "max_tokens": 2}),
-                                   ("/v1/chat/completions", chat)):
-                    r = await client.post(path, json={**body, "stream": True, **extra})
-                    assert r.status_code == 400, r.text
-                    error = r.json()["error"]
-                    assert message in error["message"] and error["param"] == param, error
-                r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "model": "any",
-                                                               "stream_options": {"include_usage": True}})
-                assert r.status_code == 200, r.text
-            nursery.cancel_scope.cancel()
+    async with _ready_client(checkpoint) as (_orch, client):
+        chat = {"messages": [{"role": "user", "content": "x"}]}
+        for path, body in (("/v1/completions", {"prompt": "x", "max_tokens": 2}),
+                           ("/v1/chat/completions", chat)):
+            r = await client.post(path, json={**body, "stream": True, **extra})
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert message in error["message"] and error["param"] == param, error
+        r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "model": "any",
+                                                       "stream_options": {"include_usage": True}})
+        assert r.status_code == 200, r.text
 
 
 async def test_a_mesh_that_is_not_ready_gets_503_naming_the_missing_stage(checkpoint):
@@ -178,20 +179,13 @@ async def test_a_request_that_lost_a_stage_gets_503_with_retry_after(checkpoint,
     request lost a stage is told when to try again, on both APIs."""
     from meshd.pipeline.api import StageLost
 
-    lines: list[str] = []
-    with trio.fail_after(60):
-        async with trio.open_nursery() as nursery:
-            orch = await _mesh(nursery, checkpoint, 1, lines)
-            await orch.app.wait_ready(10)
+    async def lost(**_params):
+        raise StageLost("stage-0 (peer 5c3e9a10 dead)")
 
-            async def lost(**_params):
-                raise StageLost("stage-0 (peer 5c3e9a10 dead)")
-
-            monkeypatch.setattr(orch.app, "generate", lost)
-            async with httpx.AsyncClient(base_url=orch.dashboard_url, timeout=30) as client:
-                for path, body in (("/api/generate", {"prompt": "Hello", "max_tokens": 4}),
-                                   ("/v1/completions", {"prompt": "Hello", "max_tokens": 4})):
-                    r = await client.post(path, json=body)
-                    assert r.status_code == 503 and r.headers.get("retry-after") == "1", (path, r.text)
-                    assert "lost: stage-0 (peer 5c3e9a10 dead)" in r.text
-            nursery.cancel_scope.cancel()
+    async with _ready_client(checkpoint) as (orch, client):
+        monkeypatch.setattr(orch.app, "generate", lost)
+        for path, body in (("/api/generate", {"prompt": "Hello", "max_tokens": 4}),
+                           ("/v1/completions", {"prompt": "Hello", "max_tokens": 4})):
+            r = await client.post(path, json=body)
+            assert r.status_code == 503 and r.headers.get("retry-after") == "1", (path, r.text)
+            assert "lost: stage-0 (peer 5c3e9a10 dead)" in r.text
