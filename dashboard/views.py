@@ -243,7 +243,21 @@ def problems(snap: dict, topo: dict | None = None) -> list[dict[str, Any]]:
                         "check": key_check if refused else "is the relay running and reachable over TCP "
                                                            "(WebSocket)?"})
     out.extend(_unresolved(snap))
+    twin = snap.get("twin")
+    if isinstance(twin, dict) and twin.get("seen_s_ago", TWIN_RECENT_S) < TWIN_RECENT_S:
+        me = _name(snap["self"])
+        fate = "it started later and gives the id up" if twin.get("keep") else \
+            "it started first and keeps the id; this process stops"
+        out.append({"kind": "twin", "where": me,
+                    "detail": f"another process signs as {me} ({snap['self'].get('prefix')}) from "
+                              f"{twin.get('addr')}, {twin.get('seen_s_ago')} s ago: {fate}",
+                    "check": f"two processes hold {me}'s key (--key-file): stop the one at "
+                             f"{twin.get('addr')}, or give it a key file of its own"})
     return out
+
+
+# A twin (another process under our id) heard this recently is a problem doctor reports.
+TWIN_RECENT_S = 120.0
 
 
 def _not_member(relay: dict) -> bool:

@@ -8,7 +8,7 @@ import sys
 
 from . import __version__
 from .argtypes import float_between, int_up_to, positive_int, writable_dir
-from .identity import Identity, IdentityError, load_node_ids, load_or_create
+from .identity import Identity, IdentityError, hold_key_file, load_node_ids, load_or_create
 from .net.faults import Faults, FaultSpecError
 from .net.udp import AddressError, BindError, first_of, parse_addr
 from .swim import PROFILES
@@ -125,7 +125,7 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from .daemon import run_daemon
     from .launch import dstack_env
     from .memory import state_file_for
-    from .node import NodeOptions
+    from .node import NodeOptions, TwinError
 
     try:  # flags absent: role, stage count and seed from DSTACK_NODE_RANK/NODES_NUM/MASTER_NODE_IP
         dstack_env.apply(args, os.environ)
@@ -196,6 +196,8 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"run: {exc}")
     try:
         identity = load_or_create(args.key_file) if args.key_file else Identity.generate()
+        if args.key_file:
+            hold_key_file(args.key_file)  # held until the process ends
         allow_nodes = load_node_ids(args.allow_nodes) if args.allow_nodes else None
     except IdentityError as exc:
         print(f"meshd: error: {exc}", file=sys.stderr)
@@ -244,6 +246,10 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         bind = first_of(exc, BindError)
         if isinstance(bind, BindError):
             print(f"meshd: error: {bind.strerror}", file=sys.stderr)
+            return 2
+        twin = first_of(exc, TwinError)
+        if twin is not None:
+            print(f"meshd: error: {twin}", file=sys.stderr)
             return 2
         # The weights and the tokenizer load as the node starts: a file that breaks there
         # is named, as the config's fields are above.

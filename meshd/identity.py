@@ -110,6 +110,38 @@ def _create(path: Path) -> Identity:
     return identity
 
 
+def hold_key_file(path: str | os.PathLike) -> int | None:
+    """Take the lock beside the key file (``<key-file>.lock``) for this process's life: a
+    second ``meshd run`` with the same key on this host is an error, not a twin that fights
+    ours for the node id (swim/twin.py finds twins on other hosts).  Returns the lock's file
+    descriptor, None where no lock file can be made (a read-only directory).  The lock goes
+    with the process however it ends."""
+    import fcntl
+
+    lock = Path(f"{path}.lock")
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 32).decode("ascii", "replace").strip()
+        os.close(fd)
+        if holder == str(os.getpid()):
+            return None  # this process holds it already
+        who = f"another meshd run (pid {holder})" if holder.isdigit() else "another meshd run"
+        raise IdentityError(f"{who} uses the key file {path} on this host: stop it, or give this "
+                            "node a key file of its own") from None
+    except OSError:
+        os.close(fd)
+        return None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    os.set_inheritable(fd, False)
+    return fd
+
+
 def load_node_ids(path: str | os.PathLike) -> frozenset[bytes]:
     """The node ids listed in ``path`` (``--allow-nodes``): one full id (64 hex digits, as the
     boot line prints it) per line; ``#`` starts a comment.  IdentityError says what is wrong."""

@@ -34,6 +34,7 @@ from .snapshot import SnapshotWriter, snapshot, stage_sort_key
 from .swim import PROFILES, EventKind, State, Swim
 from .swim.facts import SignedFacts
 from .swim.state import Member
+from .swim.twin import Twin
 from .wire import (
     RELAY_DATA,
     Ack,
@@ -61,6 +62,17 @@ LEAVE_LINGER_S = 0.3
 # Our outbound path summary is gossiped when a path changes, and at least this often.
 PATH_SUMMARY_CHECK_S = 0.5
 PATH_SUMMARY_REFRESH_S = 5.0
+
+class TwinError(Exception):
+    """Another process runs under our node id, started before us: it keeps the id."""
+
+
+def _when(started: int) -> str:
+    """A process's start time (seconds since 1970) as UTC text; "at an unknown time" for 0."""
+    if not started:
+        return "at an unknown time"
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started))
+
 
 # What failure detection needs, sent bare even past an unproven address's budget.
 PROBES = (Ping, Ack, Nack, Punch, PunchAck)  # one small packet each, at the protocol's own pace
@@ -187,6 +199,7 @@ class Node:
         self.addr: str | None = None
         self._sock: trio.socket.SocketType | None = None
         self._wake = trio.Event()
+        self._twin_kept = trio.Event()  # a twin started before us keeps our id: we stop
         self._last_map: str | None = None
         self._snapshots: SnapshotWriter | None = None
         self._nursery: trio.Nursery | None = None
@@ -264,6 +277,7 @@ class Node:
                 checkpoint=opts.checkpoint,
                 keyring=tuple(self.mesh_key.ids) if self.mesh_key is not None else (),
                 nat=nat,
+                started=int(time.time()),
             )
             now = trio.current_time()
             self.swim = swim = Swim(
@@ -327,7 +341,18 @@ class Node:
                     nursery.start_soon(self._snapshot_loop)
                 if opts.state_file:
                     nursery.start_soon(self._memory_loop)
+                nursery.start_soon(self._stop_for_twin)
                 task_status.started(self.addr)
+
+    async def _stop_for_twin(self) -> None:
+        """End the node when a twin that started first keeps our id (swim/twin.py)."""
+        await self._twin_kept.wait()
+        twin = self.core.twins.yielded
+        assert twin is not None
+        raise TwinError(
+            f"another process runs as {self.core.me.name} (node {self.identity.prefix}, the same key) "
+            f"at {twin.addr}, started {_when(twin.started)}, before this one; it keeps the node id. "
+            "Stop it first, or give this node a key file of its own (--key-file)")
 
     def _rejoin_remembered(self, now: float) -> None:
         """Without seeds, join through the members the state file remembers (a restarted seed)."""
@@ -768,6 +793,9 @@ class Node:
             if ev.kind is EventKind.PUNCHED:
                 self._punched(ev.node, ev.detail["addr"], ev.detail["seen"])
                 continue
+            if ev.kind is EventKind.TWIN:
+                self._twin(ev.detail["twin"], ev.detail["keep"])
+                continue
             if not ev.membership:
                 continue
             m = self.core.members.get(ev.node)
@@ -808,6 +836,18 @@ class Node:
             # The RTT of the path that answered, from its own ping's send.
             self.out(f"meshd path {self.core.me.name}->{name} prefix={node.hex()[:8]} "
                      f"out={path} rtt_ms={rtt * 1000:.1f}{detail}")
+
+    def _twin(self, twin: Twin, keep: bool) -> None:
+        """Another live process signs as us: say so; the one started later stops."""
+        me = self.core.me
+        self.out(f"meshd twin name={me.name} prefix={self.identity.prefix} other_addr={twin.addr} "
+                 f"other_started={_when(twin.started)} keep={'yes' if keep else 'no'}")
+        if keep:
+            log.warning("another process runs as %s (node %s, the same key) at %s, started %s, after "
+                        "this one: it gives the node id up and stops; two processes must not share a "
+                        "key file", me.name, self.identity.prefix, twin.addr, _when(twin.started))
+        else:
+            self._twin_kept.set()
 
     def _punched(self, node: bytes, addr: str, seen: str) -> None:
         """A punch through ``node``'s NAT was answered at ``addr``: its probes go there now."""

@@ -93,9 +93,19 @@ def snapshot(swim: Swim, now: float, paths: PathTable | None = None, relay: dict
         "path_summaries": path_summaries(swim, now),
         "awareness": swim.awareness.score,
         "counters": dict(sorted(swim.counters.items())),
+        "twin": twin_view(swim, now),
     }
     snap["readiness"] = readiness(snap)
     return snap
+
+
+def twin_view(swim: Swim, now: float) -> dict | None:
+    """The live twin heard from last (another process under our id, twin.py), and which of us
+    keeps the id; None when no other process answered as us."""
+    twin = swim.twins.latest_live()
+    if twin is None:
+        return None
+    return {**twin.to_json(now), "keep": swim.twins.yielded is None}
 
 
 def path_summaries(swim: Swim, now: float) -> dict:

@@ -241,10 +241,11 @@ class Meta(_Record):
     keyring: tuple[str, ...] = ()  # ids of the mesh keys it holds, the one it sends with first
     relays: tuple[str, ...] = ()  # every relay it holds, its home relay (relay_url) first
     nat: str = ""  # its NAT's mapping as two STUN servers saw it (NAT_KINDS); "" if not known
+    started: int = 0  # when this process started, seconds since 1970: of two under one id, the first keeps it
 
     _fields_ = (_str, _optional(_stage), _optional(_stage), _tuple_of(_str, MAX_ADDRS),
                 _optional(_str), _str, _counter, _counter, _str, _bool, _dh_key,
-                _tuple_of(_key_id, MAX_KEYRING), _tuple_of(_str, MAX_RELAYS), _nat_kind)
+                _tuple_of(_key_id, MAX_KEYRING), _tuple_of(_str, MAX_RELAYS), _nat_kind, _counter)
 
     @property
     def relay_urls(self) -> tuple[str, ...]:

@@ -206,3 +206,40 @@ def test_stopping_a_stage_0_replica_mid_request_fails_none_of_50_requests(run, s
     bad = [a if isinstance(a, Exception) else a.text for a in answers
            if isinstance(a, Exception) or a.status_code != 200 or a.json()["tokens"] != want]
     assert len(answers) == 50 and bad == []
+
+
+def test_a_second_run_with_the_same_key_file_on_one_host_is_refused_at_start(run, tmp_path):
+    r = run(2)
+    first = r.stage(1)
+    second = subprocess.run(
+        [sys.executable, "-m", "meshd", *first.args], capture_output=True, text=True, timeout=60)
+    assert second.returncode == 2, second.stdout + second.stderr
+    assert (f"another meshd run (pid {first.proc.pid}) uses the key file {tmp_path / 'stage-1.key'}"
+            in second.stderr), second.stderr
+    assert "Traceback" not in second.stderr
+    assert first.proc.poll() is None, "the running process is untouched"
+
+
+def test_a_twin_with_a_copy_of_the_key_stops_and_the_first_keeps_serving(run, tmp_path):
+    """The same key file copied to a second host: the process started later gives the node id
+    up and exits with an error naming the first one's address; the first serves on."""
+    r = run(2)
+    r.stage(0)
+    first = r.stage(1)
+    want = _ready(r)
+    (tmp_path / "copy.key").write_bytes((tmp_path / "stage-1.key").read_bytes())
+    twin = r.node("stage-1 copy", ["--role", "stage", "--stage", "1"], key="copy")
+    assert twin.proc.wait(timeout=60) == 2, "\n".join(twin.lines)
+    said = "\n".join(twin.lines)
+    assert (f"another process runs as stage-1 (node {first.boot.prefix}, the same key) at "
+            f"{first.boot.addr}") in said, said
+    assert "it keeps the node id" in said and "Traceback" not in said, said
+    line = first.wait_for(lambda s: s.startswith("meshd twin "), 10, "the twin line")
+    assert f"other_addr={twin.boot.addr}" in line and "keep=yes" in line, line
+    assert first.proc.poll() is None
+    r.served_within(want, 30)
+    doctor = subprocess.run([sys.executable, "-m", "meshd", "doctor", _dashboard(first)],
+                            capture_output=True, text=True, timeout=30)
+    assert doctor.returncode != 0, doctor.stdout
+    assert "another process signs as stage-1" in doctor.stdout, doctor.stdout
+    assert f"stop the one at {twin.boot.addr}" in doctor.stdout.replace("\n", " "), doctor.stdout

@@ -73,6 +73,27 @@ def test_a_restarted_sender_starts_a_new_session():
     assert feed(r, A, fresh) == [b"new run"]
 
 
+def test_a_session_goes_on_where_it_was_after_its_senders_process_flipped_and_back():
+    """Two processes sharing a key flip the epoch we hold for the node; the one that keeps it
+    never restarted its sessions, and its next message is delivered, not held for ids 1..n."""
+    r = Reassembler()
+    for n in (1, 2):
+        assert feed(r, A, chunks(n, b"m%d" % n)) == [b"m%d" % n]
+    r.drop_unfinished(A)
+    assert feed(r, A, chunks(3, b"m3")) == [b"m3"]
+
+
+def test_a_senders_unfinished_message_is_dropped_when_its_process_changes_and_taken_again_whole():
+    r = Reassembler()
+    first = chunks(1, b"0123456789abcdef", size=8)
+    assert r.accept(A, first[0]) == (False, [])  # half of it: held, not acknowledged
+    held = r.held(A)
+    assert held > 0
+    r.drop_unfinished(A)
+    assert r.held(A) == 0, "what a gone process left half-sent no longer counts against the peer"
+    assert feed(r, A, first) == [b"0123456789abcdef"]  # a live sender's resend is taken whole
+
+
 # --- what a peer can make us hold is bounded ---
 
 BIG = 64 * 1024 * 1024

@@ -316,6 +316,67 @@ def test_a_restart_under_the_same_id_is_seen_and_its_old_names_are_withdrawn():
                                and x.swim.resolve("pp-stage-3") is None for x in nodes), max_periods=20)
     seen = {o.observer for o in net.events(EventKind.RESTART, victim) if o.at >= restarted_at}
     assert seen == {x.id for x in others}
+    assert not net.events(EventKind.TWIN), "a process that exited is no twin"
+
+
+def test_a_restarted_process_hearing_its_last_process_again_and_again_takes_it_for_no_twin():
+    net, nodes = cluster(4)
+    victim = nodes[3]
+    net.crash(victim)
+    net.restart(victim, seeds=[nodes[0].addr], meta=replace(victim.meta, epoch=2))
+    net.run_periods(5)
+    old = Alive(victim.swim.incarnation, victim.id, victim.addr, replace(victim.meta, epoch=0))
+    for _ in range(6):  # its last word, brought back by gossip out of order
+        deliver(net, victim, Packet(nodes[0].id, [old]))
+        net.run_periods(1)
+    assert not net.events(EventKind.TWIN)
+    assert victim.swim.twins.yielded is None
+
+
+def twins(net: MemNet, nodes: list[SimNode]) -> tuple[SimNode, SimNode]:
+    """Two live processes under one node id: the first started at 100 s, the other at 200 s."""
+    meta = Meta(role="stage", stage=7)
+    first = net.add_node(meta=replace(meta, epoch=11, started=100), seeds=[nodes[0].addr])
+    net.run_periods(5)
+    second = net.add_node(meta=replace(meta, epoch=22, started=200), seeds=[nodes[1].addr],
+                          node_id=first.id)
+    return first, second
+
+
+def test_of_two_live_processes_under_one_id_the_later_started_stops_and_the_flapping_ends():
+    net, nodes = cluster(5)
+    first, second = twins(net, nodes)
+    run_until(net, lambda: len(net.events(EventKind.TWIN)) == 2, max_periods=30)
+    # Each process names the other: the first keeps the id, the second gives it up.
+    said = {o.event.detail["twin"].epoch: o.event.detail["keep"] for o in net.events(EventKind.TWIN)}
+    assert said == {22: True, 11: False}
+    assert first.swim.twins.yielded is None
+    assert second.swim.twins.yielded is not None and second.swim.twins.yielded.addr == first.addr
+    # The id settles on the first process at every member, and its incarnation stops climbing.
+    run_until(net, lambda: all(x.swim.members[first.id].meta.epoch == 11 for x in nodes), max_periods=10)
+    incarnation = first.swim.incarnation
+    net.run_periods(20)
+    assert first.swim.incarnation == incarnation
+    for x in nodes:
+        m = x.swim.members[first.id]
+        assert (m.meta.epoch, m.state, m.addr) == (11, State.ALIVE, first.addr), x.prefix
+    # The second process exits; its last word, replayed, moves nothing.
+    net.crash(second)
+    last = second.swim._alive_self()
+    for _ in range(5):
+        deliver(net, first, Packet(nodes[0].id, [last]))
+    assert first.swim.incarnation == incarnation and first.swim.twins.yielded is None
+    assert len(net.events(EventKind.TWIN)) == 2
+
+
+def test_two_processes_started_the_same_second_agree_on_one_keeper():
+    net, nodes = cluster(4)
+    meta = Meta(role="stage", stage=7, started=100)
+    first = net.add_node(meta=replace(meta, epoch=50), seeds=[nodes[0].addr])
+    second = net.add_node(meta=replace(meta, epoch=40), seeds=[nodes[1].addr], node_id=first.id)
+    run_until(net, lambda: len(net.events(EventKind.TWIN)) == 2, max_periods=30)
+    # The same second: the smaller epoch keeps the id, whichever joined first.
+    assert first.swim.twins.yielded is not None and second.swim.twins.yielded is None
 
 
 # --------------------------------------------------------------- determinism

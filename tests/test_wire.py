@@ -442,6 +442,14 @@ def test_long_string_nested_in_pushpull_meta_refused():
         wire.decode(data)
 
 
+@pytest.mark.parametrize("started", [-1, wire.COUNTER_MAX + 1, 1.5, "1764950400", None])
+def test_a_process_start_time_that_is_no_counter_is_refused(started):
+    body = [*wire.Meta().to_body()[:-1], started]
+    alive = [wire.Alive.TAG, [1, NODE_A, "a", body, b"s" * 64]]
+    with pytest.raises(wire.WireError):
+        wire.decode(raw_packet([alive]))
+
+
 @pytest.mark.parametrize(
     "node",
     [b"\x01" * 31, b"\x01" * 33, b"", "a" * 32, None, list(range(32))],
@@ -523,7 +531,8 @@ def test_boundary_values_accepted():
         [wire.Alive.TAG, [1, NODE_A, "a", ["stage", 0, None, ["a"] * wire.MAX_ADDRS, None, "", 0,
                                           wire.COUNTER_MAX, "f" * wire.MAX_STR, True, b"d" * 32,
                                           ["k" * wire.MAX_KEY_ID_CHARS] * wire.MAX_KEYRING,
-                                          ["ws://r:1"] * wire.MAX_RELAYS, "symmetric"], b"s" * 64]],
+                                          ["ws://r:1"] * wire.MAX_RELAYS, "symmetric",
+                                          wire.COUNTER_MAX], b"s" * 64]],
         [wire.PushPull.TAG, [False, False, [[NODE_A, "a", 0, 3, wire.Meta().to_body(), b""]],
                              [["n", NODE_A, 1, False, b""]] * (wire.MAX_PUSHPULL_NAMES - 1)
                              + [["n", NODE_A, 1, False, b"s" * 64]]]],

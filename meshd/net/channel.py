@@ -295,7 +295,7 @@ class DataChannel:
         self.counters["peer_restarts"] += 1
         log.info("%s restarted (a new process epoch): its data-channel sessions start again",
                  self.describe(node))
-        self.reassembler.forget(node)
+        self.reassembler.drop_unfinished(node)
         self._sender.restart(node)
 
     def pair_keys(self, node: bytes) -> PairKeys | None:

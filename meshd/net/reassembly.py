@@ -187,10 +187,20 @@ class Reassembler:
         self.expired += len(stale)
         return len(stale)
 
-    def forget(self, sender: bytes) -> None:
-        """Drop every session of ``sender`` and all it holds."""
-        for key in [key for key in self._senders if key[0] == sender]:
-            self._forget_session(key)
+    def drop_unfinished(self, sender: bytes) -> None:
+        """``sender`` runs another process: drop the messages of its sessions still in pieces.
+
+        None of those was acknowledged, so a process that is alive sends it again.  Each
+        session's count and the messages acknowledged stay: the process behind a session may
+        never have gone (the epoch also flips back and forth while two processes share a
+        key, swim/twin.py), and a session forgotten under a live sender would hold its next
+        message, acknowledged, for the ids it already delivered.  A dead process's sessions
+        hold no more than its acknowledged messages until they expire or are evicted.
+        """
+        for key, state in self._senders.items():
+            if key[0] == sender:
+                for msg_id in list(state.assembling):
+                    self._drop(sender, state, msg_id)
 
     # ------------------------------------------------------------- budgets
 

@@ -153,15 +153,17 @@ class MemNet:
 
     # ------------------------------------------------------------ topology
 
-    def add_node(self, meta: Meta | None = None, seeds: list[str] | None = None) -> SimNode:
+    def add_node(self, meta: Meta | None = None, seeds: list[str] | None = None,
+                 node_id: bytes | None = None) -> SimNode:
+        """A node at a new address; ``node_id`` gives it another's id (a twin process)."""
         index = len(self.nodes)
-        node_id = self.rng.randbytes(32)
+        node_id = node_id or self.rng.randbytes(32)
         addr = f"10.{index // 65536}.{index // 256 % 256}.{index % 256}:7946"
         meta = meta or Meta(role="stage", stage=index)
         swim = Swim(node_id, addr, meta, self.config, random.Random(self.rng.random()), self.now)
         node = SimNode(index, node_id, addr, meta, swim)
         self.nodes[addr] = node
-        self.by_id[node_id] = node
+        self.by_id.setdefault(node_id, node)
         if seeds:
             swim.join(seeds, self.now)
         self._after(node)

@@ -61,6 +61,7 @@ from .punch import Punching, Send
 from .registry import Registry
 from .state import Event, EventKind, Member, Outgoing, State
 from .suspicion import Suspicion
+from .twin import Twins
 
 INF = float("inf")
 
@@ -151,6 +152,7 @@ class Swim:
         self.broadcasts = BroadcastQueue(node_id)
         self.counters: Counter[str] = Counter()
         self.leaving = False
+        self.twins = Twins(meta.epoch, meta.started)  # other processes that signed as us
         # Each node's latest summary of its own outbound paths, and when we took it in.
         self.path_summaries: dict[bytes, tuple[PathSummary, float]] = {}
 
@@ -339,6 +341,8 @@ class Swim:
         if self.leaving:
             return
         self.leaving = True
+        if self.twins.yielded is not None:
+            return  # the id is the twin's now: a leave under it would take the twin out
         self._probe = None
         me = self.me
         me.state = State.LEFT
@@ -378,6 +382,11 @@ class Swim:
         self._now = now
         sender = packet.sender
         if sender == self.id:
+            # Our own packet come back, or another process under our id (twin.py): its
+            # signed word on us is all we take from it.
+            for msg in packet.messages:
+                if type(msg) is Alive and msg.node == self.id:
+                    self._on_alive(msg, now)
             return
         self.counters["rx_packets"] += 1
         m = self.members.get(sender)
@@ -644,11 +653,13 @@ class Swim:
 
     def _on_alive(self, msg: Alive, now: float) -> None:
         if msg.node == self.id:
-            if msg.incarnation >= self.incarnation and not self.leaving and (
+            if msg.incarnation >= self.incarnation and self._refutes and (
                 msg.incarnation > self.incarnation or msg.meta != self.me.meta or msg.addr != self.me.addr
             ) and self._signed_alive(msg):
                 # Our own word, from our last process: say ours past it.
                 self._refute(msg.incarnation, now)
+                if msg.meta.epoch != self.me.meta.epoch:
+                    self._other_process(msg, now)
             return
         m = self.members.get(msg.node)
         if m is None:
@@ -706,7 +717,7 @@ class Swim:
             # own signed Alive there (our last process's, which the entry carries) moves us.
             if ms.incarnation > self.incarnation:
                 self._on_alive(Alive(ms.incarnation, ms.node, ms.addr, ms.meta, ms.sig), now)
-            elif not self.leaving:
+            elif self._refutes:
                 self._refute(ms.incarnation, now)
             return
         if self._ahead(m, ms.incarnation):
@@ -722,14 +733,14 @@ class Swim:
         if m is None:
             return
         if msg.incarnation < m.incarnation:
-            if msg.node == self.id and not self.leaving:
+            if msg.node == self.id and self._refutes:
                 # A stale accusation: its author missed our refutation; say it again.
                 self.broadcasts.queue(self.id, self._alive_self())
             return
         if self._ahead(m, msg.incarnation):
             return
         if msg.node == self.id:
-            if not self.leaving and self._signed_accusation(msg):
+            if self._refutes and self._signed_accusation(msg):
                 self._refute(msg.incarnation, now)
             return
         if m.state is State.SUSPECT:
@@ -761,7 +772,7 @@ class Swim:
         if not self._signed_accusation(msg):
             return  # a leave is only ever the member's own word; a death, a member's
         if msg.node == self.id:
-            if not self.leaving:
+            if self._refutes:
                 self._refute(msg.incarnation, now)
             return
         self._suspicions.pop(msg.node, None)
@@ -815,6 +826,30 @@ class Swim:
             return False
         self.counters["rx_accusations_ahead"] += 1
         return True
+
+    @property
+    def _refutes(self) -> bool:
+        """Whether we answer what is said of us: not while leaving, nor once a twin keeps our id."""
+        return not self.leaving and self.twins.yielded is None
+
+    def _other_process(self, msg: Alive, now: float) -> None:
+        """Another process signed ``msg`` under our id and we refuted it: our last one, or a
+        live twin if it keeps answering (twin.py).  Of two, the later started stops refuting."""
+        twin = self.twins.heard(msg.meta.epoch, msg.addr, msg.meta.started, msg.incarnation,
+                                self.incarnation, now)
+        # Our refutation straight to the process that spoke: a live twin answers in a round
+        # trip, not after the push-pulls that alone reach the one of us the others do not route to.
+        for addr in dict.fromkeys((msg.addr, *msg.meta.addrs)):
+            if addr != self.me.addr and addr not in self.me.meta.addrs:
+                self._out.append(Outgoing(addr, None, self._packet([self._alive_self()]), via="direct"))
+                break
+        if twin is None:
+            return
+        self.counters["twins"] += 1
+        keep = self.twins.keeps_id(twin)
+        if not keep:
+            self.twins.yielded = twin
+        self._emit(EventKind.TWIN, self.id, now, twin=twin, keep=keep)
 
     def _refute(self, accused: int, now: float) -> None:
         self.incarnation = next_counter(max(self.incarnation, accused))

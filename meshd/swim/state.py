@@ -67,6 +67,7 @@ class EventKind(enum.Enum):
     PATH = "path"  # a probe told us which path reaches a member: detail {"direct": bool, "rtt"}
     KEYRING = "keyring"  # a member changed the mesh keyring: detail {"change": KeyringChange}
     PUNCHED = "punched"  # a punch through a member's NAT was answered: detail {"addr", "seen"}
+    TWIN = "twin"  # another live process signs as us (see twin.py): detail {"twin", "keep"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,4 +79,4 @@ class Event:
 
     @property
     def membership(self) -> bool:
-        return self.kind not in (EventKind.NAME, EventKind.PATH, EventKind.PUNCHED)
+        return self.kind not in (EventKind.NAME, EventKind.PATH, EventKind.PUNCHED, EventKind.TWIN)
