@@ -165,9 +165,9 @@ async def _prepare(request: Request, api: str = "native") -> tuple[Generator, di
             params = {"prompt": await trio.to_thread.run_sync(orch.chat_prompt, messages), **params}
         except ValueError as exc:  # ChatTemplateError: the template's message, and the field
             return openai_error(400, str(exc), param=getattr(exc, "param", None))
-    missing = orch.missing()
-    if missing:
-        return _retry_later(NotReady(missing), fail)
+    not_ready = orch.not_ready()
+    if not_ready is not None:
+        return _retry_later(not_ready, fail)
     busy = orch.busy()
     if busy is not None:  # before a stream starts: a 503 the client can retry, not an event
         return _retry_later(busy, fail)
@@ -295,7 +295,8 @@ async def _openai(request: Request, chat: bool) -> Response:
                "finish_reason": reason} if chat else
               {"index": 0, "text": result["text"], "logprobs": None, "finish_reason": reason})
     return JSONResponse({**events.head, "object": "chat.completion" if chat else "text_completion",
-                         "choices": [choice], "usage": _usage(result)})
+                         "choices": [choice], "usage": _usage(result),
+                         "meshd": {"request": result["request"], "failovers": result["failovers"]}})
 
 
 class _Events:

@@ -108,6 +108,12 @@ def _serves(replica: dict) -> str:
     return f"serves checkpoint {_short(replica['checkpoint'])}"
 
 
+def serves_other(checkpoint: str, run_checkpoint: str) -> str:
+    """What a node serving ``checkpoint`` (a fingerprint; "" for none) in a run of
+    ``run_checkpoint`` serves, in words."""
+    return f"{_serves({'checkpoint': checkpoint})} but the run's is {_short(run_checkpoint)}"
+
+
 def _short(fingerprint: str) -> str:
     return fingerprint if len(fingerprint) <= 12 else fingerprint[:12] + ".."
 
@@ -180,7 +186,7 @@ def _unserved(label: str, name: str, replicas: list[dict], run_checkpoint: str) 
         if r["reported_down"]:
             out.append(f"{label}: {r['prefix']} {_REPORTED_DOWN}")
         elif r["mismatch"]:
-            out.append(f"{label}: {r['prefix']} {_serves(r)} but the run's is {_short(run_checkpoint)}")
+            out.append(f"{label}: {r['prefix']} {serves_other(r['checkpoint'], run_checkpoint)}")
         elif r["draining"]:
             out.append(f"{label}: {r['prefix']} is draining")
     return out
@@ -239,7 +245,7 @@ def _degraded(label: str, shown: list[dict], replaced: dict[str, dict | None], s
         elif not r["live"]:
             out.append(f"{label}: {replica}{r['prefix']} is down ({r['state']}){rest}")
         elif r["mismatch"]:
-            out.append(f"{label}: {r['prefix']} {_serves(r)} but the run's is {_short(run_checkpoint)}; "
+            out.append(f"{label}: {r['prefix']} {serves_other(r['checkpoint'], run_checkpoint)}; "
                        f"not used{rest}")
         elif r["draining"]:
             out.append(f"{label}: {replica}{r['prefix']} is draining{rest}")

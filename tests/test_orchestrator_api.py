@@ -55,6 +55,7 @@ async def test_generate_and_completions_match_the_reference(checkpoint):
                 r = await client.post("/v1/completions", json={**body, "model": "tiny"})
                 assert r.status_code == 200
                 assert r.json()["choices"][0]["text"] == want["text"]
+                assert r.json()["meshd"]["failovers"] == [] and r.json()["meshd"]["request"]
 
                 async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
                     assert r.headers["content-type"].startswith("text/event-stream")

@@ -254,7 +254,7 @@ async def test_gathered_tokens_stream_while_the_next_step_is_stalled(checkpoint,
             nursery.cancel_scope.cancel()
 
 
-async def test_the_tokens_before_a_stage_error_are_all_streamed(checkpoint):
+async def test_the_tokens_before_a_stage_error_are_all_streamed(checkpoint, caplog):
     """A stage that fails mid-request: every token it produced before the failure reaches
     the stream before the error does (the orchestrator stops listening at the error)."""
     fail_at = 10
@@ -279,6 +279,10 @@ async def test_the_tokens_before_a_stage_error_are_all_streamed(checkpoint):
             with pytest.raises(service.PipelineError, match="stage-2: injected failure"):
                 await nodes[0].app.generate(PROMPT, 30, on_token=on_token)
             assert streamed == reference(checkpoint, 30, 0.0, 0, 0)["tokens"][:fail_at]
+            # The orchestrator's log says which request failed, how far it got, and why.
+            said = [r.getMessage() for r in caplog.records if r.name == "meshd.pipeline"]
+            assert any(f"failed after {fail_at} of 30 tokens" in m and "injected failure" in m
+                       for m in said), said
             nursery.cancel_scope.cancel()
 
 

@@ -31,9 +31,11 @@ class NotReady(PipelineError):
     way (started, or started again, and not yet known to the orchestrator), so the 503
     says to retry after ``retry_after`` seconds."""
 
-    def __init__(self, missing: list[str], retry_after: int = 1) -> None:
-        super().__init__("pipeline not ready: " + ", ".join(f"{n} does not resolve ({_serving(n)})"
-                                                            for n in missing))
+    def __init__(self, missing: list[str], retry_after: int = 1, reasons: dict[str, str] | None = None
+                 ) -> None:
+        reasons = reasons or {}
+        super().__init__("pipeline not ready: " + ", ".join(
+            f"{n} does not resolve ({reasons.get(n) or _serving(n)})" for n in missing))
         self.missing = missing
         self.retry_after = retry_after
 
@@ -69,6 +71,11 @@ class Generator(Protocol):
 
     def missing(self) -> list[str]:
         """Pipeline names that do not resolve now."""
+        ...
+
+    def not_ready(self) -> NotReady | None:
+        """What a new request gets now if a pipeline name has no usable owner (each named with
+        why its owners cannot serve), else None."""
         ...
 
     def layer_split(self) -> dict[str, range]:

@@ -36,6 +36,7 @@ import numpy as np
 import trio
 
 from ..mesh import MemberInfo, Mesh
+from ..readiness import serves_other
 from ..wire import Message
 from .admission import Admission, TooLarge, kv_bytes
 from .api import Busy, NotReady, PipelineError, StageLost
@@ -194,6 +195,25 @@ class Orchestrator(App):
         out += [f"pp-stage-{k}" for k in range(self.stages) if not self.candidates(k)]
         return out + ([] if self.mesh.resolve("pp-exit") else ["pp-exit"])
 
+    def not_ready(self) -> NotReady | None:
+        missing = self.missing()
+        if not missing:
+            return None
+        return NotReady(missing, reasons={n: why for n in missing if (why := self._unusable(n))})
+
+    def _unusable(self, name: str) -> str:
+        """Why the live owners of ``name`` cannot serve this run; "" when it has none."""
+        why = []
+        for m in self.mesh.owners(name):
+            who = self.mesh.describe(m.id)
+            if m.draining:
+                why.append(f"{who} is draining")
+            elif m.checkpoint != self.checkpoint:
+                why.append(f"{who} {serves_other(m.checkpoint, self.checkpoint)}")
+            elif self._seen_down(m):
+                why.append(f"a stage reported {who}'s process gone")
+        return "; ".join(why)
+
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens)
 
@@ -206,8 +226,8 @@ class Orchestrator(App):
         with trio.move_on_after(timeout):
             while self.missing():
                 await trio.sleep(0.05)
-        if self.missing():
-            raise NotReady(self.missing())
+        if (not_ready := self.not_ready()) is not None:
+            raise not_ready
 
     def active(self) -> list[dict[str, Any]]:
         """Running requests: where each runs now (stage -> peer prefix), and how far it is."""
@@ -233,9 +253,8 @@ class Orchestrator(App):
         if max_tokens is None:
             max_tokens = max(1, min(MAX_DEFAULT_TOKENS, self.config.max_position_embeddings - len(ids) + 1))
         check_context(self.config, len(ids), max_tokens)
-        missing = self.missing()
-        if missing:
-            raise NotReady(missing)
+        if (not_ready := self.not_ready()) is not None:
+            raise not_ready
         await resolve(self.mesh, "pp-entry", 1.0)
         t0 = time.perf_counter()
         cost = kv_bytes(self.config, self.stages, len(ids) + max_tokens)
@@ -298,6 +317,14 @@ class Orchestrator(App):
             await _stream_tokens(req, seen, on_token)
             if req.error is not None:
                 raise PipelineError(req.error)
+        except PipelineError as exc:
+            log.warning("request %s failed after %d of %d tokens: %s", req.req_id, len(req.tokens),
+                        max_tokens, exc)
+            raise
+        except trio.Cancelled:
+            log.info("request %s ended by its caller after %d of %d tokens", req.req_id, len(req.tokens),
+                     max_tokens)
+            raise
         finally:
             self.requests.pop(req.wire_id, None)
             if req.route and req.finish_reason not in ("eos", "length"):
@@ -340,7 +367,8 @@ class Orchestrator(App):
             if node is None:
                 picks = [m for m in self.candidates(k) if m.id not in req.excluded]
                 if not picks:
-                    raise NotReady([f"pp-stage-{k}"])
+                    name = f"pp-stage-{k}"
+                    raise NotReady([name], reasons={name: self._unusable(name)})
                 node = picks[0].id
             route.append(node)
         req.route = tuple(route)
