@@ -96,6 +96,11 @@ class Mesh(Protocol):
         """When ``node`` started to look down (trio time), or None."""
         ...
 
+    def peer_epoch(self, node: bytes) -> int | None:
+        """The process of ``node`` our data with it is sealed for now (the last one a stream
+        handshake proved or its signed metadata said); None before either."""
+        ...
+
     def probe_soon(self, node: bytes) -> None:
         """Have failure detection probe ``node`` next (a request through it stalls)."""
         ...

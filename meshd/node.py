@@ -475,6 +475,9 @@ class Node:
     def down_since(self, node: bytes) -> float | None:
         return self.data.down_since(node)
 
+    def peer_epoch(self, node: bytes) -> int | None:
+        return self.data.peer_epoch(node)
+
     def report_down(self, node: bytes, epoch: int, *, seen_here: bool = False) -> None:
         """Take ``node``'s process ``epoch`` as down for ``REPORTED_DOWN_S``: a stage said so,
         or (``seen_here``) this node's own stream with it ended and its dial was refused, in

@@ -4,6 +4,7 @@ a restarted stage, new identity or old, serves the next request."""
 
 from __future__ import annotations
 
+import contextlib
 from contextlib import asynccontextmanager
 
 import pytest
@@ -11,7 +12,7 @@ import trio
 
 from meshd.identity import Identity
 from meshd.node import NodeOptions
-from meshd.pipeline.api import StageLost
+from meshd.pipeline.api import PipelineError, StageLost
 from meshd.pipeline.checkpoint import init_checkpoint
 from meshd.pipeline.generate import diverges, generate, near_ties
 from meshd.pipeline.messages import HANDING_OVER, StageError
@@ -201,6 +202,33 @@ async def test_stages_drop_the_requests_of_an_orchestrator_that_is_gone(checkpoi
         await trio.sleep(1.0)
         assert [s.counters["activations"] for s in stages] == computed  # nothing more computed
         assert all(s.counters["dropped_orphans"] > 0 for s in stages), [s.counters for s in stages]
+
+
+async def test_stages_drop_the_requests_of_an_orchestrator_restarted_before_it_was_missed(checkpoint):
+    """The orchestrator killed and started again under its key at once: failure detection never
+    declares it dead, and its new process never knew the old one's request.  The stages drop
+    that request as soon as they know the new process, not after JOB_IDLE_S."""
+    async with running(checkpoint, [1, 1]) as mesh:
+        stages = [r.app for r, _s in mesh.nodes.values()]
+        identity = mesh.orch.node.identity
+
+        async def generate_forever():
+            with contextlib.suppress(PipelineError):
+                await mesh.orch.app.generate(PROMPT, 200)
+
+        mesh.nursery.start_soon(generate_forever)
+        while stages[-1].counters["tokens"] < 5:
+            await trio.sleep(0.001)
+        mesh.orch_scope.cancel()
+        seeds = [r.addr for r, _s in mesh.nodes.values()]
+        mesh.orch, mesh.orch_scope = await start_killable(
+            mesh.nursery, NodeOptions(role="orchestrator", seeds=seeds, **mesh.opts), mesh.lines, identity)
+        with trio.fail_after(15):
+            while any(s.jobs for s in stages):
+                await trio.sleep(0.05)
+        assert all(s.counters["dropped_orphans"] == 1 for s in stages), [s.counters for s in stages]
+        await mesh.settle()
+        assert (await mesh.orch.app.generate(PROMPT, 8))["tokens"] == reference(checkpoint, 8, 0.0, 0, 0)
 
 
 async def test_a_draining_replica_takes_no_new_request_and_none_fails(checkpoint):

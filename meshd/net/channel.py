@@ -263,7 +263,8 @@ class DataChannel:
     # ------------------------------------------------------------- epochs
 
     def peer_epoch(self, node: bytes) -> int | None:
-        """The process epoch ``node`` last proved in a stream handshake; None if none yet."""
+        """The process epoch of ``node`` our data with it is sealed for: the last a stream
+        handshake proved or its signed metadata said (``note_epoch``); None before either."""
         return self._epochs.get(node)
 
     def _proven(self, proven: Proven) -> None:

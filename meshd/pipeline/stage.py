@@ -126,6 +126,7 @@ class _Job:
     sampler: Sampler | None = None
     reported: set[bytes] = field(default_factory=set)  # peers already reported down for it
     decoding: bool = False  # a decode step of it came here: its next ones come back
+    origin_epoch: int | None = None  # the orchestrator's process that sent it, as our data channel knew it
 
     def follows(self, pos: int, rows: int = 1) -> bool:
         """Whether ``rows`` rows from ``pos`` on are the next its cache takes."""
@@ -346,7 +347,8 @@ class StageService(App):
                 raise self._no_room(msg, size, used)
             self.jobs.pop(msg.req_id, None)
             now = trio.current_time()
-            job = _Job(msg.req_id, msg.origin, msg.route, self.model.new_cache(need), now, now)
+            job = _Job(msg.req_id, msg.origin, msg.route, self.model.new_cache(need), now, now,
+                       origin_epoch=self.mesh.peer_epoch(msg.origin))
             self.jobs[msg.req_id] = job
         elif job is None:
             raise LostState(f"{self.name} has no KV cache for request {msg.req_id} at position "
@@ -853,6 +855,11 @@ class StageService(App):
                 if self._gone(job.origin, job.started):
                     self._drop_orphan(req_id)
                     continue
+                if self._replaced(job):
+                    log.info("%s: dropping request %s: %s runs as a new process, which never knew it",
+                             self.name, req_id, self.mesh.describe(job.origin))
+                    self._drop_orphan(req_id)
+                    continue
                 if now - job.touched > JOB_IDLE_S:  # its end (a Release) never came
                     log.info("%s: dropping request %s, idle for %.0f s", self.name, req_id, now - job.touched)
                     self._drop_orphan(req_id)
@@ -883,6 +890,12 @@ class StageService(App):
             return True
         down = self.mesh.down_since(node)
         return down is not None and down >= since
+
+    def _replaced(self, job: _Job) -> bool:
+        """Whether ``job``'s orchestrator runs as another process now (restarted under its key
+        faster than failure detection declares it dead): the new one never knew the job."""
+        now = self.mesh.peer_epoch(job.origin)
+        return job.origin_epoch is not None and now is not None and now != job.origin_epoch
 
     def _neighbours(self, job: _Job) -> set[bytes]:
         """The nodes this stage exchanges the request's messages with."""
