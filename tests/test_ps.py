@@ -127,6 +127,9 @@ def test_a_run_whose_driver_died_says_so(tmp_path):
     save_run(run, tmp_path, owner_pid=dead.pid)
     out = ps("--run-dir", str(tmp_path))
     assert f"provisioning (driver pid {dead.pid} gone)" in out.stdout
+    # Its jobs died with it (PR_SET_PDEATHSIG): none is shown as still going.
+    jobs = [line for line in out.stdout.splitlines() if line.startswith("  ")]
+    assert jobs and all("killed with its driver (was " in line for line in jobs), out.stdout
 
 
 def test_ps_reads_a_run_while_another_process_rewrites_it(tmp_path):

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .model import JobStatus
 from .state import default_run_dir, load_run_dir, owner_alive
 
 _FINISHED_RUN = {"done", "failed", "terminated"}
@@ -58,6 +59,23 @@ def run_status_text(run: dict[str, Any]) -> str:
     return status
 
 
+def job_status_text(run: dict[str, Any], job: dict[str, Any]) -> str:
+    """A job's status; a job still going when its run's driver died died with it (the driver's
+    processes get SIGKILL when it ends, PR_SET_PDEATHSIG), and says so."""
+    text = str(job.get("status_message") or job.get("status") or "")
+    if (str(run.get("status")) not in _FINISHED_RUN and not run.get("owner_alive", True)
+            and not _finished(job)):
+        return f"killed with its driver (was {text})"
+    return text
+
+
+def _finished(job: dict[str, Any]) -> bool:
+    try:
+        return JobStatus(job.get("status")).finished
+    except ValueError:
+        return False
+
+
 def _print_table(runs: list[dict[str, Any]], now: float) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -79,7 +97,7 @@ def _print_table(runs: list[dict[str, Any]], now: float) -> None:
                 job["role"] if stage is None else f"{job['role']} {stage}",
                 job.get("peer") or "",
                 job.get("address") or "",
-                job.get("status_message") or job.get("status") or "",
+                job_status_text(run, job),
                 job.get("reason") or "",
                 age(now, job.get("submitted_at")),
             )
