@@ -67,14 +67,16 @@ def peer_view(m: dict, *, me: bool = False) -> dict:
 def peers(snap: dict) -> dict:
     """``/api/peers``: ourselves, every peer, and whether the pipeline can serve.
 
-    A stage's node also carries ``replica`` (its place, by prefix, among the nodes
-    of its stage, 1-based) and ``replicas`` (how many nodes that stage has).
+    A stage's live node also carries ``replica`` (its place, by prefix, among the live
+    nodes of its stage, 1-based) and ``replicas`` (how many live nodes that stage has).
+    A dead or departed node is no replica (its ``replica`` is None): the one that
+    replaced it would otherwise show as one of two for as long as it is remembered.
     """
     me = peer_view(snap["self"], me=True)
     others = [peer_view(m) for m in snap.get("members", [])]
     by_stage: dict[str, list[dict]] = {}
     for p in [me, *others]:
-        if p["replica_of"] is not None:
+        if p["replica_of"] is not None and (p is me or p["state"] in LIVE):
             by_stage.setdefault(p["replica_of"], []).append(p)
     for p in [me, *others]:
         group = sorted(by_stage.get(p["replica_of"] or "", []), key=lambda v: v["prefix"])

@@ -284,6 +284,10 @@ def test_topology_peers_and_problems_carry_it():
     assert by_prefix[S1A]["replica_of"] == "stage-1" and by_prefix[S1A]["checkpoint"] == RUN
     assert (by_prefix[S1A]["replica"], by_prefix[S1B]["replica"], by_prefix[S1A]["replicas"]) == (1, 2, 2)
     assert by_prefix[S0]["replicas"] == 1 and data["self"]["replica_of"] is None
+    # A stage-1 node that died (one replaced, say) is no replica: the live one is 1 of 1.
+    replaced = peers(snap_of(me, [v if v["prefix"] != S1B else {**v, "state": "dead"} for v in others]))
+    by_prefix = {p["prefix"]: p for p in replaced["peers"]}
+    assert (by_prefix[S1A]["replica"], by_prefix[S1A]["replicas"], by_prefix[S1B]["replica"]) == (1, 1, None)
     dead = snap_of(me, others[:3] + [node(S2, 2, state="dead")])
     [unresolved] = [p for p in problems(dead) if p["kind"] == "unresolved" and p["where"] == "pp-stage-2"]
     assert f"owners: {S2} dead" in unresolved["detail"]
