@@ -181,7 +181,8 @@ def _print_peers(console: Any, snap: dict) -> int:
         table.add_column(column, no_wrap=True)
     for p in rows:
         seen = p["in_seen"] or {}
-        state = _styled(p["state"]) + (" [yellow]draining[/yellow]" if p["draining"] else "")
+        state = (_styled(p["state"]) + (" [yellow]draining[/yellow]" if p["draining"] else "")
+                 + (" [red]not allowed[/red]" if p.get("allowed") is False and p["role"] == "stage" else ""))
         table.add_row(escape(p["name"] + _replica(p, short=True)), escape(p["prefix"]), state,
                       *([escape((p["checkpoint"] or "-")[:12])] if checkpoints else []),
                       _styled(p["path_out"]), _styled(p["path_in"]),

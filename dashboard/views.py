@@ -61,6 +61,7 @@ def peer_view(m: dict, *, me: bool = False) -> dict:
         "last_seen_s": None if me else m.get("last_seen_s"),
         "state_age_s": None if me else m.get("state_age_s"),  # how long it has been in that state
         "last_failure": None if me else m.get("last_failure"),
+        "allowed": True if me else m.get("allowed", True),  # by our --allow-nodes, to hold stage names
     }
 
 
@@ -244,6 +245,14 @@ def problems(snap: dict, topo: dict | None = None) -> list[dict[str, Any]]:
                                   + (": it refused us as not a member" if refused else "") + also,
                         "check": key_check if refused else "is the relay running and reachable over TCP "
                                                            "(WebSocket)?"})
+    for m in snap.get("members", []):
+        if m.get("allowed") is False and m.get("role") == "stage" and m.get("state") in LIVE:
+            out.append({"kind": "not-allowed", "where": _name(m),
+                        "detail": f"{_name(m)} ({m['prefix']}) is not in our --allow-nodes list: "
+                                  "the stage names it claims are ignored, so it serves nothing",
+                        "check": f"if it is ours, add its id ({m['id']}, the id= of its boot line) to "
+                                 "the --allow-nodes file of every node; if not, a stranger holds a "
+                                 "mesh key: rotate it (meshd keys)"})
     out.extend(_unresolved(snap))
     twin = snap.get("twin")
     if isinstance(twin, dict) and twin.get("seen_s_ago", TWIN_RECENT_S) < TWIN_RECENT_S:

@@ -63,6 +63,8 @@ def snapshot(swim: Swim, now: float, paths: PathTable | None = None, relay: dict
         view = member_view(m, now)
         view["path_checks"] = swim.path_checks.get(m.id, 0)
         view["reported_down"] = reported_down is not None and reported_down(m.id)
+        # Whether our --allow-nodes (if any) lets it hold stage names: a stage left out serves nothing.
+        view["allowed"] = swim.allow_nodes is None or m.id in swim.allow_nodes
         if paths is not None:
             path_view = paths.view(m.id, now)
             del path_view["peer"]

@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -584,6 +586,14 @@ def test_allow_nodes_keeps_a_stage_for_the_listed_nodes(tmp_path):
             r = httpx.post(urls["orchestrator"] + "/api/generate", json={"prompt": "hi", "max_tokens": 4},
                            timeout=30)
             assert r.status_code == 200, r.text
+        # The outsider is flagged, not only ignored: peers marks it, doctor names it and its id.
+        listed = httpx.get(urls["orchestrator"] + "/api/peers", timeout=5).json()["peers"]
+        assert {p["id"]: p["allowed"] for p in listed}[outsider.boot.id] is False
+        doctor = subprocess.run([sys.executable, "-m", "meshd", "doctor", urls["orchestrator"]],
+                                capture_output=True, text=True, timeout=30)
+        said = " ".join(doctor.stdout.split())
+        assert doctor.returncode != 0 and "is not in our --allow-nodes list" in said, doctor.stdout
+        assert outsider.boot.id in said.replace(" ", ""), doctor.stdout
     finally:
         for p in procs:
             p.stop(timeout=3)
