@@ -242,6 +242,7 @@ class Node:
             sign=identity.sign,
             faults=options.faults,
             keyring=self.mesh_key,
+            member=self._is_member,
         )
 
     # ---------------------------------------------------------------- serve
@@ -477,6 +478,11 @@ class Node:
 
     def peer_epoch(self, node: bytes) -> int | None:
         return self.data.peer_epoch(node)
+
+    def _is_member(self, node: bytes) -> bool:
+        """Whether ``node`` is a live member (its data streams go last when they must)."""
+        m = self.swim.members.get(node) if self.swim is not None else None
+        return m is not None and m.state.live
 
     def report_down(self, node: bytes, epoch: int, *, seen_here: bool = False) -> None:
         """Take ``node``'s process ``epoch`` as down for ``REPORTED_DOWN_S``: a stage said so,

@@ -13,6 +13,7 @@ from test_relay import (
     WAIT,
     assert_exchange,
     authenticate,
+    closed_with,
     next_frame,
     packet,
     raw_connect,
@@ -199,3 +200,30 @@ async def flood_and_measure(proc: subprocess.Popen, port: int) -> None:
         assert peak - start < RSS_GROWTH_LIMIT, f"relay RSS grew from {MiB(start)} to {MiB(peak)}"
         assert len(dropped) == NON_READERS, f"only {len(dropped)} of {NON_READERS} non-readers were dropped"
         nursery.cancel_scope.cancel()
+
+
+async def test_past_max_clients_a_new_node_is_refused_and_a_connected_one_may_reconnect():
+    """Without a mesh key anyone can prove a fresh id: a crowd of them fills the relay up to
+    --max-clients, never past it, and the clients it holds keep their places."""
+    with trio.fail_after(WAIT * 3):
+        async with trio.open_nursery() as nursery:
+            _, port, relay = await start_relay(nursery, Relay(RelayConfig(max_clients=2)))
+            a = await start_client(nursery, port)
+            b = await start_client(nursery, port)
+            for _ in range(3):
+                ws, nonce = await raw_connect(port, nursery)
+                await ws.send_message(authenticate(Identity.generate(), nonce))
+                code, text = await closed_with(ws)
+                assert code == protocol.CLOSE_FULL and "holds 2 clients (--max-clients)" in text, text
+            assert relay.refused["full"] == 3 and relay.snapshot()["clients_connected"] == 2
+            await assert_exchange(a, b, b"still here")
+            ws, nonce = await raw_connect(port, nursery)  # a's own id, from a new connection
+            await ws.send_message(authenticate(a.identity, nonce))
+            assert isinstance(protocol.decode(await ws.get_message()), protocol.Accepted)
+            nursery.cancel_scope.cancel()
+
+
+def test_relay_max_clients_must_be_a_positive_whole_number():
+    out = subprocess.run([sys.executable, "-m", "meshd", "relay", "--max-clients", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--max-clients" in out.stderr and "Traceback" not in out.stderr

@@ -629,3 +629,48 @@ async def test_a_peer_restarted_with_its_key_gets_our_messages_at_once(first):
             assert a.peer_epoch(b_id) == 21
             assert a.counters["peer_restarts"] == 1 and b2.counters["peer_restarts"] == 0
             nursery.cancel_scope.cancel()
+
+
+async def test_strangers_streams_are_bounded_and_go_before_the_members(monkeypatch):
+    """On a mesh without a key anyone can prove a fresh node id and hold a stream: a crowd of
+    them never holds more than the bound, each id no more than its own, and the members'
+    streams stay (their messages still arrive, on the streams they had)."""
+    from meshd.net import channel
+
+    monkeypatch.setattr(channel, "MAX_INBOUND_STREAMS", 6)
+    monkeypatch.setattr(channel, "MAX_INBOUND_PER_PEER", 2)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            mesh = Mesh(nursery, nursery)
+            await mesh.start([])
+            a = mesh.a
+            for sender in (mesh.b, mesh.c, mesh.d):  # each member holds a stream to a
+                await sender.node.send(a.node_id, b"before", 10)
+            members = set(a.data._inbound.values())
+            assert len(members) == 3
+            held = []
+            one = Identity.generate()
+            for _ in range(3):  # one id, three streams: its oldest goes
+                stream, answer = await open_data_stream(a.addr, one)
+                assert answer is not None
+                held.append(stream)
+            await trio.sleep(0.1)
+            assert list(a.data._inbound.values()).count(one.node_id) == 2
+            for _ in range(10):  # a crowd of fresh ids
+                stream, _answer = await open_data_stream(a.addr, Identity.generate())
+                held.append(stream)
+            await trio.sleep(0.1)
+            assert len(a.data._inbound) <= 6 and members <= set(a.data._inbound.values())
+            assert a.data.counters["streams_evicted"] >= 9
+            assert await held[0].receive_some(100) == b"", "an evicted stream is closed"
+            got: list = []
+            nursery.start_soon(_collect, a, 6, got)  # the three before, then the three after
+            for sender in (mesh.b, mesh.c, mesh.d):
+                await sender.node.send(a.node_id, b"after", 10)
+            with trio.fail_after(5):
+                while len(got) < 6:
+                    await trio.sleep(0.05)
+            assert sorted(got[3:]) == sorted((s.node_id, b"after") for s in (mesh.b, mesh.c, mesh.d))
+            for stream in held:
+                await stream.aclose()
+            nursery.cancel_scope.cancel()

@@ -71,7 +71,7 @@ def job_status_text(run: dict[str, Any], job: dict[str, Any]) -> str:
 
 def _finished(job: dict[str, Any]) -> bool:
     try:
-        return JobStatus(job.get("status")).finished
+        return JobStatus(str(job.get("status"))).finished
     except ValueError:
         return False
 

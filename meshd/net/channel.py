@@ -54,6 +54,13 @@ log = logging.getLogger("meshd.channel")
 # Peers whose epoch we keep: enough for any mesh, bounded against strangers with fresh keys.
 MAX_EPOCHS = 4096
 
+# Inbound streams held at once, in all and from one node id.  A member holds one or two (a
+# new one when it dials again after a break); on a mesh without a key anyone can prove a
+# fresh node id.  Past the first bound a stranger's oldest stream goes first; past the
+# second, that peer's oldest.
+MAX_INBOUND_STREAMS = 512
+MAX_INBOUND_PER_PEER = 4
+
 
 @dataclass
 class ChannelConfig:
@@ -104,8 +111,11 @@ class DataChannel:
         epoch: int | None = None,
         keyring: Keyring | None = None,
         encrypt: bool = True,
+        member: Callable[[bytes], bool] | None = None,
     ) -> None:
         """``keyring``: the mesh key, which every stream handshake must then prove.
+        ``member``: whether a node id is a live member (its streams are the last to go when
+        the inbound streams are at their bound); every node counts as one without it.
         ``encrypt=False`` sends chunks in clear, for ``bench/`` to measure what encryption
         costs (both ends must agree); nothing else may turn it off."""
         self.id = node_id
@@ -129,12 +139,15 @@ class DataChannel:
         self.epoch = random.getrandbits(63) if epoch is None else epoch
         self.keys = ProcessKeys(node_id, self.epoch, encrypt=encrypt)  # drawn per process, as the epoch
         self.keyring = keyring
+        self.member = member or (lambda node: True)
+        self._inbound: dict[trio.CancelScope, bytes] = {}  # inbound streams' readers -> peer, oldest first
         self.reassembler = Reassembler()
         self.counters: dict[str, int] = {
             "sent": 0, "delivered": 0, "resent": 0, "bad_frames": 0, "streams_in": 0,
             "streams_refused": 0, "handshake_failures": 0, "dials": 0, "dial_failures": 0,
             "reader_errors": 0, "peer_restarts": 0, "peers_down": 0, "rx_data_undecryptable": 0,
-            "bad_peer_keys": 0, "sent_bytes": 0, "delivered_bytes": 0,  # message payload bytes
+            "bad_peer_keys": 0, "streams_evicted": 0,
+            "sent_bytes": 0, "delivered_bytes": 0,  # message payload bytes
         }
         self._down: dict[bytes, float] = {}  # peers whose process looks gone, since when
         self._checking: set[bytes] = set()
@@ -193,9 +206,45 @@ class DataChannel:
                 self.counters["handshake_failures"] += 1
                 log.debug("inbound data stream refused: %s", exc or "handshake timed out")
                 return
+            node = proven.node_id
+            if not self._make_room(node):
+                self.counters["streams_refused"] += 1
+                log.info("inbound data stream from %s refused: %d streams held, all members'",
+                         self.describe(node), len(self._inbound))
+                return
             self._proven(proven)
-            await self._receiver.read_stream(stream, proven.node_id, buf)
+            reader = trio.CancelScope()
+            self._inbound[reader] = node
+            try:
+                with reader:
+                    await self._receiver.read_stream(stream, node, buf)
+            finally:
+                self._inbound.pop(reader, None)
+            if reader.cancelled_caught:
+                return  # we closed it to make room: it says nothing of the peer
         self._stream_lost(proven.node_id, proven.epoch)
+
+    def _make_room(self, node: bytes) -> bool:
+        """Room for one more inbound stream from ``node``: the oldest of its own past
+        MAX_INBOUND_PER_PEER, then a stranger's oldest past MAX_INBOUND_STREAMS (a member's
+        oldest, for a member, when only members' are held).  False: a stranger finds none."""
+        own = [reader for reader, peer in self._inbound.items() if peer == node]
+        if len(own) >= MAX_INBOUND_PER_PEER:
+            self._close_inbound(own[0])
+        if len(self._inbound) < MAX_INBOUND_STREAMS:
+            return True
+        victim = next((reader for reader, peer in self._inbound.items() if not self.member(peer)), None)
+        if victim is None:
+            if not self.member(node):
+                return False
+            victim = next(iter(self._inbound))
+        self._close_inbound(victim)
+        return True
+
+    def _close_inbound(self, reader: trio.CancelScope) -> None:
+        self._inbound.pop(reader, None)  # counted out now; its task ends at its next wait
+        reader.cancel()
+        self.counters["streams_evicted"] += 1
 
     async def _read_dialled(self, node: bytes, stream: trio.SocketStream, buf: bytearray, epoch: int
                             ) -> None:

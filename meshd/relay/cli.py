@@ -8,7 +8,7 @@ import sys
 from functools import partial
 
 from .. import ctrl_c
-from ..argtypes import positive_float
+from ..argtypes import int_up_to, positive_float
 from ..net.udp import AddressError, format_addr, parse_addr
 
 
@@ -35,6 +35,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        help="ping a client this long after its last message (default %(default)g)")
     relay.add_argument("--ping-timeout", type=positive_float, default=10.0, metavar="SECONDS",
                        help="drop a client whose pong takes longer (default %(default)g)")
+    relay.add_argument("--max-clients", type=int_up_to(1 << 20, "clients"), default=4096, metavar="N",
+                       help="clients connected at once; past it a new node is refused (default %(default)d)")
     relay.add_argument("--mesh-key-file", metavar="PATH",
                        help="the mesh's key file: admit members only (clients that prove a key in it); "
                             "read again when it changes, so add a new key here before rotating the mesh")
@@ -49,7 +51,8 @@ def _cmd_relay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 
     try:
         config = RelayConfig(rate_bytes_per_s=args.rate, burst_bytes=args.burst,
-                             ping_interval=args.ping_interval, ping_timeout=args.ping_timeout)
+                             ping_interval=args.ping_interval, ping_timeout=args.ping_timeout,
+                             max_clients=args.max_clients)
     except ValueError as exc:
         parser.error(f"relay: {exc}")
     try:

@@ -59,6 +59,7 @@ CLOSE_PING_TIMEOUT = 4005
 CLOSE_SLOW_READER = 4006
 CLOSE_UNSUPPORTED_VERSION = 4007
 CLOSE_NOT_MEMBER = 4008
+CLOSE_FULL = 4009  # the relay holds --max-clients clients already
 CLOSE_SHUTTING_DOWN = 1001
 CLOSE_TOO_BIG = 1009  # trio-websocket closes with this above max_message_size
 

@@ -49,6 +49,7 @@ from . import protocol, stun, wsconn
 from .protocol import (
     CLOSE_AUTH_TIMEOUT,
     CLOSE_BAD_SIGNATURE,
+    CLOSE_FULL,
     CLOSE_MALFORMED,
     CLOSE_NOT_MEMBER,
     CLOSE_PING_TIMEOUT,
@@ -93,6 +94,10 @@ class RelayConfig:
     # Bytes waiting for all destinations together: what a crowd of clients that stop reading
     # can make the relay hold, however many there are (32 of them at queue_bytes each).
     total_queue_bytes: int = 32 * 1024 * 1024
+    # Clients connected at once: past it a new node id is refused (an id connected already may
+    # reconnect).  Without a mesh key anyone can prove a fresh id, so this bounds what a crowd
+    # of them can make the relay hold (a socket and a few tasks each).
+    max_clients: int = 4096
 
     def __post_init__(self) -> None:
         if not 0 < self.max_payload <= MAX_PAYLOAD:
@@ -103,6 +108,8 @@ class RelayConfig:
             raise ValueError(f"queue_bytes must hold at least one full frame ({self.max_frame} bytes)")
         if self.total_queue_bytes < self.queue_bytes:
             raise ValueError("total_queue_bytes must be at least queue_bytes")
+        if self.max_clients < 1:
+            raise ValueError("max_clients must be at least 1")
 
     @property
     def max_frame(self) -> int:
@@ -321,6 +328,11 @@ class Relay:
                                    f"{NOT_MEMBER_REASON} (node {prefix(frame.node_id)}, "
                                    f"{len(frame.mesh_proofs)} proofs)")
                 return None
+        if frame.node_id not in self._clients and len(self._clients) >= self.config.max_clients:
+            await self._refuse(ws, remote, "full", CLOSE_FULL,
+                               f"the relay holds {self.config.max_clients} clients (--max-clients); "
+                               f"node {prefix(frame.node_id)} refused")
+            return None
         return frame.node_id
 
     async def _session(self, ws: WebSocket, node_id: bytes, remote: str) -> None:
