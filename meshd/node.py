@@ -67,6 +67,14 @@ class TwinError(Exception):
     """Another process runs under our node id, started before us: it keeps the id."""
 
 
+def start_incarnation() -> int:
+    """Where a process's incarnation starts: the clock in milliseconds.  An earlier process
+    under our key counted up from its own start by one per refutation, a few a minute at
+    most, so it ends far below ours: a recorded word of it, replayed, is older than ours
+    and can neither be refuted nor pass for a live twin's answer (swim/twin.py)."""
+    return time.time_ns() // 1_000_000
+
+
 def _when(started: int) -> str:
     """A process's start time (seconds since 1970) as UTC text; "at an unknown time" for 0."""
     if not started:
@@ -284,6 +292,7 @@ class Node:
             self.swim = swim = Swim(
                 self.identity.node_id, self.addr, meta, PROFILES[opts.profile], random.Random(), now,
                 facts=SignedFacts(self.identity), allow_nodes=opts.allow_nodes,
+                incarnation=start_incarnation(),
             )
             self.out(
                 f"meshd node id={self.identity.node_id.hex()} prefix={self.identity.prefix} "

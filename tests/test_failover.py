@@ -201,7 +201,8 @@ async def test_stages_drop_the_requests_of_an_orchestrator_that_is_gone(checkpoi
         computed = [s.counters["activations"] for s in stages]
         await trio.sleep(1.0)
         assert [s.counters["activations"] for s in stages] == computed  # nothing more computed
-        assert all(s.counters["dropped_orphans"] > 0 for s in stages), [s.counters for s in stages]
+        # Dropped where the death was seen first; a stage before the last releases it downstream.
+        assert any(s.counters["dropped_orphans"] > 0 for s in stages), [s.counters for s in stages]
 
 
 async def test_stages_drop_the_requests_of_an_orchestrator_restarted_before_it_was_missed(checkpoint):
@@ -223,10 +224,12 @@ async def test_stages_drop_the_requests_of_an_orchestrator_restarted_before_it_w
         seeds = [r.addr for r, _s in mesh.nodes.values()]
         mesh.orch, mesh.orch_scope = await start_killable(
             mesh.nursery, NodeOptions(role="orchestrator", seeds=seeds, **mesh.opts), mesh.lines, identity)
-        with trio.fail_after(15):
+        with trio.move_on_after(15):
             while any(s.jobs for s in stages):
                 await trio.sleep(0.05)
-        assert all(s.counters["dropped_orphans"] == 1 for s in stages), [s.counters for s in stages]
+        assert not any(s.jobs for s in stages), [(s.stage, list(s.jobs), s.counters) for s in stages]
+        # Stage 0 dropped it, and released it down the route.
+        assert stages[0].stage == 0 and stages[0].counters["dropped_orphans"] == 1, stages[0].counters
         await mesh.settle()
         assert (await mesh.orch.app.generate(PROMPT, 8))["tokens"] == reference(checkpoint, 8, 0.0, 0, 0)
 

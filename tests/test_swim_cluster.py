@@ -333,6 +333,26 @@ def test_a_restarted_process_hearing_its_last_process_again_and_again_takes_it_f
     assert victim.swim.twins.yielded is None
 
 
+@pytest.mark.parametrize("start", [0, 10_000])
+def test_a_recorded_word_of_an_earlier_process_replayed_makes_no_twin_of_a_process_that_starts_past_it(start):
+    """Old signed Alives at climbing incarnations, replayed from a stranger's address, look like
+    a live twin's answers to a process that counts from 0; a node starts from its clock
+    (``Node``: ``start_incarnation``), past every incarnation its earlier processes signed."""
+    net, nodes = cluster(4)
+    victim = nodes[3]
+    old_meta = replace(victim.meta, epoch=1, started=1)
+    recorded = [Alive(k, victim.id, "10.9.9.9:7946", old_meta) for k in (5, 7, 9, 11)]
+    net.crash(victim)
+    net.restart(victim, seeds=[nodes[0].addr], meta=replace(victim.meta, epoch=2, started=2),
+                incarnation=start)
+    for alive in recorded:
+        deliver(net, victim, Packet(victim.id, [alive]))
+    yielded = victim.swim.twins.yielded is not None
+    assert yielded == (start == 0)
+    if start:
+        assert victim.swim.incarnation == start and not net.events(EventKind.TWIN)
+
+
 def twins(net: MemNet, nodes: list[SimNode]) -> tuple[SimNode, SimNode]:
     """Two live processes under one node id: the first started at 100 s, the other at 200 s."""
     meta = Meta(role="stage", stage=7)

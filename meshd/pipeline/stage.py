@@ -347,8 +347,12 @@ class StageService(App):
                 raise self._no_room(msg, size, used)
             self.jobs.pop(msg.req_id, None)
             now = trio.current_time()
+            # Stage 0 has the step from the orchestrator itself, opened with that process's keys:
+            # the epoch our channel holds is the sender's.  A later stage may not know a
+            # restarted orchestrator's new process yet; stage 0 releases the request for it.
+            origin_epoch = self.mesh.peer_epoch(msg.origin) if self.stage == 0 else None
             job = _Job(msg.req_id, msg.origin, msg.route, self.model.new_cache(need), now, now,
-                       origin_epoch=self.mesh.peer_epoch(msg.origin))
+                       origin_epoch=origin_epoch)
             self.jobs[msg.req_id] = job
         elif job is None:
             raise LostState(f"{self.name} has no KV cache for request {msg.req_id} at position "
@@ -396,7 +400,7 @@ class StageService(App):
         when it comes back from waiting for room (``_when_room``)."""
         job = self.jobs.get(msg.req_id)
         if self._gone(msg.origin, job.started if job is not None and msg.pos else None):
-            self._drop_orphan(msg.req_id)
+            await self._drop_orphan(msg.req_id)
             return
         if trace is None:
             self.counters["activations"] += 1
@@ -699,10 +703,14 @@ class StageService(App):
         _keep(self._ended, req_id, ENDED_KEPT)
         return self._forget(req_id)
 
-    def _drop_orphan(self, req_id: str) -> None:
-        """Forget a request whose orchestrator is gone: nobody would read what we compute."""
-        self._forget(req_id)
+    async def _drop_orphan(self, req_id: str) -> None:
+        """Forget a request whose orchestrator is gone: nobody would read what we compute.
+        The later stages end it too, as at its end: one may not know yet that the orchestrator
+        is gone (one restarted under its key is never declared dead)."""
+        job = self._forget(req_id)
         self.counters["dropped_orphans"] += 1
+        if job is not None and not self.last:
+            await self.send(job.route[self.stage + 1], Release(req_id))
 
     # --- the LM head in two halves: the last stage and stage 0 ---
 
@@ -852,17 +860,17 @@ class StageService(App):
             await trio.sleep(WATCH_S)
             now = trio.current_time()
             for req_id, job in list(self.jobs.items()):
-                if self._gone(job.origin, job.started):
-                    self._drop_orphan(req_id)
-                    continue
-                if self._replaced(job):
+                orphan = self._gone(job.origin, job.started)
+                if not orphan and self._replaced(job):
                     log.info("%s: dropping request %s: %s runs as a new process, which never knew it",
                              self.name, req_id, self.mesh.describe(job.origin))
-                    self._drop_orphan(req_id)
+                    orphan = True
+                if orphan:
+                    await self._drop_orphan(req_id)
                     continue
                 if now - job.touched > JOB_IDLE_S:  # its end (a Release) never came
                     log.info("%s: dropping request %s, idle for %.0f s", self.name, req_id, now - job.touched)
-                    self._drop_orphan(req_id)
+                    await self._drop_orphan(req_id)
                     continue
                 for peer in self._neighbours(job):
                     if peer not in job.reported and self.mesh.peer_down(peer):
@@ -893,7 +901,8 @@ class StageService(App):
 
     def _replaced(self, job: _Job) -> bool:
         """Whether ``job``'s orchestrator runs as another process now (restarted under its key
-        faster than failure detection declares it dead): the new one never knew the job."""
+        faster than failure detection declares it dead): the new one never knew the job.
+        Known at stage 0 only (``origin_epoch``), which then releases the job downstream."""
         now = self.mesh.peer_epoch(job.origin)
         return job.origin_epoch is not None and now is not None and now != job.origin_epoch
 

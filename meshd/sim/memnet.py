@@ -179,13 +179,14 @@ class MemNet:
         node.up = False
         node.scheduled = None
 
-    def restart(self, node: SimNode, seeds: list[str], meta: Meta | None = None) -> None:
+    def restart(self, node: SimNode, seeds: list[str], meta: Meta | None = None,
+                incarnation: int = 0) -> None:
         """Bring a crashed node back with the same id and a fresh state (and ``meta``, if given:
         a new process says so with a new epoch)."""
         if meta is not None:
             node.meta = meta
         rng = random.Random(self.rng.random())
-        node.swim = Swim(node.id, node.addr, node.meta, self.config, rng, self.now)
+        node.swim = Swim(node.id, node.addr, node.meta, self.config, rng, self.now, incarnation=incarnation)
         node.up = True
         node.swim.join(seeds, self.now)
         self._after(node)

@@ -133,7 +133,11 @@ class Swim:
         now: float,
         facts: Facts | None = None,
         allow_nodes: frozenset[bytes] | None = None,
+        incarnation: int = 0,
     ) -> None:
+        """``incarnation``: where this process starts counting.  A node starts past every
+        incarnation its earlier processes can have signed (from the clock): their words,
+        replayed, are then older than ours and move nothing (see twin.py)."""
         self.id = node_id
         # Who signs and checks facts (see facts.py): the node's identity; nobody in the simulator.
         self.facts: Facts = facts if facts is not None else Unsigned()
@@ -144,8 +148,8 @@ class Swim:
         self.keyring_clock = 0  # our own changes' clock
         self.config = config
         self.rng = rng
-        self.incarnation = 0
-        me = Member(node_id, addr, meta, 0, State.ALIVE, now, last_seen=now)
+        self.incarnation = incarnation
+        me = Member(node_id, addr, meta, incarnation, State.ALIVE, now, last_seen=now)
         self.members: dict[bytes, Member] = {node_id: me}
         self.registry = Registry()
         self.awareness = Awareness(config.awareness_max_multiplier)
