@@ -102,16 +102,16 @@ def _label(view: dict) -> str:
     return str(view.get("role") or view.get("name") or "?")
 
 
-def _serves(replica: dict) -> str:
-    if not replica["checkpoint"]:
+def _serves(checkpoint: str) -> str:
+    if not checkpoint:
         return "serves no model (started without --model or --stub)"
-    return f"serves checkpoint {_short(replica['checkpoint'])}"
+    return f"serves checkpoint {_short(checkpoint)}"
 
 
 def serves_other(checkpoint: str, run_checkpoint: str) -> str:
     """What a node serving ``checkpoint`` (a fingerprint; "" for none) in a run of
     ``run_checkpoint`` serves, in words."""
-    return f"{_serves({'checkpoint': checkpoint})} but the run's is {_short(run_checkpoint)}"
+    return f"{_serves(checkpoint)} but the run's is {_short(run_checkpoint)}"
 
 
 def _short(fingerprint: str) -> str:

@@ -160,8 +160,7 @@ class Orchestrator(App):
         for req in self.requests.values():
             for node in req.route:
                 load[node] = load.get(node, 0) + 1
-        out = [m for m in self.mesh.owners(f"pp-stage-{stage}")
-               if self._usable(m, stage) and not self._seen_down(m)]
+        out = [m for m in self.mesh.owners(f"pp-stage-{stage}") if self._unusable(m, stage) is None]
 
         def rank(m: MemberInfo) -> tuple:
             rtt = self.mesh.rtt(m.id)
@@ -174,16 +173,19 @@ class Orchestrator(App):
         keeps the report, so the snapshot, and readiness, say the same)."""
         return self.mesh.reported_down(m.id)
 
-    def _usable(self, m: MemberInfo, stage: int) -> bool:
+    def _unusable(self, m: MemberInfo, stage: int) -> str | None:
+        """Why ``m`` cannot serve ``stage`` for a new request (after its name, in words), or None."""
         if m.draining:
-            return False
+            return "is draining"
         if m.checkpoint != self.checkpoint:
             if (m.id, m.checkpoint) not in self._refused:
                 self._refused.add((m.id, m.checkpoint))
                 log.warning("refusing %s as a replica of stage-%d: it serves checkpoint %s, this run's is %s",
                             self.mesh.describe(m.id), stage, m.checkpoint or "(none)", self.checkpoint)
-            return False
-        return True
+            return serves_other(m.checkpoint, self.checkpoint)
+        if self._seen_down(m):
+            return "was reported gone by a stage"
+        return None
 
     def layer_split(self) -> dict[str, range]:
         split = split_layers(self.config.num_hidden_layers, self.stages)
@@ -199,20 +201,16 @@ class Orchestrator(App):
         missing = self.missing()
         if not missing:
             return None
-        return NotReady(missing, reasons={n: why for n in missing if (why := self._unusable(n))})
+        return NotReady(missing, reasons={n: why for n in missing if (why := self._why_unserved(n))})
 
-    def _unusable(self, name: str) -> str:
-        """Why the live owners of ``name`` cannot serve this run; "" when it has none."""
-        why = []
-        for m in self.mesh.owners(name):
-            who = self.mesh.describe(m.id)
-            if m.draining:
-                why.append(f"{who} is draining")
-            elif m.checkpoint != self.checkpoint:
-                why.append(f"{who} {serves_other(m.checkpoint, self.checkpoint)}")
-            elif self._seen_down(m):
-                why.append(f"a stage reported {who}'s process gone")
-        return "; ".join(why)
+    def _why_unserved(self, name: str) -> str:
+        """Why the live owners of stage name ``name`` cannot serve this run; "" when it has none
+        (or is not a stage's name)."""
+        if not name.startswith("pp-stage-"):
+            return ""
+        stage = int(name.removeprefix("pp-stage-"))
+        return "; ".join(f"{self.mesh.describe(m.id)} {why}" for m in self.mesh.owners(name)
+                         if (why := self._unusable(m, stage)) is not None)
 
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens)
@@ -368,7 +366,7 @@ class Orchestrator(App):
                 picks = [m for m in self.candidates(k) if m.id not in req.excluded]
                 if not picks:
                     name = f"pp-stage-{k}"
-                    raise NotReady([name], reasons={name: self._unusable(name)})
+                    raise NotReady([name], reasons={name: self._why_unserved(name)})
                 node = picks[0].id
             route.append(node)
         req.route = tuple(route)
