@@ -271,7 +271,8 @@ async def test_a_stage_handing_a_request_over_before_its_drain_is_gossiped_never
                 told.append(node)
                 stage = mesh.nodes[node][0].app
                 (req_id,) = stage.jobs
-                await stage._tell(mesh.orch.node_id, StageError(req_id, stage.name, HANDING_OVER, node))
+                await stage._tell(mesh.orch.node_id, StageError(req_id, stage.name, HANDING_OVER, node,
+                                                           handing_over=True))
 
         got = await mesh.orch.app.generate(PROMPT, 60, on_token=on_token)
         assert got["tokens"] == reference(checkpoint, 60, 0.0, 0, 0)

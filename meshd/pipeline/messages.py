@@ -38,7 +38,8 @@ def check_peer(value: object) -> bytes:
     return b"" if value == b"" else check_node_id(value)
 
 
-APP_VERSION = 4  # 2: Activation.route and .prefill, StageError.peer; 3: Sampling.top_p; 4: Batch, HeadParts
+APP_VERSION = 5  # 2: Activation.route and .prefill, StageError.peer; 3: Sampling.top_p; 4: Batch, HeadParts;
+# 5: StageError.handing_over
 # A message and its envelope: an activation may be as large as the data channel carries.
 MAX_APP_BYTES = MAX_DATA_MESSAGE_BYTES + 4096
 
@@ -129,7 +130,7 @@ class Release(Message):
     _fields_ = (check_str,)
 
 
-# A draining stage's StageError naming itself: the request goes on elsewhere, never back to it.
+# What a draining stage's hand-over (``StageError.handing_over``) says, for people.
 HANDING_OVER = "is draining: handing the request over"
 
 
@@ -145,7 +146,9 @@ class StageError(Message):
     # handing the request over): the orchestrator moves the request to a replica.
     # Empty when the stage itself failed.
     peer: bytes = b""
-    _fields_ = (check_str, check_str, check_str, check_peer)
+    # ``peer`` is the sender, draining: the request goes on elsewhere, never back to it.
+    handing_over: bool = False
+    _fields_ = (check_str, check_str, check_str, check_peer, check_bool)
 
 
 @dataclass(frozen=True, slots=True)

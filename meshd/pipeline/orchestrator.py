@@ -45,7 +45,7 @@ from .chat import ChatTemplate
 from .checkpoint import fingerprint
 from .config import LlamaConfig
 from .generate import check_context, prompt_ids
-from .messages import HANDING_OVER, Activation, Hop, Release, Sampling, StageError, Token
+from .messages import Activation, Hop, Release, Sampling, StageError, Token
 from .metrics import OrchestratorMetrics, measured
 from .model import split_layers
 from .stops import find_stop
@@ -563,7 +563,7 @@ class Orchestrator(App):
                                 "with it: not taken", self.mesh.describe(src),
                                 self.mesh.describe(msg.peer), req.req_id)
                     return
-                if msg.peer == src and msg.message == HANDING_OVER:
+                if msg.peer == src and msg.handing_over:
                     # Its leave may reach us by gossip only later: for this request it is gone.
                     req.excluded.add(src)
                 req.trouble = (req.route.index(msg.peer), msg.peer, msg.message, msg.peer != src)

@@ -929,7 +929,8 @@ class StageService(App):
         for req_id in self.active():
             job = self.jobs[req_id]
             self.counters["handed_over"] += 1
-            await self._tell(job.origin, StageError(req_id, self.name, HANDING_OVER, self.mesh.node_id))
+            await self._tell(job.origin, StageError(req_id, self.name, HANDING_OVER, self.mesh.node_id,
+                                                      handing_over=True))
         await trio.sleep(0.2)  # the hand-over notes reach their orchestrators
 
 
