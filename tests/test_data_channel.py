@@ -631,6 +631,41 @@ async def test_a_peer_restarted_with_its_key_gets_our_messages_at_once(first):
             nursery.cancel_scope.cancel()
 
 
+async def test_a_stream_closed_to_make_room_still_handles_the_message_it_was_handing_over(monkeypatch):
+    """A stream's reader hands messages to the node itself (``inline``), after acking them: a
+    stream closed to make room lets the message in hand finish, and the sender's next one
+    comes on a new stream.  Nothing acked is lost."""
+    from meshd.net import channel
+
+    monkeypatch.setattr(channel, "MAX_INBOUND_PER_PEER", 1)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            mesh = Mesh(nursery, nursery)
+            await mesh.start([])
+            a, b = mesh.a, mesh.b
+            started, release = trio.Event(), trio.Event()
+            handled: list[bytes] = []
+
+            async def handler(src: bytes, data: bytes) -> None:
+                if data == b"slow":
+                    started.set()
+                    await release.wait()
+                handled.append(data)
+
+            nursery.start_soon(partial(a.data.dispatch, handler, inline=True))
+            assert await b.node.send(a.node_id, b"slow", 10) == "direct"
+            await started.wait()
+            assert list(a.data._inbound.values()) == [b.node_id]
+            assert a.data._make_room(b.node_id)  # b's one stream goes, its reader mid-message
+            assert a.data.counters["streams_evicted"] == 1 and not a.data._inbound
+            release.set()
+            await b.node.send(a.node_id, b"after", 10)
+            while len(handled) < 2:
+                await trio.sleep(0.02)
+            assert handled == [b"slow", b"after"]
+            nursery.cancel_scope.cancel()
+
+
 async def test_strangers_streams_are_bounded_and_go_before_the_members(monkeypatch):
     """On a mesh without a key anyone can prove a fresh node id and hold a stream: a crowd of
     them never holds more than the bound, each id no more than its own, and the members'

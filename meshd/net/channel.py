@@ -140,7 +140,8 @@ class DataChannel:
         self.keys = ProcessKeys(node_id, self.epoch, encrypt=encrypt)  # drawn per process, as the epoch
         self.keyring = keyring
         self.member = member or (lambda node: True)
-        self._inbound: dict[trio.CancelScope, bytes] = {}  # inbound streams' readers -> peer, oldest first
+        self._inbound: dict[trio.SocketStream, bytes] = {}  # inbound streams -> peer, oldest first
+        self._evicted: set[trio.SocketStream] = set()  # closed by _make_room, their readers not yet out
         self.reassembler = Reassembler()
         self.counters: dict[str, int] = {
             "sent": 0, "delivered": 0, "resent": 0, "bad_frames": 0, "streams_in": 0,
@@ -213,14 +214,13 @@ class DataChannel:
                          self.describe(node), len(self._inbound))
                 return
             self._proven(proven)
-            reader = trio.CancelScope()
-            self._inbound[reader] = node
+            self._inbound[stream] = node
             try:
-                with reader:
-                    await self._receiver.read_stream(stream, node, buf)
+                await self._receiver.read_stream(stream, node, buf)
             finally:
-                self._inbound.pop(reader, None)
-            if reader.cancelled_caught:
+                self._inbound.pop(stream, None)
+            if stream in self._evicted:
+                self._evicted.discard(stream)
                 return  # we closed it to make room: it says nothing of the peer
         self._stream_lost(proven.node_id, proven.epoch)
 
@@ -228,12 +228,12 @@ class DataChannel:
         """Room for one more inbound stream from ``node``: the oldest of its own past
         MAX_INBOUND_PER_PEER, then a stranger's oldest past MAX_INBOUND_STREAMS (a member's
         oldest, for a member, when only members' are held).  False: a stranger finds none."""
-        own = [reader for reader, peer in self._inbound.items() if peer == node]
+        own = [stream for stream, peer in self._inbound.items() if peer == node]
         if len(own) >= MAX_INBOUND_PER_PEER:
             self._close_inbound(own[0])
         if len(self._inbound) < MAX_INBOUND_STREAMS:
             return True
-        victim = next((reader for reader, peer in self._inbound.items() if not self.member(peer)), None)
+        victim = next((stream for stream, peer in self._inbound.items() if not self.member(peer)), None)
         if victim is None:
             if not self.member(node):
                 return False
@@ -241,9 +241,13 @@ class DataChannel:
         self._close_inbound(victim)
         return True
 
-    def _close_inbound(self, reader: trio.CancelScope) -> None:
-        self._inbound.pop(reader, None)  # counted out now; its task ends at its next wait
-        reader.cancel()
+    def _close_inbound(self, stream: trio.SocketStream) -> None:
+        """Close an inbound stream to make room.  Its socket closes, not its reader's task: a
+        message the reader hands over now (acked already) is handled to its end, and the
+        reader stops at its next read."""
+        self._inbound.pop(stream, None)  # counted out now
+        self._evicted.add(stream)
+        stream.socket.close()
         self.counters["streams_evicted"] += 1
 
     async def _read_dialled(self, node: bytes, stream: trio.SocketStream, buf: bytearray, epoch: int
