@@ -15,13 +15,13 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import trio
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from meshd.pipeline.api import Busy, Generator, NotReady, PipelineError, StageLost
 from meshd.pipeline.stops import MAX_STOP_CHARS, MAX_STOPS, settled
@@ -31,6 +31,7 @@ from .requests import BadRequest, error, field, json_body, openai_error
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 MAX_MESSAGES = 4096
 MAX_TOKENS = 4096
+MAX_MODEL_NAME = 256
 # OpenAI fields that would change the answer, with the values that ask for nothing.
 _UNSERVED: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},), "logprobs": (False,),
@@ -128,7 +129,9 @@ def _openai_only(body: dict) -> None:
     if field(body, "n", int, 1) != 1:
         raise BadRequest("'n' must be 1: one choice per request", "n")
     field(body, "stream", bool, False)  # "yes" or 1 would stream where a client asked for JSON
-    field(body, "model", str, "")  # any name: the mesh serves one model, and answers under it
+    # Any name: the mesh serves one model, and answers under its own name.
+    if len(field(body, "model", str, "")) > MAX_MODEL_NAME:
+        raise BadRequest(f"'model' must be at most {MAX_MODEL_NAME} characters", "model")
     options = body.get("stream_options")
     if options is not None:
         if not isinstance(options, dict) or type(options.get("include_usage", False)) is not bool:
@@ -187,40 +190,46 @@ def _retry_later(exc: Busy | NotReady | StageLost, fail) -> Response:
 CLIENT_GONE = 499
 
 
+def _refusal(exc: Exception, fail) -> Response:
+    """The response for a request that failed before any of its output: 400 for one that
+    cannot run (e.g. the context does not fit), 503 with Retry-After for a busy or not yet
+    ready mesh or a stage lost, 503 for a pipeline that failed it."""
+    if isinstance(exc, ValueError):
+        return fail(400, str(exc))
+    if isinstance(exc, Busy | NotReady | StageLost):
+        return _retry_later(exc, fail)
+    return fail(503, str(exc))
+
+
 async def _generate(request: Request, orch: Generator, params: dict, openai: bool = False) -> dict | Response:
-    """The result, or the error response: 400 for a request that cannot run (e.g. the
-    context does not fit), 503 for a pipeline that failed it.
+    """The result, or the error response (``_refusal``).
 
     A client that disconnects (a timeout, Ctrl-C) cancels its request, as a stream's does:
     it leaves the queue, or its stages free its place in their batches and its KV cache,
     and ``meshd_requests_total{outcome="cancelled"}`` counts it."""
-    fail = openai_error if openai else error
     try:
         result = await _unless_gone(request, lambda: orch.generate(**params))
-        if result is None:
-            return Response(status_code=CLIENT_GONE)
-        return result
-    except ValueError as exc:
-        return fail(400, str(exc))
-    except (Busy, NotReady, StageLost) as exc:
-        return _retry_later(exc, fail)
-    except PipelineError as exc:
-        return fail(503, str(exc))
+    except (ValueError, PipelineError) as exc:
+        return _refusal(exc, openai_error if openai else error)
+    if result is None:
+        return Response(status_code=CLIENT_GONE)
+    return result
+
+
+async def _watch_gone(receive: Receive, scope: trio.CancelScope) -> None:
+    """Cancel ``scope`` once the client disconnects.  The body is read by now, so the next
+    ASGI message is the disconnect."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    scope.cancel()
 
 
 async def _unless_gone(request: Request, run) -> dict | None:
-    """``await run()``, or None once the client has disconnected (run is then cancelled).
-
-    The body is read by now, so the next ASGI message is the disconnect."""
+    """``await run()``, or None once the client has disconnected (run is then cancelled)."""
     outcome: list[dict] = []
     failure: list[Exception] = []
     async with trio.open_nursery() as nursery:
-        async def watch() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            nursery.cancel_scope.cancel()
-
-        nursery.start_soon(watch)
+        nursery.start_soon(_watch_gone, request.receive, nursery.cancel_scope)
         try:
             outcome.append(await run())
         except Exception as exc:  # raised as itself, not inside the nursery's group
@@ -284,9 +293,9 @@ async def _openai(request: Request, chat: bool) -> Response:
     if isinstance(ready, Response):
         return ready
     orch, body, params = ready
-    events = _Events(body, chat, params["stop"])
+    events = _Events(body, chat, params["stop"], orch.model_name)
     if body.get("stream"):
-        return StreamingResponse(events.stream(orch, params), media_type="text/event-stream")
+        return _EventStream(events, orch, params)
     result = await _generate(request, orch, params, openai=True)
     if isinstance(result, Response):
         return result
@@ -304,10 +313,10 @@ class _Events:
     settles (whole characters, and nothing that may turn out to begin a stop string), one
     chunk per token; then the finish; usage when asked (``stream_options.include_usage``)."""
 
-    def __init__(self, body: dict, chat: bool, stop: tuple[str, ...]) -> None:
-        model = body.get("model") if isinstance(body.get("model"), str) else "meshd"
+    def __init__(self, body: dict, chat: bool, stop: tuple[str, ...], model: str) -> None:
         self.chat = chat
         self.object = "chat.completion.chunk" if chat else "text_completion"
+        # Answered under the name /v1/models lists, whatever name the client asked for.
         self.head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}",
                      "created": int(time.time()), "model": model}
         # The orchestrator's id for the request, in every token's ``meshd`` object: a client
@@ -336,16 +345,21 @@ class _Events:
             chunk["meshd"] = {"request": done["request"], "failovers": done["failovers"]}
         return f"data: {json.dumps(chunk)}\n\n"
 
-    async def stream(self, orch: Generator, params: dict) -> AsyncIterator[str]:
-        send, receive = trio.open_memory_channel[str](64)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._produce, orch, params, send)
-            async with receive:
-                async for line in receive:
-                    yield line
+    async def produce(self, orch: Generator, params: dict,
+                      send: trio.MemorySendChannel[str | Exception]) -> None:
+        """The request's events onto ``send``; a failure before its first event goes there
+        as the exception itself (the response is then that error's), a later one as an
+        error event."""
+        started = False
 
-    async def _produce(self, orch: Generator, params: dict, send: trio.MemorySendChannel[str]) -> None:
+        async def start() -> None:
+            nonlocal started
+            if not started and self.chat:
+                await send.send(self.event("", None, delta={"role": "assistant", "content": ""}))
+            started = True
+
         async def on_token(token: int) -> None:
+            await start()
             self.tokens.append(token)
             shown = settled(orch.decode(self.tokens), self.stop)
             new = shown[len(self.emitted):] if shown.startswith(self.emitted) else ""
@@ -353,21 +367,56 @@ class _Events:
             self.emitted += new
 
         async with send:
-            if self.chat:
-                await send.send(self.event("", None, delta={"role": "assistant", "content": ""}))
             try:
                 result = await orch.generate(**params, on_token=on_token, request_id=self.request)
+            except (ValueError, PipelineError) as exc:
+                if not started:
+                    await send.send(exc)
+                    return
+                kind = "invalid_request_error" if isinstance(exc, ValueError) else "service_unavailable"
+                failure = {"error": {"message": str(exc), "type": kind, "param": None, "code": None}}
+                await send.send(f"data: {json.dumps(failure)}\n\n")
+            else:
+                await start()
                 await send.send(self.event(result["text"][len(self.emitted):], _finish_reason(result),
                                            done=result))
                 if self.include_usage:  # as OpenAI sends it: no choices, the usage
                     usage: dict[str, Any] = {**self.head, "object": self.object, "choices": [],
                                              "usage": _usage(result)}
                     await send.send(f"data: {json.dumps(usage)}\n\n")
-            except (ValueError, PipelineError) as exc:
-                kind = "invalid_request_error" if isinstance(exc, ValueError) else "service_unavailable"
-                failure = {"error": {"message": str(exc), "type": kind, "param": None, "code": None}}
-                await send.send(f"data: {json.dumps(failure)}\n\n")
             await send.send("data: [DONE]\n\n")
+
+
+class _EventStream(Response):
+    """A request's server-sent events, whose status waits for its first event: a request
+    refused before any output (its context does not fit, every slot and the queue are
+    taken, a stage is lost) gets the same 400 or 503 with Retry-After as without
+    streaming.  A client that disconnects cancels the request."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: _Events, orch: Generator, params: dict) -> None:
+        self.status_code, self.background = 200, None
+        self.init_headers()  # no body yet, so no content-length: it streams
+        self.events, self.orch, self.params = events, orch, params
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        lines_in, lines = trio.open_memory_channel[str | Exception](64)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_watch_gone, receive, nursery.cancel_scope)
+            nursery.start_soon(self.events.produce, self.orch, self.params, lines_in)
+            async with lines:
+                first = await lines.receive()
+                if isinstance(first, Exception):
+                    await _refusal(first, openai_error)(scope, receive, send)
+                else:
+                    await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+                    await send({"type": "http.response.body", "body": first.encode(), "more_body": True})
+                    async for line in lines:
+                        assert isinstance(line, str)  # only the first can be a failure
+                        await send({"type": "http.response.body", "body": line.encode(), "more_body": True})
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+            nursery.cancel_scope.cancel()
 
 
 ROUTES = [

@@ -12,7 +12,7 @@ import trio
 
 from meshd.node import NodeOptions
 from meshd.pipeline.generate import generate
-from meshd.testing.inprocess import start_node, wait_converged
+from meshd.testing.inprocess import start_node, start_pipeline, wait_converged
 
 
 async def _mesh(nursery, checkpoint, stages: int, lines: list[str], start_stages: int | None = None):
@@ -186,7 +186,97 @@ async def test_a_request_that_lost_a_stage_gets_503_with_retry_after(checkpoint,
     async with _ready_client(checkpoint) as (orch, client):
         monkeypatch.setattr(orch.app, "generate", lost)
         for path, body in (("/api/generate", {"prompt": "Hello", "max_tokens": 4}),
-                           ("/v1/completions", {"prompt": "Hello", "max_tokens": 4})):
+                           ("/v1/completions", {"prompt": "Hello", "max_tokens": 4}),
+                           ("/v1/completions", {"prompt": "Hello", "max_tokens": 4, "stream": True})):
             r = await client.post(path, json=body)
             assert r.status_code == 503 and r.headers.get("retry-after") == "1", (path, r.text)
             assert "lost: stage-0 (peer 5c3e9a10 dead)" in r.text
+
+
+def _events(body: bytes) -> list:
+    """The JSON events of a server-sent event stream, without its closing [DONE]."""
+    lines = [line[6:] for line in body.decode().splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]", lines[-3:]
+    return [json.loads(line) for line in lines[:-1]]
+
+
+async def test_a_stream_refused_before_its_first_token_gets_the_status_a_plain_request_gets(checkpoint):
+    """A streamed request whose context does not fit gets 400, and one past a full queue 503
+    with Retry-After, as without streaming: never a 200 whose events say so.  The streams
+    that run get their tokens, with no error among them."""
+    lines: list[str] = []
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nodes = await start_pipeline(nursery, checkpoint, 1, lines, max_running=1, max_queued=0,
+                                         dashboard="127.0.0.1:0")
+            async with httpx.AsyncClient(base_url=nodes[0].dashboard_url, timeout=60) as client:
+                chat = {"messages": [{"role": "user", "content": "Hi"}]}
+                for path, body in (("/v1/completions", {"prompt": "Hi"}), ("/v1/chat/completions", chat)):
+                    r = await client.post(path, json={**body, "max_tokens": 4000, "stream": True})
+                    assert r.status_code == 400, r.text
+                    assert r.json()["error"]["type"] == "invalid_request_error"
+                    assert "context" in r.json()["error"]["message"], r.text
+                got: list[httpx.Response] = []
+
+                async def one() -> None:
+                    body = {"prompt": "Hello", "max_tokens": 120, "stream": True}
+                    async with client.stream("POST", "/v1/completions", json=body) as r:
+                        await r.aread()
+                        got.append(r)
+
+                async with trio.open_nursery() as clients:
+                    for _ in range(4):  # at once: one runs, and the queue holds none
+                        clients.start_soon(one)
+            nursery.cancel_scope.cancel()
+    ran = [r for r in got if r.status_code == 200]
+    refused = [r for r in got if r.status_code != 200]
+    assert ran and refused, [r.status_code for r in got]
+    for r in refused:
+        assert r.status_code == 503 and r.headers.get("retry-after") == "1", r.text
+        assert json.loads(r.content)["error"]["message"].startswith("busy: "), r.text
+    for r in ran:
+        events = _events(r.content)
+        assert not [e for e in events if "error" in e], events
+        assert events[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+async def test_a_streaming_client_that_leaves_cancels_its_request(checkpoint):
+    """A client that stops reading a stream and closes the connection mid-generation ends its
+    request: the slot and every stage's KV cache are freed well before max_tokens, it counts
+    as cancelled, and the next request is served."""
+    lines: list[str] = []
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nodes = await start_pipeline(nursery, checkpoint, 2, lines, dashboard="127.0.0.1:0")
+            orch, stages = nodes[0].app, [n.app for n in nodes[1:]]
+            async with httpx.AsyncClient(base_url=nodes[0].dashboard_url, timeout=60) as client:
+                body = {"prompt": "Hello", "max_tokens": 200, "stream": True}
+                async with client.stream("POST", "/v1/completions", json=body) as r:
+                    assert r.status_code == 200
+                    seen = 0
+                    async for line in r.aiter_lines():
+                        seen += line.startswith("data: ")
+                        if seen == 3:
+                            break
+                while orch.admission.running or any(s.jobs for s in stages):
+                    await trio.sleep(0.005)
+                generated = orch.metrics.generation_tokens
+                after = await client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3})
+            outcomes = dict(orch.metrics.requests)
+            nursery.cancel_scope.cancel()
+    assert generated < 200, "the request ran on after its client left"
+    assert outcomes["cancelled"] == 1 and outcomes["length"] == 1, outcomes
+    assert after.status_code == 200, after.text
+
+
+async def test_answers_name_the_model_the_mesh_serves_whatever_name_was_asked(checkpoint):
+    """The mesh serves one model: an answer names it as /v1/models does, not as the client
+    asked; a name too long to be one is refused, not copied into every event."""
+    async with _ready_client(checkpoint) as (_orch, client):
+        served = (await client.get("/v1/models")).json()["data"][0]["id"]
+        body = {"prompt": "Hello", "max_tokens": 3, "model": "gpt-4"}
+        assert (await client.post("/v1/completions", json=body)).json()["model"] == served
+        r = await client.post("/v1/completions", json={**body, "stream": True})
+        assert {e["model"] for e in _events(r.content)} == {served}
+        r = await client.post("/v1/completions", json={**body, "model": "m" * 100_000, "stream": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
