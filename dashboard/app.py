@@ -158,7 +158,7 @@ async def api_traces(request: Request) -> Response:
 def _since(request: Request) -> int:
     """``?since=SEQ``: history samples after that one (0, the default: all)."""
     value = request.query_params.get("since", "0")
-    if not value.isdigit() or len(value) > 18:
+    if not (value.isascii() and value.isdigit()) or len(value) > 18:
         raise BadRequest("'since' must be a sample's seq (a non-negative integer)")
     return int(value)
 

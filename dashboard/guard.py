@@ -101,7 +101,7 @@ def split_host(value: str) -> tuple[str, int | None] | None:
     else:
         name, _, port = value.partition(":")
         port = port or None
-    if not name or (port is not None and not (port.isdigit() and 0 < int(port) < 65536)):
+    if not name or (port is not None and not (port.isascii() and port.isdigit() and 0 < int(port) < 65536)):
         return None
     return name, None if port is None else int(port)
 
@@ -305,7 +305,7 @@ class DashboardGuard:
     async def _read_body(self, headers: Headers, receive) -> bytes | None:
         """The whole body, or Refused(413) once it passes ``max_body``: never more is held."""
         length = headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body:
+        if length is not None and length.isascii() and length.isdigit() and int(length) > self.max_body:
             raise Refused(413, f"body of {length} bytes; at most {self.max_body}")
         chunks: list[bytes] = []
         total = 0

@@ -11,6 +11,7 @@ from typing import Any
 
 from meshd.readiness import path, readiness
 from meshd.relay.protocol import CLOSE_NOT_MEMBER
+from meshd.snapshot import stage_sort_key
 
 LIVE = ("alive", "suspect")
 
@@ -143,7 +144,7 @@ def topology(snap: dict) -> dict:
                 "direct_failures": e["direct_failures"], "reason": e["reason"], "since_s": e["since_s"],
                 "relay": e["relay"], "punched": e["punched"]}
 
-    order = sorted(live, key=lambda v: _sort_key(_name(v)))
+    order = sorted(live, key=lambda v: stage_sort_key(_name(v)))
     edges = [edge(a, b) for a in order for b in order if a["id"] != b["id"]]
     index = {(e["from"], e["to"]): e for e in edges}
     asymmetric = []
@@ -166,12 +167,6 @@ def topology(snap: dict) -> dict:
     return {"nodes": nodes, "edges": edges, "asymmetric": asymmetric,
             "reported": sorted(k for k in summaries if k in live_ids),
             "readiness": {k: ready[k] for k in ("ready", "why", "warnings", "stages")}}
-
-
-def _sort_key(name: str) -> tuple:
-    if name.startswith("stage-") and name[6:].isdigit():
-        return (1, int(name[6:]), name)
-    return (0 if name == "orchestrator" else 2, 0, name)
 
 
 def problems(snap: dict, topo: dict | None = None) -> list[dict[str, Any]]:

@@ -131,7 +131,7 @@ def path_summaries(swim: Swim, now: float) -> dict:
 
 def stage_sort_key(name: str) -> tuple:
     """orchestrator first, then stage-0, stage-1, ... by number."""
-    if name.startswith("stage-") and name[6:].isdigit():
+    if name.startswith("stage-") and name[6:].isascii() and name[6:].isdigit():
         return (1, int(name[6:]), name)
     return (0 if name == "orchestrator" else 2, 0, name)
 

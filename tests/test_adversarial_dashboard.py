@@ -96,6 +96,9 @@ async def test_a_foreign_host_is_refused_and_nothing_runs(checkpoint):
                 assert r.status_code == 421
                 r = await c.get("/api/snapshot", headers={"Host": host})
                 assert r.status_code == 421 and "self" not in r.json(), "nothing read either"
+            # A port of digits that are digits to str.isdigit() but not to int() (², in Latin-1).
+            r = await c.post("/api/generate", json=GENERATE, headers={"Host": b"127.0.0.1:\xb2"})
+            assert r.status_code == 421, r.text
             assert node.acted == []
             assert node.app.recent_traces == type(node.app.recent_traces)([], maxlen=256)
 

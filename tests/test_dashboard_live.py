@@ -245,7 +245,7 @@ def test_state_and_history_over_http_are_the_polling_fallback():
         history = c.get("/api/history").json()
         assert history["ring"] == state["ring"], "one ring: the page knows a restarted node by another"
         assert history["capacity"] == 300 and history["interval_s"] == 2.0 and len(history["samples"]) == 1
-        for bad in ("-1", "x", "9" * 40):
+        for bad in ("-1", "x", "9" * 40, "%C2%B2", "%E2%91%A0"):  # ², ①: digits to isdigit(), not to int()
             r = c.get(f"/api/history?since={bad}")
             assert r.status_code == 400 and "since" in r.json()["error"]
 
