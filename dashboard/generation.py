@@ -25,6 +25,7 @@ from starlette.types import Receive, Scope, Send
 
 from meshd.pipeline.api import Busy, Generator, NotReady, PipelineError, StageLost
 from meshd.pipeline.stops import MAX_STOP_CHARS, MAX_STOPS, settled
+from meshd.pipeline.tokenizer import IncrementalText
 
 from .requests import BadRequest, error, field, json_body, openai_error
 
@@ -323,7 +324,7 @@ class _Events:
         # (smoke-run's faults) can find it in /api/requests while it runs, beside others.
         self.request = uuid.uuid4().hex[:12]
         self.stop = stop
-        self.tokens: list[int] = []
+        self.text: IncrementalText  # the text so far (``produce``)
         self.emitted = ""
         options = body.get("stream_options")
         self.include_usage = isinstance(options, dict) and options.get("include_usage") is True
@@ -340,7 +341,7 @@ class _Events:
         chunk: dict[str, Any] = {**self.head, "object": self.object,
                                  "choices": [self._choice(text, reason, delta)]}
         if token is not None:  # an extension: the token id, for exact comparisons
-            chunk["meshd"] = {"token": token, "index": len(self.tokens) - 1, "request": self.request}
+            chunk["meshd"] = {"token": token, "index": len(self.text.tokens) - 1, "request": self.request}
         if done is not None:  # the last chunk: which request it was, and where it moved
             chunk["meshd"] = {"request": done["request"], "failovers": done["failovers"]}
         return f"data: {json.dumps(chunk)}\n\n"
@@ -351,6 +352,7 @@ class _Events:
         as the exception itself (the response is then that error's), a later one as an
         error event."""
         started = False
+        self.text = IncrementalText(orch.decode)
 
         async def start() -> None:
             nonlocal started
@@ -360,8 +362,8 @@ class _Events:
 
         async def on_token(token: int) -> None:
             await start()
-            self.tokens.append(token)
-            shown = settled(orch.decode(self.tokens), self.stop)
+            self.text.add(token)
+            shown = settled(self.text.text, self.stop)
             new = shown[len(self.emitted):] if shown.startswith(self.emitted) else ""
             await send.send(self.event(new, None, token))
             self.emitted += new

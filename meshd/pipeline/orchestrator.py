@@ -49,7 +49,7 @@ from .messages import Activation, Hop, Release, Sampling, StageError, Token
 from .metrics import OrchestratorMetrics, measured
 from .model import split_layers
 from .stops import find_stop
-from .tokenizer import load_tokenizer
+from .tokenizer import IncrementalText, load_tokenizer
 
 log = logging.getLogger("meshd.pipeline")
 
@@ -103,6 +103,7 @@ class _Request:
     error: str | None = None
     stop: tuple[str, ...] = ()  # stop strings: the text ends before the first one
     text_end: int | None = None  # where the decoded text ends, when a stop string ended it
+    decoded: IncrementalText | None = None  # the text so far, while stop strings are looked for
     trouble: Trouble | None = None  # reported by a stage, or by a failed send
     failovers: list[dict[str, Any]] = field(default_factory=list)
     failover_started: float | None = None  # perf_counter when the last failover began
@@ -331,11 +332,15 @@ class Orchestrator(App):
         first = req.token_times[0] - t0 if req.token_times else None
         if queued and req.traces:  # the wait for a slot, ahead of the first token's trace
             req.traces[0] = (Hop("wait", "orchestrator queue", queued * 1000, ""), *req.traces[0])
+        text = self.tokenizer.decode(req.tokens)
+        if req.stop and req.text_end is None and (end := find_stop(text, req.stop)) is not None:
+            # a stop string that its last token's unfinished character held back
+            req.text_end, req.finish_reason = end, "stop"
         result: dict[str, Any] = {
             "request": req.req_id,
             "prompt_tokens": len(req.ids),
             "tokens": req.tokens,
-            "text": self.tokenizer.decode(req.tokens)[:req.text_end],
+            "text": text[:req.text_end],
             "finish_reason": req.finish_reason,
             "failovers": req.failovers,
             "timings": {
@@ -575,7 +580,11 @@ class Orchestrator(App):
 
     def _stopped(self, req: _Request) -> bool:
         """Whether ``req``'s text holds one of its stop strings now (then it ends before it)."""
-        req.text_end = find_stop(self.tokenizer.decode(req.tokens), req.stop)
+        if req.decoded is None:
+            req.decoded = IncrementalText(self.tokenizer.decode)
+        for token in req.tokens[len(req.decoded.tokens):]:
+            req.decoded.add(token)
+        req.text_end = find_stop(req.decoded.text, req.stop)
         return req.text_end is not None
 
     async def failed(self, msg: Message, exc: Exception, peer: bytes = b"") -> None:

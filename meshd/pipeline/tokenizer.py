@@ -14,6 +14,7 @@ gives: the tokenizer's post-processor adds BOS where the model wants one
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -103,6 +104,37 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
+
+
+class IncrementalText:
+    """``decode(tokens)`` of a growing list of tokens, each new token's text found by decoding
+    from the token before the last text it settled (as vLLM's and TGI's detokenizers do), not
+    by decoding the whole list again: a long stream's text costs time in its length, not in
+    its square.  ``text`` holds whole characters only: one whose bytes are not all here yet
+    waits for the tokens that finish it."""
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self._decode = decode  # a tokenizer's
+        self.tokens: list[int] = []
+        self.text = ""
+        self._prefix = self._read = 0  # decode from _prefix; _read: where the settled text ends
+
+    def add(self, token: int) -> str:
+        """Take the next token; returns the text it settles ("" while a character waits)."""
+        self.tokens.append(token)
+        before = self._decode(self.tokens[self._prefix:self._read])
+        after = self._decode(self.tokens[self._prefix:])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        if after.startswith(before):
+            new = after[len(before):]
+            self.text += new
+        else:  # the new token changed text already settled: decode it all once, and go on from here
+            whole = self._decode(self.tokens)
+            new = whole[len(self.text):] if whole.startswith(self.text) else ""
+            self.text = whole
+        self._prefix, self._read = self._read, len(self.tokens)
+        return new
 
 
 def tokenizer_config(model_dir: str | Path) -> dict:
