@@ -280,3 +280,17 @@ async def test_answers_name_the_model_the_mesh_serves_whatever_name_was_asked(ch
         assert {e["model"] for e in _events(r.content)} == {served}
         r = await client.post("/v1/completions", json={**body, "model": "m" * 100_000, "stream": True})
         assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
+
+
+async def test_a_prompt_longer_than_the_context_is_a_400_naming_it_streamed_or_not(checkpoint):
+    """A long prompt is tokenised off the event loop; one past the context is refused with
+    the numbers, as a short one that does not fit is."""
+    async with _ready_client(checkpoint) as (orch, client):
+        prompt = "once upon a time " * 2000  # 34,000 characters, past LONG_PROMPT_CHARS
+        for stream in (False, True):
+            body = {"prompt": prompt, "max_tokens": 4, "stream": stream}
+            r = await client.post("/v1/completions", json=body)
+            assert r.status_code == 400, r.text
+            assert "context" in r.json()["error"]["message"], r.text
+        r = await client.post("/v1/completions", json={"prompt": prompt[:100], "max_tokens": 4})
+        assert r.status_code == 200, r.text

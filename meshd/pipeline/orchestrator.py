@@ -66,6 +66,7 @@ STALL_GAPS = 8
 STALL_MIN_S = 0.25
 STALL_FIRST_S = 2.0
 MAX_DEFAULT_TOKENS = 4096  # a request that names no max_tokens: the rest of the context, up to this
+LONG_PROMPT_CHARS = 16384  # a prompt this long is tokenised in a worker thread
 RELEASE_S = 1.0  # how long a request that ends early may take telling its route
 
 
@@ -246,7 +247,12 @@ class Orchestrator(App):
         None: as many as the context holds, up to MAX_DEFAULT_TOKENS.  ``stop``: generation
         ends at the first of these strings in the text, which ends before it.  ``request_id``:
         the request's id (``/api/requests``, the result's ``request``), a new one if None."""
-        ids = prompt_ids(self.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
+        if not isinstance(prompt, str):
+            ids = list(prompt)
+        elif len(prompt) > LONG_PROMPT_CHARS:  # off the event loop: gossip and the others' tokens go on
+            ids = await trio.to_thread.run_sync(prompt_ids, self.tokenizer, prompt)
+        else:
+            ids = prompt_ids(self.tokenizer, prompt)
         if not ids:
             raise ValueError("an empty prompt")
         if max_tokens is None:
