@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import numpy as np
 import pytest
@@ -22,7 +23,8 @@ from meshd.launch.report import Generated, Outcome, summary
 from meshd.net.faults import Faults
 from meshd.pipeline import model as model_module
 from meshd.pipeline import stage as stage_module
-from meshd.pipeline.api import PipelineError
+from meshd.pipeline.admission import TooLarge
+from meshd.pipeline.api import Busy, PipelineError
 from meshd.pipeline.app import App
 from meshd.pipeline.checkpoint import init_checkpoint
 from meshd.pipeline.generate import LOGITS_TOLERANCE as TOLERANCE
@@ -390,14 +392,14 @@ async def test_a_start_without_room_in_time_fails_naming_the_stage_and_one_whose
             nodes = await start_pipeline(nursery, checkpoint, 3, lines, max_batch=1)
             orch, stage1 = nodes[0].app, nodes[2].app
             stage1.kv_budget = stage1.model.cache_bytes(64)
-            with pytest.raises(PipelineError) as info:
+            with pytest.raises(TooLarge) as info:  # a ValueError: the API's 400
                 await orch.generate(PROMPTS[0], 100)  # 100 positions and more: never fits
             too_big = str(info.value)
             # A request that runs on (its route holds its caches; no step of it comes) fills it.
             now, route = trio.current_time(), tuple(n.app.mesh.node_id for n in nodes[1:])
             stage1.jobs["runs-on"] = stage_module._Job("runs-on", orch.mesh.node_id, route,
                                                        stage1.model.new_cache(64), now, now)
-            with pytest.raises(PipelineError) as info:
+            with pytest.raises(Busy) as info:  # the API's 503 with Retry-After
                 await orch.generate(PROMPTS[0], 8)
             failed = str(info.value)
             errors = stage1.counters["errors"]
@@ -411,6 +413,8 @@ async def test_a_start_without_room_in_time_fails_naming_the_stage_and_one_whose
             after = stage1.counters["errors"]
             nursery.cancel_scope.cancel()
     assert "is more than this stage's whole --kv-budget-mb" in too_big and too_big.startswith("stage-1: ")
+    # The request is named by the caller's id; the wire id stays between the request's nodes.
+    assert not re.search(r"\.\d+\.[0-9a-f]{16}", too_big + failed), (too_big, failed)
     assert failed.startswith("stage-1: no room for request ") and "within 1.0 s" in failed, failed
     assert "held by 1 requests (--kv-budget-mb)" in failed
     assert after == errors, "the request whose caller left still waited and failed at stage-1"

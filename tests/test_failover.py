@@ -15,7 +15,7 @@ from meshd.node import NodeOptions
 from meshd.pipeline.api import PipelineError, StageLost
 from meshd.pipeline.checkpoint import init_checkpoint
 from meshd.pipeline.generate import diverges, generate, near_ties
-from meshd.pipeline.messages import HANDING_OVER, StageError
+from meshd.pipeline.messages import HANDED_OVER, HANDING_OVER, StageError
 from meshd.relay.server import serve_relay
 from meshd.testing.inprocess import start_killable, wait_converged
 
@@ -272,7 +272,7 @@ async def test_a_stage_handing_a_request_over_before_its_drain_is_gossiped_never
                 stage = mesh.nodes[node][0].app
                 (req_id,) = stage.jobs
                 await stage._tell(mesh.orch.node_id, StageError(req_id, stage.name, HANDING_OVER, node,
-                                                           handing_over=True))
+                                                           HANDED_OVER))
 
         got = await mesh.orch.app.generate(PROMPT, 60, on_token=on_token)
         assert got["tokens"] == reference(checkpoint, 60, 0.0, 0, 0)

@@ -29,7 +29,7 @@ EXAMPLES: dict[int, wire.Message] = {
     ),
     messages.Release.TAG: messages.Release(req_id="r1"),
     messages.StageError.TAG: messages.StageError(req_id="r1", stage="stage-2", message="stage-3 is down",
-                                                         peer=NODE_B, handing_over=True),
+                                                         peer=NODE_B, kind=messages.HANDED_OVER),
     messages.HeadInput.TAG: messages.HeadInput(
         req_id="r1", origin=NODE_B, step=3, pos=9, hidden=b"\x00" * 16,
         sampling=messages.Sampling(max_tokens=8, temperature=0.8, top_k=20, seed=1, want_logits=False),
@@ -79,7 +79,7 @@ def test_a_newer_pipeline_version_is_refused_by_name():
 
 
 def _stage_error(peer: object) -> bytes:
-    body = [messages.StageError.TAG, ["r1", "stage-1", "m", peer, False]]
+    body = [messages.StageError.TAG, ["r1", "stage-1", "m", peer, ""]]
     return msgpack.packb([messages.APP_VERSION, SENDER, [body]])
 
 

@@ -39,7 +39,7 @@ def check_peer(value: object) -> bytes:
 
 
 APP_VERSION = 5  # 2: Activation.route and .prefill, StageError.peer; 3: Sampling.top_p; 4: Batch, HeadParts;
-# 5: StageError.handing_over
+# 5: StageError.kind
 # A message and its envelope: an activation may be as large as the data channel carries.
 MAX_APP_BYTES = MAX_DATA_MESSAGE_BYTES + 4096
 
@@ -130,8 +130,12 @@ class Release(Message):
     _fields_ = (check_str,)
 
 
-# What a draining stage's hand-over (``StageError.handing_over``) says, for people.
+# What a draining stage's hand-over says, for people.
 HANDING_OVER = "is draining: handing the request over"
+# StageError.kind: what the orchestrator does about it beyond its text.
+HANDED_OVER = "handed-over"  # ``peer`` is the sender, draining: go on elsewhere, never back to it
+TOO_LARGE = "too-large"  # the request could never run at this stage (its KV cache): a client's error
+NO_ROOM = "no-room"  # the stage's KV budget had no room for it in time: try again later
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,9 +150,8 @@ class StageError(Message):
     # handing the request over): the orchestrator moves the request to a replica.
     # Empty when the stage itself failed.
     peer: bytes = b""
-    # ``peer`` is the sender, draining: the request goes on elsewhere, never back to it.
-    handing_over: bool = False
-    _fields_ = (check_str, check_str, check_str, check_peer, check_bool)
+    kind: str = ""  # HANDED_OVER, TOO_LARGE, NO_ROOM, or "" (as is a kind this version does not know)
+    _fields_ = (check_str, check_str, check_str, check_peer, check_str)
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,7 +45,7 @@ from .chat import ChatTemplate
 from .checkpoint import fingerprint
 from .config import LlamaConfig
 from .generate import check_context, prompt_ids
-from .messages import Activation, Hop, Release, Sampling, StageError, Token
+from .messages import HANDED_OVER, NO_ROOM, TOO_LARGE, Activation, Hop, Release, Sampling, StageError, Token
 from .metrics import OrchestratorMetrics, measured
 from .model import split_layers
 from .stops import find_stop
@@ -102,6 +102,7 @@ class _Request:
     token_times: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    error_kind: str = ""  # the StageError's kind that ended it
     stop: tuple[str, ...] = ()  # stop strings: the text ends before the first one
     text_end: int | None = None  # where the decoded text ends, when a stop string ended it
     decoded: IncrementalText | None = None  # the text so far, while stop strings are looked for
@@ -321,7 +322,9 @@ class Orchestrator(App):
             # stall's timeout): every token reaches the caller before the result does.
             await _stream_tokens(req, seen, on_token)
             if req.error is not None:
-                raise PipelineError(req.error)
+                if req.error_kind == TOO_LARGE:
+                    raise TooLarge(req.error)  # the request's own: a 400
+                raise (Busy if req.error_kind == NO_ROOM else PipelineError)(req.error)
         except PipelineError as exc:
             log.warning("request %s failed after %d of %d tokens: %s", req.req_id, len(req.tokens),
                         max_tokens, exc)
@@ -574,14 +577,16 @@ class Orchestrator(App):
                                 "with it: not taken", self.mesh.describe(src),
                                 self.mesh.describe(msg.peer), req.req_id)
                     return
-                if msg.peer == src and msg.handing_over:
+                if msg.peer == src and msg.kind == HANDED_OVER:
                     # Its leave may reach us by gossip only later: for this request it is gone.
                     req.excluded.add(src)
                 req.trouble = (req.route.index(msg.peer), msg.peer, msg.message, msg.peer != src)
                 if msg.peer != src:  # about the process the request was routed to
                     self.mesh.report_down(msg.peer, req.epochs[req.route.index(msg.peer)])
             else:
-                req.error = f"{msg.stage}: {msg.message}"
+                # The caller's id, not the wire id: that one stays between the request's nodes.
+                req.error = f"{msg.stage}: {msg.message}".replace(req.wire_id, req.req_id)
+                req.error_kind = msg.kind
             req.tell()
 
     def _stopped(self, req: _Request) -> bool:

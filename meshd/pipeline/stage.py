@@ -36,7 +36,10 @@ from .app import PREFILL_ROWS, App, arrived, route_neighbours
 from .checkpoint import LoadProgress, fingerprint
 from .config import LlamaConfig
 from .messages import (
+    HANDED_OVER,
     HANDING_OVER,
+    NO_ROOM,
+    TOO_LARGE,
     Activation,
     Batch,
     HeadInput,
@@ -107,6 +110,14 @@ ORIGIN_UNKNOWN_S = 10.0
 # them to end, up to this long: under the orchestrator's 30 s without a token, so the caller
 # reads this stage's reason rather than a stall.
 ROOM_WAIT_S = 25.0
+
+
+class TooLargeHere(PipelineError):
+    """A request that could never run at this stage: its KV cache is more than the whole budget."""
+
+
+class NoRoomHere(PipelineError):
+    """The KV budget here had no room for a request's start in time."""
 
 
 class LostState(PipelineError):
@@ -237,9 +248,9 @@ class StageService(App):
         used = self.kv_in_use() - (held.cache.nbytes if held is not None else 0)
         return used + size <= self.kv_budget, used
 
-    def _no_room(self, msg: Activation, size: int, used: int, waited: float = 0.0) -> PipelineError:
+    def _no_room(self, msg: Activation, size: int, used: int, waited: float = 0.0) -> NoRoomHere:
         within = f" within {waited:.1f} s" if waited else ""
-        return PipelineError(f"no room for request {msg.req_id}'s KV cache ({size / 2**20:.1f} MB){within}: "
+        return NoRoomHere(f"no room for request {msg.req_id}'s KV cache ({size / 2**20:.1f} MB){within}: "
                              f"{used / 2**20:.1f} of {self.kv_budget / 2**20:.0f} MB held by "
                              f"{len(self.jobs)} requests (--kv-budget-mb)")
 
@@ -408,7 +419,7 @@ class StageService(App):
             self.metrics.arrived(trace)
             if msg.pos == 0 and not self._room(msg, size := self._start_cache(msg)[1])[0]:
                 if size > self.kv_budget:  # it would never fit: no use waiting
-                    raise PipelineError(f"request {msg.req_id}'s KV cache ({size / 2**20:.1f} MB) is more "
+                    raise TooLargeHere(f"request {msg.req_id}'s KV cache ({size / 2**20:.1f} MB) is more "
                                         f"than this stage's whole --kv-budget-mb "
                                         f"({self.kv_budget / 2**20:.1f} MB): ask for fewer tokens")
                 self.counters["waited_for_room"] += 1
@@ -846,7 +857,8 @@ class StageService(App):
                 return  # said once: every later step of it fails the same way
             _keep(self._lost, req_id, MAX_CACHED_REQUESTS)
             peer = self.mesh.node_id  # we lost it: the orchestrator replays it, here or on a replica
-        await self._tell(origin, StageError(req_id, self.name, text[:500], peer))
+        kind = TOO_LARGE if isinstance(exc, TooLargeHere) else NO_ROOM if isinstance(exc, NoRoomHere) else ""
+        await self._tell(origin, StageError(req_id, self.name, text[:500], peer, kind))
 
     async def _tell(self, origin: bytes, error: StageError) -> None:
         # Behind the tokens waiting in the outbox: the orchestrator stops listening to a
@@ -930,7 +942,7 @@ class StageService(App):
             job = self.jobs[req_id]
             self.counters["handed_over"] += 1
             await self._tell(job.origin, StageError(req_id, self.name, HANDING_OVER, self.mesh.node_id,
-                                                      handing_over=True))
+                                                      HANDED_OVER))
         await trio.sleep(0.2)  # the hand-over notes reach their orchestrators
 
 
