@@ -51,6 +51,7 @@ def readiness(snap: dict) -> dict:
         rows.append({"stage": k, **row})
     _check_edge_names(rows, names, why)
     _check_hops(snap, orchestrator, rows, why, warnings)
+    _check_models(run_checkpoint, warnings)
     return {"ready": not why, "why": why, "warnings": warnings, "stages": rows,
             "orchestrator": orchestrator, "checkpoint": run_checkpoint or None, "expected_stages": expected}
 
@@ -85,6 +86,18 @@ def _run_checkpoint(snap: dict, names: dict, views: dict[str, dict]) -> str:
     members = snap.get("members", [])
     served = {m["checkpoint"] for m in members if m.get("state") in LIVE and m.get("checkpoint")}
     return served.pop() if len(served) == 1 else ""
+
+
+NO_MODEL = ("no node serves a model (--model DIR or --stub): the mesh gossips and routes, "
+            "but it cannot generate")
+
+
+def _check_models(run_checkpoint: str, warnings: list[str]) -> None:
+    """A mesh where no node has a model is ready by its names and paths (a membership-only
+    mesh, maybe on purpose), but warned about: its API answers every request with a 404.
+    (A node without one where the run has one is not ready: see ``_role_row``.)"""
+    if not run_checkpoint:
+        warnings.append(NO_MODEL)
 
 
 def _stage_count_warnings(snap: dict, expected: int) -> list[str]:

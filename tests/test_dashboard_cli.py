@@ -70,7 +70,9 @@ async def test_doctor_says_ok_on_a_healthy_mesh_and_2_when_unreachable(capsys):
                     if code == 0:
                         break
                     await trio.sleep(0.2)  # until stage-0's first summary arrives
-            assert out.startswith("ready: yes (stage-0)\nok: 2 live nodes (orchestrator, stage-0)")
+            # Gossip alone, no model: ready by its names and paths, and warned it cannot generate.
+            assert out.startswith("ready: yes (stage-0)\nWarnings\n  no node serves a model"), out
+            assert "\nok: 2 live nodes (orchestrator, stage-0)" in out, out
             nursery.cancel_scope.cancel()
     code, _, err = await _run(capsys, "doctor", "http://127.0.0.1:1", "--json")
     assert code == 2 and "meshd doctor: cannot read http://127.0.0.1:1/api/snapshot" in err

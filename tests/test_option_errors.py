@@ -129,3 +129,20 @@ def test_the_number_parsers_refuse_what_is_not_a_finite_number_in_range(tmp_path
         within("11")
     made = tmp_path / "a" / "b"
     assert writable_dir(str(made)) == str(made) and made.is_dir()
+
+
+@pytest.mark.parametrize("damage", ["junk-weights", "too-many-stages"])
+def test_an_orchestrator_refuses_a_checkpoint_no_stage_of_its_run_could_serve(tmp_path, tiny, damage):
+    """It never loads the weights, but it checks them as a stage would: a broken weights file,
+    or a split its --stages cannot make, is one line and exit 2 at start, not a run whose
+    stages are blamed for serving another checkpoint."""
+    stages = "1"
+    if damage == "junk-weights":
+        (tiny / "model.safetensors").write_bytes(bytes(range(256)) * 64)
+    else:
+        stages = "5"  # the tiny preset has 4 layers
+    r = meshd("run", "--role", "orchestrator", "--stages", stages, "--profile", "local", "--dashboard", "off",
+              "--model", str(tiny), env={"XDG_CACHE_HOME": str(tmp_path)})
+    line = one_line(r.stderr)
+    assert r.returncode == 2 and line.startswith(f"meshd: error: --model {tiny}: "), r.stderr
+    assert ("model.safetensors" in line) if damage == "junk-weights" else "cannot split 4 layers" in line, line

@@ -13,7 +13,7 @@ import trio
 
 from dashboard.views import peers, problems, topology
 from meshd.cli import main
-from meshd.readiness import STAGES_UNKNOWN, readiness
+from meshd.readiness import NO_MODEL, STAGES_UNKNOWN, readiness
 
 RUN = "cd34" * 8  # the run's checkpoint fingerprint
 OTHER = "ab12" * 8
@@ -101,10 +101,12 @@ def test_nodes_started_without_a_model_do_not_count_where_the_run_has_one():
     r = readiness(snap_of(me, others))
     assert not r["ready"] and r["why"] == [f"orchestrator: {ORCH} serves no model (started without --model "
                                            f"or --stub) but the run's is {RUN[:12]}.."]
-    # A mesh where nobody serves a model (gossip alone) is judged by its names and paths only.
+    # A mesh where nobody serves a model (gossip alone) is judged by its names and paths only,
+    # and warned that it cannot generate.
     me, others = node(ORCH, checkpoint=""), [node(p, k, checkpoint="") for p, k in
                                              ((S0, 0), (S1A, 1), (S1B, 1), (S2, 2))]
-    assert readiness(snap_of(me, others))["ready"] is True
+    r = readiness(snap_of(me, others))
+    assert r["ready"] is True and r["warnings"] == [NO_MODEL], r
 
 
 def test_a_stage_whose_owner_is_dead_names_it():
@@ -354,7 +356,8 @@ async def test_doctor_says_why_until_the_missing_stage_joins_then_peers_shows_it
                     if code == 0:
                         break
                     await trio.sleep(0.2)  # until every name and path summary has arrived
-            assert out.startswith("ready: yes (stage-0, stage-1×2)\nok: 4 live nodes"), out
+            assert out.startswith("ready: yes (stage-0, stage-1×2)\nWarnings\n  no node serves a model"), out
+            assert "\nok: 4 live nodes" in out, out
 
             code, out = await _run(capsys, "peers", orch.dashboard_url)
             assert code == 0 and "pipeline: ready" in out
@@ -408,3 +411,4 @@ def test_doctor_names_the_mesh_key_when_the_relay_refused_us_as_not_a_member():
     by_kind = {p["kind"]: p for p in problems(snap)}
     assert by_kind["relay"]["check"] == "is the relay running and reachable over TCP (WebSocket)?"
     assert "mesh key (--mesh-key-file)" in by_kind["not-joined"]["check"]
+

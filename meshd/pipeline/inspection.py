@@ -44,7 +44,7 @@ def describe(model_dir: str | Path, stages: int = 1) -> dict[str, Any]:
     except ValueError as exc:
         raise InspectError(f"--stages {stages}: {exc}") from None
     try:
-        stored = _stored(root, config)
+        stored = stored_weights(root, config)
     except CheckpointError as exc:
         raise InspectError(str(exc)) from None
     per_stage = []
@@ -85,8 +85,10 @@ def describe(model_dir: str | Path, stages: int = 1) -> dict[str, Any]:
     }
 
 
-def _stored(root: Path, config: LlamaConfig) -> dict[str, Any]:
-    """Bytes on disk per tensor, the dtypes found and the weight files, from the headers."""
+def stored_weights(root: Path, config: LlamaConfig) -> dict[str, Any]:
+    """Bytes on disk per tensor, the dtypes found and the weight files, from the headers:
+    each file's header read and checked, and every tensor the model needs there.  Raises
+    CheckpointError naming the file."""
     shard_of = _tensor_files(root)
     paths = sorted(set(shard_of.values())) if shard_of else [root / WEIGHTS_FILE]
     sizes: dict[str, int] = {}
