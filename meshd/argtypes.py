@@ -76,3 +76,11 @@ def writable_dir(text: str) -> str:
     except OSError as exc:
         raise argparse.ArgumentTypeError(f"{text}: {exc.strerror or exc}") from None
     return text
+
+
+def path(text: str) -> str:
+    """A file or directory name: not empty (an empty one would mean the current directory, or
+    nothing given at all)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path")
+    return text

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from . import __version__
-from .argtypes import float_between, int_up_to, positive_int, writable_dir
+from .argtypes import float_between, int_up_to, path, positive_int, writable_dir
 from .identity import Identity, IdentityError, hold_key_file, load_node_ids, load_or_create
 from .net.faults import Faults, FaultSpecError
 from .net.udp import AddressError, BindError, first_of, parse_addr
@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the address peers should use, if not the bound one (e.g. behind 0.0.0.0)")
     run.add_argument("--seed", type=_seed_addr, action="append", default=[], metavar="HOST:PORT",
                      help="a node to join through; repeatable")
-    run.add_argument("--key-file", metavar="PATH",
+    run.add_argument("--key-file", type=path, metavar="PATH",
                      help="node identity, created 0600 if missing (default: a new identity each run)")
     run.add_argument("--profile", choices=sorted(PROFILES), default="lan",
                      help="protocol timings, as memberlist's profiles (default %(default)s)")
@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--snapshot-interval", type=float_between(0.1, 86400, "seconds"), default=5.0,
                      metavar="SECONDS", help="how often to append a snapshot (default %(default)s)")
     model = run.add_mutually_exclusive_group()
-    model.add_argument("--model", metavar="DIR", help="checkpoint folder (config.json + model.safetensors)")
+    model.add_argument("--model", type=path, metavar="DIR",
+                       help="checkpoint folder (config.json + model.safetensors)")
     model.add_argument("--stub", action="store_true", help="serve the tiny built-in model")
     run.add_argument("--compute-threads", type=positive_int, metavar="N",
                      help="threads for this node's matrix maths (default: one per core; nodes that "
@@ -91,10 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--fault", action="append", default=[], metavar="SPEC",
                      help="inject a fault in this node's transport: drop:HOST:PORT (our direct packets "
                           "to that peer are lost), isolate, loss:P, delay:MS; repeatable")
-    run.add_argument("--allow-nodes", metavar="FILE",
+    run.add_argument("--allow-nodes", type=path, metavar="FILE",
                      help="only the node ids in FILE (one per line, 64 hex digits) may claim stage names")
     trust = run.add_mutually_exclusive_group()
-    trust.add_argument("--mesh-key-file", metavar="PATH",
+    trust.add_argument("--mesh-key-file", type=path, metavar="PATH",
                        help="the mesh's key(ring): every packet is sealed with it and what does not open "
                             "is dropped (make one with `meshd keys generate --out PATH`); required beyond "
                             "loopback unless --insecure")
@@ -136,7 +137,9 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"run: --stages must be from 1 to {MAX_STAGES}, not {args.stages}")
     if args.role == "stage":
         if args.stage is None or args.stages is None:
-            parser.error("run: --role stage needs --stage K and --stages N")
+            parser.error("run: a stage (the default --role) needs --stage K and --stages N; the "
+                         "orchestrator takes --role orchestrator --stages N (under dstack, "
+                         "DSTACK_NODE_RANK and DSTACK_NODES_NUM give them)")
         if not 0 <= args.stage < args.stages:
             parser.error(f"run: --stage {args.stage} is outside 0..{args.stages - 1}")
     elif args.stage is not None:

@@ -22,7 +22,7 @@ import sys
 import time
 from typing import Any
 
-from .argtypes import positive_float
+from .argtypes import path, positive_float
 from .dashboard_client import TOKEN_ENV, NodeError, ask_node, dashboard_base, json_kind
 from .keyring import (
     KEY_BYTES,
@@ -50,7 +50,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     steps = keys.add_subparsers(dest="keys_command", metavar="STEP", required=True)
     gen = steps.add_parser("generate", help="write a new mesh key file (mode 0600)",
                            description="Write a key file holding one new mesh key; prints its id.")
-    gen.add_argument("--out", required=True, metavar="PATH", help="the new key file (never overwritten)")
+    gen.add_argument("--out", type=path, required=True, metavar="PATH",
+                     help="the new key file (never overwritten)")
     gen.set_defaults(func=_cmd_generate)
     for op, what in (("install", "every member adds KEY to its keyring (it opens packets with it)"),
                      ("use", "every member seals with KEY (install it everywhere first)"),

@@ -293,3 +293,16 @@ def test_keys_refuses_a_step_out_of_order_and_names_the_members_that_did_not_cat
     stage.wait_for(lambda s: "not applied" in s and "at most 8 keys" in s, 5,
                    "stage-0 saying why it did not install the key")
     assert m.generate().status_code == 200, "a step that failed somewhere cut nobody off"
+
+
+def test_an_empty_output_path_is_refused_naming_the_option(tmp_path, monkeypatch, capsys):
+    """An empty --out would write into the current directory, or say "." exists."""
+    from meshd.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    for args in (["keys", "generate", "--out", ""], ["model", "init", "--out", " "]):
+        with pytest.raises(SystemExit) as exit_:
+            main(args)
+        assert exit_.value.code == 2
+        assert "--out: an empty path" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

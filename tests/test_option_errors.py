@@ -145,4 +145,5 @@ def test_an_orchestrator_refuses_a_checkpoint_no_stage_of_its_run_could_serve(tm
               "--model", str(tiny), env={"XDG_CACHE_HOME": str(tmp_path)})
     line = one_line(r.stderr)
     assert r.returncode == 2 and line.startswith(f"meshd: error: --model {tiny}: "), r.stderr
-    assert ("model.safetensors" in line) if damage == "junk-weights" else "cannot split 4 layers" in line, line
+    says = "model.safetensors" if damage == "junk-weights" else "cannot split 4 layers"
+    assert says in line, line

@@ -140,6 +140,11 @@ def test_port_in_use_is_a_clear_error():
     "args, message",
     [
         (["--role", "stage"], "needs --stage K and --stages N"),
+        ([], "a stage (the default --role) needs --stage K and --stages N; the orchestrator takes "
+             "--role orchestrator"),
+        (["--key-file", ""], "argument --key-file: an empty path"),
+        (["--role", "orchestrator", "--stages", "1", "--mesh-key-file", ""],
+         "argument --mesh-key-file: an empty path"),
         (["--role", "stage", "--stage", "3", "--stages", "3"], "outside 0..2"),
         (["--bind", "nonsense"], "is not HOST:PORT"),
         (["--seed", "127.0.0.1:0"], "out of range"),

@@ -9,7 +9,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from ..argtypes import positive_int
+from ..argtypes import path, positive_int
 
 # The HTTP API's bounds (dashboard/generation.py's ``sampling``): a value the API refuses is
 # refused here too, so `meshd generate` stays the reference for what a request can ask.
@@ -38,7 +38,8 @@ def add_parser(sub) -> None:
         "init", help="write a random checkpoint",
         description="Write config.json, model.safetensors and a byte tokenizer spec with seeded random "
         "weights. The same seed gives the same bytes.")
-    init.add_argument("--out", required=True, metavar="DIR", help="directory to write (created if missing)")
+    init.add_argument("--out", type=path, required=True, metavar="DIR",
+                      help="directory to write (created if missing)")
     init.add_argument("--preset", choices=list(PRESET_HELP), default="tiny", metavar="NAME",
                       help="; ".join(f"{k}: {v}" for k, v in PRESET_HELP.items()) + " (default %(default)s)")
     init.add_argument("--seed", type=seed_int, default=0, metavar="N",
@@ -64,7 +65,7 @@ def add_parser(sub) -> None:
     gen = sub.add_parser(
         "generate", help="generate text in one process (the reference for pipelined runs)",
         description="Run the whole model in this process: the tokens a pipelined run must equal.")
-    gen.add_argument("--model", required=True, metavar="DIR", help="checkpoint directory")
+    gen.add_argument("--model", type=path, required=True, metavar="DIR", help="checkpoint directory")
     gen.add_argument("--prompt", required=True, metavar="TEXT")
     gen.add_argument("--max-tokens", required=True, type=int, metavar="K",
                      help=f"tokens to generate, 1 to {MAX_TOKENS}")

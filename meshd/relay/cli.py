@@ -8,7 +8,7 @@ import sys
 from functools import partial
 
 from .. import ctrl_c
-from ..argtypes import int_up_to, positive_float
+from ..argtypes import int_up_to, path, positive_float
 from ..net.udp import AddressError, format_addr, parse_addr
 
 
@@ -37,7 +37,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        help="drop a client whose pong takes longer (default %(default)g)")
     relay.add_argument("--max-clients", type=int_up_to(1 << 20, "clients"), default=4096, metavar="N",
                        help="clients connected at once; past it a new node is refused (default %(default)d)")
-    relay.add_argument("--mesh-key-file", metavar="PATH",
+    relay.add_argument("--mesh-key-file", type=path, metavar="PATH",
                        help="the mesh's key file: admit members only (clients that prove a key in it); "
                             "read again when it changes, so add a new key here before rotating the mesh")
     relay.set_defaults(func=_cmd_relay)
