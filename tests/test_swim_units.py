@@ -945,3 +945,24 @@ def test_a_member_restarted_under_its_own_key_tells_the_seed_its_refutation_too(
     for out in to_seed:
         seed.receive(out.packet, back.me.addr, 2.3)
     assert (seed.members[gone.id].state, seed.members[gone.id].incarnation) == (State.ALIVE, back.incarnation)
+
+
+def test_a_member_asked_to_join_an_address_stays_in_the_mesh_whatever_answers():
+    """The dashboard's add-peer on a node in a mesh: it asks the address once, and is not put
+    back into joining (a mistyped address would show it as out of the mesh); a node that
+    does answer there becomes a member."""
+    bench = Bench(3)
+    member = bench.swims[0]
+    before = member.seeds
+    member.join(["10.9.9.9:1", "10.9.9.9:1"], 1.0)  # nobody there
+    asked = [o for o in member.outbox() if o.addr == "10.9.9.9:1"]
+    assert len(asked) == 1 and isinstance(asked[0].packet.messages[0], PushPull)
+    assert not member.joining and member.seeds == before
+    newcomer = Swim(b"\x66" * 32, "10.0.0.66:7946", Meta(stage=6), LAN, random.Random(6), 1.0)
+    member.join([newcomer.me.addr], 2.0)
+    (ask,) = [o for o in member.outbox() if o.addr == newcomer.me.addr]
+    newcomer.receive(ask.packet, member.me.addr, 2.1)
+    for out in newcomer.outbox():
+        if out.addr == member.me.addr:
+            member.receive(out.packet, newcomer.me.addr, 2.2)
+    assert member.members[newcomer.id].state is State.ALIVE and not member.joining

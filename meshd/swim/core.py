@@ -235,7 +235,18 @@ class Swim:
     # -------------------------------------------------------------- commands
 
     def join(self, seeds: list[str] | tuple[str, ...], now: float) -> None:
-        """Push-pull with each seed; retried, with a growing wait, until one of them answers."""
+        """Push-pull with each seed; retried, with a growing wait, until one of them answers.
+
+        A node that is in a mesh already (it knows a live member, and no join of its own is
+        waiting) only asks each address once, as memberlist's Join does for a member: a
+        mistyped one must not make the node look out of the mesh, nor drop the seeds it has."""
+        if not self.joining and any(m.state is State.ALIVE for n, m in self.members.items() if n != self.id):
+            packet = self._packet([self._push_pull(True, True)])
+            for addr in dict.fromkeys(seeds):
+                if addr != self.me.addr:
+                    self._out.append(Outgoing(addr, None, packet, True))
+                    self.counters["tx_join"] += 1
+            return
         self._seeds = tuple(s for s in seeds if s != self.me.addr)
         if self._seeds:
             self._join_wait, self.join_attempts = self.config.join_retry_interval, 0
