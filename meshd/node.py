@@ -93,6 +93,7 @@ MAX_LOGGED_HANDLER_ERRORS = 20
 # A process a stage reported down is not routed to for this long, unless a new one replaces
 # it; past it failure detection has had its say, and the member is as it says.
 REPORTED_DOWN_S = 30.0
+MAX_SEND_FAILURES = 64  # addresses whose last send failed, remembered to say why a join waits
 MAX_REPORTED_DOWN = 1024
 
 # A join no seed answered within this long (or this many probe timeouts, if longer) is said
@@ -227,6 +228,7 @@ class Node:
         self._unsealed: dict[str, tuple[float, int]] = {}  # source -> (last logged, dropped since)
         self._join_watched = False  # a task watches the join under way
         self._join_said = False  # the log said no seed answers: our status says so too
+        self._send_failed: dict[str, str] = {}  # address -> why our last datagram there was not sent
         self._join_started = 0.0
         # Relay payloads held back by delay:/loss: faults, and when the last one is due.
         self._relay_held: trio.MemorySendChannel[tuple[float, bytes, bytes]] | None = None
@@ -555,7 +557,7 @@ class Node:
         waited = trio.current_time() - self._join_started
         problem = None
         if self._join_said:  # said in the log already: say it as of now
-            problem = f"no answer from {', '.join(swim.seeds)} after {waited:.0f} s"
+            problem = f"no answer from {', '.join(map(self._seed_words, swim.seeds))} after {waited:.0f} s"
         return {"joined": False, "seeds": list(swim.seeds), "attempts": swim.join_attempts,
                 "waiting_s": round(waited, 1), "problem": problem}
 
@@ -581,7 +583,7 @@ class Node:
                 if not swim.joining or now < say_at:
                     continue
                 waited = now - started
-                seeds = ", ".join(swim.seeds)
+                seeds = ", ".join(self._seed_words(addr) for addr in swim.seeds)
                 self._join_said = True
                 tail = ", asking the relays for members to join through" if self.relays is not None else ""
                 self.out(f"meshd join: no answer from {seeds} after {waited:.0f} s, retrying{tail}")
@@ -595,6 +597,11 @@ class Node:
                 self.out(f"meshd join: joined{how} after {trio.current_time() - started:.1f} s")
         finally:
             self._join_said = self._join_watched = False
+
+    def _seed_words(self, addr: str) -> str:
+        """A seed as the join lines name it: its address, and why nothing could be sent there."""
+        why = self._send_failed.get(addr)
+        return f"{addr} (cannot send there: {why})" if why else addr
 
     def _join_through_relay(self, url: str, nodes: tuple[bytes, ...]) -> None:
         """A relay's peer list, while no seed answers us: ask a few of them to let us in."""
@@ -1004,8 +1011,12 @@ class Node:
         except OSError as exc:
             swim.counters["tx_socket_errors"] += 1
             log.debug("sendto %s: %s", addr, exc)
+            self._send_failed[addr] = exc.strerror or str(exc)  # a name that does not resolve, say
+            while len(self._send_failed) > MAX_SEND_FAILURES:
+                self._send_failed.pop(next(iter(self._send_failed)))
         else:
             swim.counters["tx_bytes"] += len(data)
+            self._send_failed.pop(addr, None)
 
     # ------------------------------------------------------------ the mesh key
 

@@ -265,3 +265,21 @@ async def test_delay_holds_what_a_node_sends_over_the_relay_too():
             assert [data for _, data in got] == [b"%d" % i for i in range(5)]
             assert all(at - when >= 0.08 for (at, _), when in zip(got, sent, strict=True))
             nursery.cancel_scope.cancel()
+
+
+async def test_a_seed_no_datagram_can_be_sent_to_is_named_with_the_reason():
+    """A seed the socket refuses outright (a name that does not resolve; here the broadcast
+    address, refused without SO_BROADCAST) is not silence: the join line says why."""
+    lines: list[str] = []
+    refused = "255.255.255.255:7946"
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            node = await start_node(nursery, NodeOptions(stage=0, stages=1, profile="local", seeds=[refused]),
+                                    lines)
+            await _until(lambda: any(line.startswith("meshd join: no answer") for line in lines), 15,
+                         "a line naming the seed")
+            (line,) = [line for line in lines if line.startswith("meshd join:")]
+            assert line.startswith(f"meshd join: no answer from {refused} (cannot send there: "), line
+            status = views.peers(node.snapshot())["join"]["status"]
+            assert "(cannot send there: " in status, status
+            nursery.cancel_scope.cancel()
