@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import ssl
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -127,5 +128,10 @@ def _why(exc: BaseException) -> str:
             reason = os.strerror(inner.errno) if isinstance(inner, OSError) and inner.errno else None
             if reason and reason not in reasons:
                 reasons.append(reason)
+        if isinstance(seen, ssl.SSLError):
+            tls = (f"TLS failed: {seen.reason or seen}; a node's dashboard speaks plain HTTP, "
+                   "so its URL starts with http://")
+            if tls not in reasons:
+                reasons.append(tls)
         seen = seen.__cause__ or seen.__context__
     return f"{said} ({', '.join(reasons)})" if reasons else said

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import trio
 
@@ -90,3 +91,18 @@ def test_doctors_load_line_says_when_a_queue_or_a_stage_is_full():
                                  "(--kv-budget-mb); 2 starts waiting for room (the orchestrator admits by a "
                                  "larger budget)")
     assert _load_line({**stage, "waiting_for_room": 0}).startswith("load: 5 requests held")
+
+
+async def test_an_https_url_to_a_plain_http_dashboard_says_tls_failed_and_what_to_use(capsys):
+    async def plain_http(stream: trio.SocketStream) -> None:
+        await stream.receive_some(4096)
+        await stream.send_all(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+        await stream.aclose()
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            (listener,) = await nursery.start(partial(trio.serve_tcp, plain_http, 0, host="127.0.0.1"))
+            port = listener.socket.getsockname()[1]
+            code, _, err = await _run(capsys, "peers", f"https://127.0.0.1:{port}")
+            nursery.cancel_scope.cancel()
+    assert code == 2 and "TLS failed: " in err and "its URL starts with http://" in err, err
