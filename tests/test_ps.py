@@ -185,3 +185,35 @@ def test_every_relay_of_a_run_is_a_job_in_the_table_and_the_json(tmp_path):
     assert rows["relay"][:4] == ["relay", "relay", "127.0.0.1:9000", "running"]
     jobs = json.loads(ps("--run-dir", str(tmp_path), "--json").stdout)["runs"][0]["jobs"]
     assert [(j["name"], j["role"]) for j in jobs][:2] == [("relay", "relay"), ("relay-2", "relay")]
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("message", 1, "field message: expected str, got int"),
+    ("timeout", "soon", "field timeout: expected a number, got str"),
+    ("owner_pid", "me", "field owner_pid: expected int, got str"),
+    ("jobs.0.pid", [1], "field pid: expected int, got list"),
+    ("jobs.0.detail", {"a": 1}, "field detail: expected str, got dict"),
+])
+def test_a_run_file_with_a_field_of_the_wrong_type_is_one_line_and_the_rest_still_shows(
+        tmp_path, field, value, says):
+    done_run(tmp_path)
+    run = lost_run(tmp_path / "x", "smoke-9")
+    data = json.loads(next((tmp_path / "x").iterdir()).read_text())
+    where, *path = field.split(".")
+    target = data[where][int(path[0])] if path else data
+    target[path[1] if path else where] = value
+    (tmp_path / "smoke-9.json").write_text(json.dumps(data))
+    out = ps("--run-dir", str(tmp_path))
+    assert "Traceback" not in out.stderr and out.returncode == 1, out.stderr
+    (line,) = out.stderr.strip().splitlines()
+    assert "smoke-9.json" in line and says in line, line
+    assert "smoke-2" in out.stdout and run.name not in out.stdout
+
+
+def test_a_driver_pid_no_process_can_have_reads_as_gone(tmp_path):
+    run = new_run("smoke-1", 1, now=time.time())
+    step(run, [], time.time())
+    save_run(run, tmp_path, owner_pid=10**20)
+    out = ps("--run-dir", str(tmp_path))
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    assert f"(driver pid {10**20} gone)" in out.stdout

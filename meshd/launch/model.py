@@ -773,21 +773,34 @@ def run_to_dict(run: Run) -> dict[str, Any]:
     }
 
 
+def _optional(data: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
+    """``data[key]``, None when absent; a value of another type (a bool for a number
+    included) raises TypeError naming the field."""
+    value = data.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, kind)):
+        raise TypeError(f"field {key}: expected {getattr(kind, '__name__', 'a number')}, "
+                        f"got {type(value).__name__}")
+    return value
+
+
+_NUMBER = (int, float)
+
+
 def job_from_dict(data: dict[str, Any]) -> Job:
     return Job(
         name=str(data["name"]),
         role=Role(data["role"]),
-        stage=data.get("stage"),
+        stage=_optional(data, "stage", int),
         status=JobStatus(data["status"]),
         reason=Reason(data["reason"]) if data.get("reason") else None,
-        detail=data.get("detail"),
-        exit_code=data.get("exit_code"),
-        pid=data.get("pid"),
-        address=data.get("address"),
-        peer=data.get("peer"),
+        detail=_optional(data, "detail", str),
+        exit_code=_optional(data, "exit_code", int),
+        pid=_optional(data, "pid", int),
+        address=_optional(data, "address", str),
+        peer=_optional(data, "peer", str),
         submitted_at=float(data.get("submitted_at") or 0.0),
-        started_at=data.get("started_at"),
-        finished_at=data.get("finished_at"),
+        started_at=_optional(data, "started_at", _NUMBER),
+        finished_at=_optional(data, "finished_at", _NUMBER),
         attempt=int(data.get("attempt") or 0),
         restarts=int(data.get("restarts") or 0),
         live=bool(data.get("live")),
@@ -801,11 +814,12 @@ def run_from_dict(data: dict[str, Any]) -> Run:
         jobs=[job_from_dict(job) for job in data["jobs"]],
         startup_order=StartupOrder(data.get("startup_order", "any")),
         stop_criteria=StopCriteria(data.get("stop_criteria", "all-done")),
-        timeout=data.get("timeout"),
+        timeout=_optional(data, "timeout", _NUMBER),
         submitted_at=float(data.get("submitted_at") or 0.0),
-        finished_at=data.get("finished_at"),
+        finished_at=_optional(data, "finished_at", _NUMBER),
         reason=RunReason(data["reason"]) if data.get("reason") else None,
-        message=data.get("message"),
+        message=_optional(data, "message", str),
     )
+    _optional(data, "owner_pid", int)  # the driver's, read by ``owner_alive``
     run.last_status = RunStatus(data["status"])
     return run

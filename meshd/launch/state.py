@@ -160,7 +160,7 @@ def owner_alive(data: dict[str, Any]) -> bool:
         return True
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # no such process; a pid no process can have
         return False
     except PermissionError:
         return True
