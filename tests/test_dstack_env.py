@@ -42,6 +42,18 @@ def test_own_address_from_dstack_nodes_ips():
     assert node.advertise == "10.0.0.7:7946"
 
 
+def test_an_ipv6_master_and_nodes_are_written_in_brackets():
+    ips = "fd00::5\nfd00::6\nfd00::7"
+    env = {"DSTACK_NODES_NUM": "3", "DSTACK_MASTER_NODE_IP": "fd00::5", "DSTACK_NODES_IPS": ips}
+    master = dstack_env.from_env({**env, "DSTACK_NODE_RANK": "0"})
+    assert master.relay == "ws://[fd00::5]:3478" and master.advertise == "[fd00::5]:7946"
+    node = dstack_env.from_env({**env, "DSTACK_NODE_RANK": "2"})
+    assert node.seeds == ["[fd00::5]:7946"] and node.advertise == "[fd00::7]:7946"
+    args = run_args()
+    dstack_env.apply(args, {**env, "DSTACK_NODE_RANK": "1"})
+    assert args.relay == ["ws://[fd00::5]:3478"] and args.seed == ["[fd00::5]:7946"]
+
+
 def test_flags_fill_in_only_what_is_absent():
     args = run_args()
     dstack_env.apply(args, {**ENV, "DSTACK_NODE_RANK": "2"})

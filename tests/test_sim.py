@@ -83,7 +83,7 @@ def test_skipping_decode_changes_nothing_but_speed():
 @pytest.mark.parametrize("argv", [
     ["--nodes", "0"], ["--nodes", "x"], ["--loss", "1.5"], ["--loss", "-0.1"], ["--asym", "1"],
     ["--periods", "0"], ["--latency", "uniform:5:1"], ["--latency", "gauss:1"], ["--seed", "-1"],
-    ["--nodes", "10", "--crash", "0.01"],
+    ["--nodes", "10", "--crash", "0.01"], ["--nodes", "10000000000"], ["--periods", "10000001"],
 ])
 def test_bad_input_is_a_one_line_usage_error(argv, capsys):
     with pytest.raises(SystemExit) as exc:

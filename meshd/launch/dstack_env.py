@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from ..net.udp import format_addr
+
 GOSSIP_PORT = 7946
 RELAY_PORT = 3478
 DEFAULT_BIND = "127.0.0.1:0"
@@ -53,12 +55,14 @@ def from_env(env: Mapping[str, str]) -> DstackNode | None:
     if not master:
         raise ValueError("DSTACK_MASTER_NODE_IP is not set")
     ips = env.get("DSTACK_NODES_IPS", "").split()
-    advertise = f"{ips[rank]}:{GOSSIP_PORT}" if len(ips) == nodes else None
-    relay = f"ws://{master}:{RELAY_PORT}"
+    advertise = None
+    if len(ips) == nodes:
+        advertise = format_addr(ips[rank], GOSSIP_PORT)
+    relay = f"ws://{format_addr(master, RELAY_PORT)}"  # an IPv6 master in brackets
+    seed = format_addr(master, GOSSIP_PORT)
     if rank == 0:
-        return DstackNode("orchestrator", None, nodes - 1, [], relay, advertise=advertise or
-                          f"{master}:{GOSSIP_PORT}")
-    return DstackNode("stage", rank - 1, nodes - 1, [f"{master}:{GOSSIP_PORT}"], relay, advertise=advertise)
+        return DstackNode("orchestrator", None, nodes - 1, [], relay, advertise=advertise or seed)
+    return DstackNode("stage", rank - 1, nodes - 1, [seed], relay, advertise=advertise)
 
 
 def apply(args, env: Mapping[str, str]) -> None:

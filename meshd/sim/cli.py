@@ -9,8 +9,11 @@ import sys
 from ..argtypes import writable_dir
 from ..swim import PROFILES
 
+MAX_NODES = 10_000  # every member's state is held in this process: 3000 take minutes of CPU
+MAX_PERIODS = 10_000
 
-def _int_at_least(low: int):
+
+def _int_at_least(low: int, most: int | None = None):
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -18,6 +21,8 @@ def _int_at_least(low: int):
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"{text!r} must be at least {low}")
+        if most is not None and value > most:
+            raise argparse.ArgumentTypeError(f"{text!r} must be at most {most}")
         return value
 
     return parse
@@ -49,9 +54,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
         description="Drive the real meshd SWIM core over a seeded in-memory network and measure "
         "failure detection, dissemination and load. The same seed gives the same output, byte for byte.",
     )
-    p.add_argument("--nodes", type=_int_at_least(2), default=100, metavar="N",
+    p.add_argument("--nodes", type=_int_at_least(2, MAX_NODES), default=100, metavar="N",
                    help="members at the start (default %(default)s)")
-    p.add_argument("--periods", type=_int_at_least(1), default=100, metavar="P",
+    p.add_argument("--periods", type=_int_at_least(1, MAX_PERIODS), default=100, metavar="P",
                    help="protocol periods to simulate (default %(default)s)")
     p.add_argument("--loss", type=_fraction, default=0.0, metavar="P",
                    help="packet loss on every link, each direction (default %(default)s)")
