@@ -155,6 +155,8 @@ def test_smoke_run_help_says_what_each_option_is():
     assert "--stages N pipeline stages" in text
     assert "--prompt PROMPT the text to continue" in text
     assert "--max-tokens K tokens to generate" in text
+    assert "as dstack's startup_order" in text and "as dstack's stop_criteria" in text
+    assert "(default master-done)" in text and "$XDG_STATE_HOME/meshd/runs" in text
 
 
 def test_a_split_that_cannot_work_is_refused_before_anything_starts(tmp_path):
@@ -165,6 +167,25 @@ def test_a_split_that_cannot_work_is_refused_before_anything_starts(tmp_path):
     assert one_line(r.stderr) == "meshd: error: smoke-run: --stub: cannot split 4 layers into 5 stages"
     assert not (tmp_path / "state").exists()  # no run was recorded: nothing started
     assert time.monotonic() - t0 < 30
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--max-tokens", "1000"], "exceeds the model's context of 256 positions"),
+    # 41 tokens and 214 fit; the fourth stream's prompt ("..., 4") is 3 tokens longer.
+    (["--max-tokens", "214", "--streams", "4"], "prompt (44 tokens) + max_tokens 214 exceeds"),
+    (["--run-dir", "FILE"], "argument --run-dir: "),
+    (["--provider", "docker"], "scripts/docker-e2e.sh"),
+])
+def test_smoke_run_refuses_what_cannot_run_before_anything_starts(tmp_path, args, says):
+    """Prompts past the context (the first, or another stream's longer one), a run dir that
+    is a file, the Docker provider: one line and exit 2, nothing started or recorded."""
+    (tmp_path / "file").write_text("x")
+    args = [str(tmp_path / "file") if a == "FILE" else a for a in args]
+    env = {"XDG_STATE_HOME": str(tmp_path / "state"), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    r = meshd("smoke-run", "--stub", "--stages", "2", "--prompt", "x" * 40, *args, env=env)
+    assert r.returncode == 2, r.stderr
+    assert says in r.stderr.strip().splitlines()[-1] and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "state").exists()
 
 
 def test_the_stub_checkpoint_is_written_once_per_user(tmp_path):

@@ -168,6 +168,19 @@ class Beside:
         return out
 
 
+def check_prompts_fit(model: str, prompt: str, streams: int, max_tokens: int) -> None:
+    """Every prompt the run sends (the first and ``other_requests``') with ``max_tokens``
+    fits the checkpoint's context; ValueError (``meshd generate``'s words) when one does not."""
+    from ..pipeline.config import LlamaConfig
+    from ..pipeline.generate import check_context, prompt_ids
+    from ..pipeline.tokenizer import load_tokenizer
+
+    config = LlamaConfig.load(model)
+    tokenizer = load_tokenizer(model, config.bos_token_id, config.eos_token_ids)
+    for text in [prompt, *(p for p, _ in other_requests(prompt, streams))]:
+        check_context(config, len(prompt_ids(tokenizer, text)), max_tokens)
+
+
 def prepare_model(model: str | None, stub: bool, tmp: Path, progress: Progress, stages: int = 1) -> str:
     """The checkpoint to serve: the given one, the stub, or one written to ``tmp``: the
     ``small`` preset, or ``deep`` for more stages than ``small`` has layers."""

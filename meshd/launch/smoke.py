@@ -24,7 +24,7 @@ from types import FrameType
 from typing import Any
 
 from .. import ctrl_c
-from ..argtypes import int_up_to, positive_float, positive_int
+from ..argtypes import int_up_to, positive_float, positive_int, writable_dir
 from ..keyring import generate_file
 from ..net.faults import Faults
 from . import checks
@@ -32,6 +32,7 @@ from .drive import (
     Driven,
     Generation,
     alive_prefixes,
+    check_prompts_fit,
     converge_and_generate,
     dashboard,
     open_netns,
@@ -153,6 +154,10 @@ def _plan(args: argparse.Namespace, session: _Session, outcome: Outcome, progres
     names = node_names(args.stages, args.replicas)
     relays = relay_job_names(args.relays)
     model = prepare_model(args.model, args.stub, session.tmp, progress, args.stages)
+    try:  # the run's own checkpoint: before any process starts
+        check_prompts_fit(model, args.prompt, args.streams, args.max_tokens)
+    except ValueError as exc:
+        raise RunFailed(Failure.error(str(exc))) from None
     if args.provider == "netns":
         session.provider = open_netns(relays, names, progress)  # torn down even if building it fails
     placement = place_jobs(session.provider, args.fault, names, relays, args.max_tokens)
@@ -258,19 +263,24 @@ def add_parser(sub: Any) -> None:
                    help="requests at once, so the stages batch them: the first streamed (the one "
                         "--fault counts tokens of), the others beside it with prompts of their own; "
                         "each checked against `meshd generate` (default 1)")
-    p.add_argument("--provider", choices=["local", "netns"], default="local",
+    p.add_argument("--provider", choices=["local", "netns", "docker"], default="local",
                    help="local: loopback processes; netns: a namespace per node, faults as nftables/tc "
-                        "(root only)")
+                        "(root only); docker: not run from here, see scripts/docker-e2e.sh")
     p.add_argument("--fault", action="append", default=[], metavar="SPEC",
                    help="drop:A->B, isolate:X, loss:P, delay:MS, kill:X@token-T, restart:X@token-T, "
                         "relay-down@SECONDS (the first relay; relay-down:relay-2@SECONDS another), nat:X "
                         "and nat-symmetric:X (netns); with replicas, kill:stage-K / restart:stage-K hit "
                         "the replica serving the request, stage-K.j names one")
-    p.add_argument("--startup-order", choices=["any", "master-first", "workers-first"], default="any")
-    p.add_argument("--stop-criteria", choices=["all-done", "master-done"], default="master-done")
+    p.add_argument("--startup-order", choices=["any", "master-first", "workers-first"], default="any",
+                   help="which jobs start first, as dstack's startup_order: the orchestrator "
+                        "(master-first), the stages (workers-first), or all at once (default %(default)s)")
+    p.add_argument("--stop-criteria", choices=["all-done", "master-done"], default="master-done",
+                   help="when the run ends, as dstack's stop_criteria: once the orchestrator is done "
+                        "(master-done), or every job (all-done) (default %(default)s)")
     p.add_argument("--timeout", type=positive_float, default=60.0, metavar="S",
                    help="for convergence and generation (default %(default)s)")
-    p.add_argument("--run-dir", metavar="DIR", help="where run state is kept")
+    p.add_argument("--run-dir", type=writable_dir, metavar="DIR",
+                   help="where run state is kept (default $XDG_STATE_HOME/meshd/runs, as for meshd ps)")
     p.add_argument("--insecure-mesh", action="store_true",
                    help="run without a mesh key (by default the run makes one and gives it to the relay "
                         "and every node)")
@@ -294,8 +304,13 @@ def check_faults(args: argparse.Namespace) -> None:
 
 
 def _cmd_smoke(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """Refuse, in one line and before anything starts, a fault spec the run cannot plan and a
-    model that cannot be split so."""
+    """Refuse, in one line and before anything starts, a fault spec the run cannot plan, a
+    model that cannot be split so, and prompts and --max-tokens past its context."""
+    if args.provider == "docker":
+        print("meshd: error: smoke-run --provider docker: a run in containers needs the image built "
+              "first; from a checkout, scripts/docker-e2e.sh N builds it, runs N stages and checks the "
+              "tokens the same way (docs/real-hosts.md#docker)", file=sys.stderr)
+        return 2
     try:
         check_faults(args)
     except ValueError as exc:
@@ -310,10 +325,12 @@ def _cmd_smoke(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     if model is not None:
         from ..pipeline.config import ConfigError, LlamaConfig
         from ..pipeline.model import split_layers
+        from ..pipeline.tokenizer import TokenizerError
 
         try:
             split_layers(LlamaConfig.load(model).num_hidden_layers, args.stages)
-        except (ConfigError, ValueError) as exc:
+            check_prompts_fit(model, args.prompt, args.streams, args.max_tokens)
+        except (ConfigError, TokenizerError, ValueError) as exc:
             what = "--stub" if args.stub else f"--model {model}"
             print(f"meshd: error: smoke-run: {what}: {exc}", file=sys.stderr)
             return 2
