@@ -112,8 +112,13 @@ async def test_a_thousand_messages_each_way_arrive_once_and_in_order_across_a_on
             view = next(m for m in c.snapshot()["members"] if m["id"] == a.identity.node_id.hex())
             assert view["data_out"] == "relay"
             assert view["data_last_failure"] is None or "direct:" in view["data_last_failure"]
-            # Pairs without a fault stay direct.
-            assert await mesh.b.send(mesh.d.identity.node_id, b"hello") == "direct"
+            # Pairs without a fault go direct (a first message may take the relay while the
+            # stream's dial runs longer than its wait, on a loaded host; the next ones do not).
+            paths = [await mesh.b.send(mesh.d.identity.node_id, b"hello")]
+            while paths[-1] != "direct" and len(paths) < 20:
+                await trio.sleep(0.05)
+                paths.append(await mesh.b.send(mesh.d.identity.node_id, b"hello"))
+            assert paths[-1] == "direct", paths
             assert mesh.dead_lines() == []
             nursery.cancel_scope.cancel()
 

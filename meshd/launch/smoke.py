@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import signal
 import sys
@@ -24,7 +25,7 @@ from types import FrameType
 from typing import Any
 
 from .. import ctrl_c
-from ..argtypes import int_up_to, positive_float, positive_int, writable_dir
+from ..argtypes import int_up_to, positive_float, positive_int
 from ..keyring import generate_file
 from ..net.faults import Faults
 from . import checks
@@ -279,7 +280,7 @@ def add_parser(sub: Any) -> None:
                         "(master-done), or every job (all-done) (default %(default)s)")
     p.add_argument("--timeout", type=positive_float, default=60.0, metavar="S",
                    help="for convergence and generation (default %(default)s)")
-    p.add_argument("--run-dir", type=writable_dir, metavar="DIR",
+    p.add_argument("--run-dir", type=_run_dir, metavar="DIR",
                    help="where run state is kept (default $XDG_STATE_HOME/meshd/runs, as for meshd ps)")
     p.add_argument("--insecure-mesh", action="store_true",
                    help="run without a mesh key (by default the run makes one and gives it to the relay "
@@ -335,6 +336,21 @@ def _cmd_smoke(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
             print(f"meshd: error: smoke-run: {what}: {exc}", file=sys.stderr)
             return 2
     return run_smoke(args)
+
+
+def _run_dir(text: str) -> str:
+    """A directory runs can be recorded in, made only when a run starts: it is one, or the
+    nearest part of the path that exists is a directory this process can write in."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path")
+    probe = Path(text).absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: {probe} is not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text}: {probe} is not writable")
+    return text
 
 
 _stages = int_up_to(16, "stages on one machine")
