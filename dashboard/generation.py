@@ -29,7 +29,7 @@ from meshd.pipeline.tokenizer import IncrementalText
 
 from .requests import BadRequest, error, field, json_body, openai_error
 
-CHAT_ROLES = ("system", "user", "assistant", "tool")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_MESSAGES = 4096
 MAX_TOKENS = 4096
 MAX_MODEL_NAME = 256
@@ -70,8 +70,9 @@ def sampling(body: dict, default_max_tokens: int | None = 16) -> dict:
     """The generation parameters of a request body, but the prompt; BadRequest names what is
     wrong.  ``max_tokens`` None: what the context holds (a chat's default, as OpenAI's)."""
     max_tokens = field(body, "max_completion_tokens", int, None, low=1, high=MAX_TOKENS)
+    older = field(body, "max_tokens", int, default_max_tokens, low=1, high=MAX_TOKENS)  # checked either way
     if max_tokens is None:
-        max_tokens = field(body, "max_tokens", int, default_max_tokens, low=1, high=MAX_TOKENS)
+        max_tokens = older
     top_p = field(body, "top_p", float, 1.0)
     if not 0 < top_p <= 1:
         raise BadRequest("'top_p' must be within (0, 1]", "top_p")
@@ -103,7 +104,9 @@ def chat_messages(body: dict) -> list[dict[str, str]]:
         if role not in CHAT_ROLES:
             raise BadRequest(f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}, not {role!r}",
                              f"{where}.role")
-        checked = {"role": role, "content": _content(message.get("content"), f"{where}.content")}
+        # OpenAI's newer clients send the system prompt as "developer"; templates know "system".
+        checked = {"role": "system" if role == "developer" else role,
+                   "content": _content(message.get("content"), f"{where}.content")}
         for key in ("name", "tool_call_id"):
             if isinstance(message.get(key), str):
                 checked[key] = message[key]
@@ -278,7 +281,23 @@ async def models(request: Request) -> Response:
     if orch is None:
         return openai_error(404, "this node is not an orchestrator with a model")
     return JSONResponse({"object": "list", "data": [
-        {"id": orch.model_name, "object": "model", "created": orch.created, "owned_by": "meshd"}]})
+        _model_card(orch)]})
+
+
+async def model(request: Request) -> Response:
+    """``/v1/models/{id}``: the model served, under its name; any other name is a 404."""
+    orch: Generator | None = request.app.state.generator
+    if orch is None:
+        return openai_error(404, "this node is not an orchestrator with a model")
+    name = request.path_params["name"]
+    if name != orch.model_name:
+        return openai_error(404, f"the model {name[:100]!r} is not served here; this mesh serves "
+                                 f"{orch.model_name!r}", param="model")
+    return JSONResponse(_model_card(orch))
+
+
+def _model_card(orch: Generator) -> dict:
+    return {"id": orch.model_name, "object": "model", "created": orch.created, "owned_by": "meshd"}
 
 
 async def completions(request: Request) -> Response:
@@ -425,6 +444,7 @@ ROUTES = [
     Route("/api/generate", api_generate, methods=["POST"]),
     Route("/api/requests", api_requests, methods=["GET"]),
     Route("/v1/models", models, methods=["GET"]),
+    Route("/v1/models/{name:path}", model, methods=["GET"]),
     Route("/v1/completions", completions, methods=["POST"]),
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
 ]

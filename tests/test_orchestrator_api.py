@@ -280,6 +280,29 @@ async def test_answers_name_the_model_the_mesh_serves_whatever_name_was_asked(ch
         assert {e["model"] for e in _events(r.content)} == {served}
         r = await client.post("/v1/completions", json={**body, "model": "m" * 100_000, "stream": True})
         assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
+        # One model, as OpenAI's /v1/models/{id} retrieves it; another name is a 404.
+        assert (await client.get(f"/v1/models/{served}")).json()["id"] == served
+        r = await client.get("/v1/models/gpt-4")
+        assert r.status_code == 404 and "not served here" in r.json()["error"]["message"], r.text
+
+
+async def test_a_developer_message_is_the_system_prompt_and_max_tokens_is_checked_beside_its_successor(
+        checkpoint):
+    """OpenAI's newer clients send the system prompt as role "developer"; a chat with it gets
+    the same answer as with "system".  A max_tokens of the wrong type is refused even when
+    max_completion_tokens is given."""
+    async with _ready_client(checkpoint) as (_orch, client):
+        answers = []
+        for role in ("system", "developer"):
+            body = {"messages": [{"role": role, "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+                    "max_tokens": 6}
+            r = await client.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            answers.append(r.json()["choices"][0]["message"]["content"])
+        assert answers[0] == answers[1]
+        r = await client.post("/v1/chat/completions", json={**body, "max_completion_tokens": 4,
+                                                            "max_tokens": "x"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
 
 
 async def test_a_prompt_longer_than_the_context_is_a_400_naming_it_streamed_or_not(checkpoint):
