@@ -13,6 +13,7 @@ are refused by name, never ignored.
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from typing import Any
@@ -28,6 +29,8 @@ from meshd.pipeline.stops import MAX_STOP_CHARS, MAX_STOPS, settled
 from meshd.pipeline.tokenizer import IncrementalText
 
 from .requests import BadRequest, error, field, json_body, openai_error
+
+log = logging.getLogger("meshd.dashboard")
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_MESSAGES = 4096
@@ -202,7 +205,17 @@ def _refusal(exc: Exception, fail) -> Response:
         return fail(400, str(exc))
     if isinstance(exc, Busy | NotReady | StageLost):
         return _retry_later(exc, fail)
-    return fail(503, str(exc))
+    if isinstance(exc, PipelineError):
+        return fail(503, str(exc))
+    return fail(500, _said(exc))
+
+
+def _said(exc: Exception) -> str:
+    """What a client is told of ``exc``: a pipeline's or a request's error as it is worded, any
+    other only by its type (the node's log has the traceback)."""
+    if isinstance(exc, ValueError | PipelineError):
+        return str(exc)
+    return f"internal error: {type(exc).__name__}"
 
 
 async def _generate(request: Request, orch: Generator, params: dict, openai: bool = False) -> dict | Response:
@@ -390,12 +403,15 @@ class _Events:
         async with send:
             try:
                 result = await orch.generate(**params, on_token=on_token, request_id=self.request)
-            except (ValueError, PipelineError) as exc:
+            except Exception as exc:  # every failure ends the stream in words
+                if not isinstance(exc, ValueError | PipelineError):
+                    log.exception("a streamed request failed")
                 if not started:
                     await send.send(exc)
                     return
-                kind = "invalid_request_error" if isinstance(exc, ValueError) else "service_unavailable"
-                failure = {"error": {"message": str(exc), "type": kind, "param": None, "code": None}}
+                kind = ("invalid_request_error" if isinstance(exc, ValueError) else
+                        "service_unavailable" if isinstance(exc, PipelineError) else "server_error")
+                failure = {"error": {"message": _said(exc), "type": kind, "param": None, "code": None}}
                 await send.send(f"data: {json.dumps(failure)}\n\n")
             else:
                 await start()

@@ -115,6 +115,11 @@ def ask_node(method: str, url: str, *, headers: dict[str, str], timeout: float,
     return answer
 
 
+# What OpenSSL says when the other end answers a TLS hello in plain HTTP.
+_PLAIN_HTTP_ANSWERS = ("WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG",
+                       "HTTP_REQUEST")
+
+
 def _why(exc: BaseException) -> str:
     """httpx's message, with the operating system's reasons when trio tried several addresses
     (``all attempts to connect to 127.0.0.1:1 failed (Connection refused)``)."""
@@ -129,8 +134,9 @@ def _why(exc: BaseException) -> str:
             if reason and reason not in reasons:
                 reasons.append(reason)
         if isinstance(seen, ssl.SSLError):
-            tls = (f"TLS failed: {seen.reason or seen}; a node's dashboard speaks plain HTTP, "
-                   "so its URL starts with http://")
+            tls = f"TLS failed: {seen.reason or seen}"
+            if seen.reason in _PLAIN_HTTP_ANSWERS:
+                tls += "; a node's dashboard speaks plain HTTP, so its URL starts with http://"
             if tls not in reasons:
                 reasons.append(tls)
         seen = seen.__cause__ or seen.__context__

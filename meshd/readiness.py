@@ -51,7 +51,7 @@ def readiness(snap: dict) -> dict:
         rows.append({"stage": k, **row})
     _check_edge_names(rows, names, why)
     _check_hops(snap, orchestrator, rows, why, warnings)
-    _check_models(run_checkpoint, warnings)
+    _check_models(snap, warnings)
     return {"ready": not why, "why": why, "warnings": warnings, "stages": rows,
             "orchestrator": orchestrator, "checkpoint": run_checkpoint or None, "expected_stages": expected}
 
@@ -92,11 +92,12 @@ NO_MODEL = ("no node serves a model (--model DIR or --stub): the mesh gossips an
             "but it cannot generate")
 
 
-def _check_models(run_checkpoint: str, warnings: list[str]) -> None:
+def _check_models(snap: dict, warnings: list[str]) -> None:
     """A mesh where no node has a model is ready by its names and paths (a membership-only
     mesh, maybe on purpose), but warned about: its API answers every request with a 404.
     (A node without one where the run has one is not ready: see ``_role_row``.)"""
-    if not run_checkpoint:
+    live = [m for m in snap.get("members", []) if m.get("state") in LIVE]
+    if not any(v.get("checkpoint") for v in [snap["self"], *live]):
         warnings.append(NO_MODEL)
 
 

@@ -317,3 +317,34 @@ async def test_a_prompt_longer_than_the_context_is_a_400_naming_it_streamed_or_n
             assert "context" in r.json()["error"]["message"], r.text
         r = await client.post("/v1/completions", json={"prompt": prompt[:100], "max_tokens": 4})
         assert r.status_code == 200, r.text
+
+
+async def test_a_stream_whose_request_breaks_unexpectedly_ends_in_words_before_or_after_its_first_token(
+        checkpoint, monkeypatch):
+    """A failure no one planned for (a bug) is a 500 in OpenAI's shape before the first token,
+    and an error event then [DONE] after it: never a stream that just stops."""
+    async with _ready_client(checkpoint) as (orch, client):
+        real = orch.app.generate
+
+        async def broken(*, after: int, **params):
+            async def on_token(token: int) -> None:
+                await params["on_token"](token)
+                if len(seen) == after:
+                    raise RuntimeError("a bug")
+                seen.append(token)
+
+            seen: list[int] = []
+            if after == 0:
+                raise RuntimeError("a bug")
+            return await real(**{**params, "on_token": on_token})
+
+        body = {"prompt": "Hello", "max_tokens": 8, "stream": True}
+        monkeypatch.setattr(orch.app, "generate", lambda **p: broken(after=0, **p))
+        r = await client.post("/v1/completions", json=body)
+        assert r.status_code == 500 and r.json()["error"]["message"] == "internal error: RuntimeError", r.text
+        monkeypatch.setattr(orch.app, "generate", lambda **p: broken(after=2, **p))
+        r = await client.post("/v1/completions", json=body)
+        assert r.status_code == 200
+        events = _events(r.content)  # ends with [DONE]
+        assert events[-1]["error"]["type"] == "server_error", events
+        assert [e["choices"][0]["text"] for e in events[:-1]], events

@@ -412,3 +412,12 @@ def test_doctor_names_the_mesh_key_when_the_relay_refused_us_as_not_a_member():
     assert by_kind["relay"]["check"] == "is the relay running and reachable over TCP (WebSocket)?"
     assert "mesh key (--mesh-key-file)" in by_kind["not-joined"]["check"]
 
+
+
+def test_members_serving_two_checkpoints_are_not_called_a_mesh_without_a_model():
+    """No run checkpoint can be told (the orchestrator and this node serve none, two stages
+    serve different ones): a problem, but not "no node serves a model"."""
+    me = node(ORCH, checkpoint="")
+    others = [node(S0, 0, checkpoint=RUN), node(S1A, 1, checkpoint=OTHER), node(S2, 2, checkpoint="")]
+    r = readiness(snap_of(me, others))
+    assert NO_MODEL not in r["warnings"], r

@@ -219,8 +219,9 @@ class DataChannel:
                 await self._receiver.read_stream(stream, node, buf)
             finally:
                 self._inbound.pop(stream, None)
-            if stream in self._evicted:
+                evicted = stream in self._evicted
                 self._evicted.discard(stream)
+            if evicted:
                 return  # we closed it to make room: it says nothing of the peer
         self._stream_lost(proven.node_id, proven.epoch)
 

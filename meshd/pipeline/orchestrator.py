@@ -322,8 +322,8 @@ class Orchestrator(App):
             # stall's timeout): every token reaches the caller before the result does.
             await _stream_tokens(req, seen, on_token)
             if req.error is not None:
-                if req.error_kind == TOO_LARGE:
-                    raise TooLarge(req.error)  # the request's own: a 400
+                if req.error_kind == TOO_LARGE and not req.tokens:
+                    raise TooLarge(req.error)  # the request's own: a 400 (not a replica's, mid-way)
                 raise (Busy if req.error_kind == NO_ROOM else PipelineError)(req.error)
         except PipelineError as exc:
             log.warning("request %s failed after %d of %d tokens: %s", req.req_id, len(req.tokens),

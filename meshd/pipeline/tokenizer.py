@@ -90,13 +90,18 @@ class HFTokenizer:
         self.eos_token_ids = tuple(eos_token_ids)
         self.add_bos_token = add_bos_token
 
+    def _encode(self, text: str, specials: bool) -> list[int]:
+        # encode_batch lets go of the GIL while it works (encode does not): a long prompt
+        # tokenised in a worker thread leaves the event loop running.
+        return list(self._tok.encode_batch([text], add_special_tokens=specials)[0].ids)
+
     def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+        return self._encode(text, False)
 
     def encode_prompt(self, text: str) -> list[int]:
         if self.add_bos_token is False:
             return self.encode(text)
-        ids = list(self._tok.encode(text, add_special_tokens=True).ids)
+        ids = self._encode(text, True)
         bos = self.bos_token_id
         if self.add_bos_token and bos is not None and ids[:1] != [bos]:
             ids.insert(0, bos)
@@ -109,7 +114,7 @@ class HFTokenizer:
 class IncrementalText:
     """``decode(tokens)`` of a growing list of tokens, each new token's text found by decoding
     from the token before the last text it settled (as vLLM's and TGI's detokenizers do), not
-    by decoding the whole list again: a long stream's text costs time in its length, not in
+    by decoding the whole list again: decoding a long stream costs time in its length, not in
     its square.  ``text`` holds whole characters only: one whose bytes are not all here yet
     waits for the tokens that finish it."""
 
