@@ -188,6 +188,18 @@ def test_smoke_run_refuses_what_cannot_run_before_anything_starts(tmp_path, args
     assert not (tmp_path / "state").exists()
 
 
+def test_prompts_past_the_context_of_the_checkpoint_smoke_run_writes_are_refused_up_front(tmp_path):
+    """Without --model or --stub the run writes a checkpoint of its own (`deep` past 6 stages):
+    its context is known before anything is written or started, as with a given one."""
+    env = {"XDG_STATE_HOME": str(tmp_path / "state"), "TMPDIR": str(tmp_path)}
+    r = meshd("smoke-run", "--stages", "7", "--max-tokens", "1000", "--json", env=env)
+    assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
+    assert one_line(r.stderr) == ("meshd: error: smoke-run: the deep checkpoint it writes (no --model): "
+                                  "prompt (17 tokens) + max_tokens 1000 exceeds the model's context of "
+                                  "256 positions")
+    assert not (tmp_path / "state").exists() and list(tmp_path.iterdir()) == []
+
+
 def test_the_stub_checkpoint_is_written_once_per_user(tmp_path):
     code = "from meshd.pipeline.stub import stub_checkpoint; print(stub_checkpoint())"
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}

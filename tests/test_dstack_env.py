@@ -54,6 +54,12 @@ def test_an_ipv6_master_and_nodes_are_written_in_brackets():
     assert args.relay == ["ws://[fd00::5]:3478"] and args.seed == ["[fd00::5]:7946"]
 
 
+def test_an_ipv6_master_given_in_brackets_is_bracketed_once():
+    env = {"DSTACK_NODES_NUM": "3", "DSTACK_MASTER_NODE_IP": "[::1]", "DSTACK_NODES_IPS": "[::1] ::2 [::3]"}
+    node = dstack_env.from_env({**env, "DSTACK_NODE_RANK": "2"})
+    assert node.relay == "ws://[::1]:3478" and node.seeds == ["[::1]:7946"] and node.advertise == "[::3]:7946"
+
+
 def test_flags_fill_in_only_what_is_absent():
     args = run_args()
     dstack_env.apply(args, {**ENV, "DSTACK_NODE_RANK": "2"})

@@ -193,6 +193,12 @@ def test_every_relay_of_a_run_is_a_job_in_the_table_and_the_json(tmp_path):
     ("owner_pid", "me", "field owner_pid: expected int, got str"),
     ("jobs.0.pid", [1], "field pid: expected int, got list"),
     ("jobs.0.detail", {"a": 1}, "field detail: expected str, got dict"),
+    ("submitted_at", float("nan"), "field submitted_at: expected a finite number from 0 up, got nan"),
+    ("finished_at", -1e308, "field finished_at: expected a finite number from 0 up, got -1e+308"),
+    pytest.param("jobs.0.submitted_at", 10**400, "field submitted_at: expected a finite number from 0 up",
+                 id="jobs.0.submitted_at-past-a-float"),
+    ("jobs.0.attempt", float("inf"), "field attempt: expected int, got float"),
+    ("jobs.0.status_message", ["x"], "field status_message: expected str, got list"),
 ])
 def test_a_run_file_with_a_field_of_the_wrong_type_is_one_line_and_the_rest_still_shows(
         tmp_path, field, value, says):
@@ -217,3 +223,14 @@ def test_a_driver_pid_no_process_can_have_reads_as_gone(tmp_path):
     out = ps("--run-dir", str(tmp_path))
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
     assert f"(driver pid {10**20} gone)" in out.stdout
+
+
+def test_markup_and_control_characters_in_a_run_file_are_shown_as_text(tmp_path):
+    run = new_run("smoke-1", 1, now=time.time())
+    step(run, [], time.time())
+    run.message = "[/bold] stopped [red]by hand\x1b[2J"
+    run.jobs[0].name = "relay[/]"
+    save_run(run, tmp_path)
+    out = ps("--run-dir", str(tmp_path))
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    assert "[/bold] stopped [red]by hand\ufffd[2J" in out.stdout and "  relay[/]" in out.stdout

@@ -95,6 +95,17 @@ def test_bad_input_is_a_one_line_usage_error(argv, capsys):
     assert last.startswith("meshd") and "error:" in last
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["--nodes", "3001"], "argument --nodes: '3001' must be at most 3000 nodes, held in one process"),
+    (["--periods", "1001"], "argument --periods: '1001' must be at most 1000 periods"),
+])
+def test_a_size_past_what_one_process_simulates_says_the_bound(argv, says, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["sim", *argv])
+    assert exc.value.code == 2
+    assert says in capsys.readouterr().err.strip().splitlines()[-1]
+
+
 def test_latency_specs():
     assert str(Latency.parse("uniform:0.5:1.5")) == "uniform:0.5:1.5"
     assert Latency.parse("fixed:20").a == pytest.approx(0.02)

@@ -168,30 +168,47 @@ class Beside:
         return out
 
 
-def check_prompts_fit(model: str, prompt: str, streams: int, max_tokens: int) -> None:
+def check_prompts_fit(model: str | None, prompt: str, streams: int, max_tokens: int, stages: int = 1) -> None:
     """Every prompt the run sends (the first and ``other_requests``') with ``max_tokens``
-    fits the checkpoint's context; ValueError (``meshd generate``'s words) when one does not."""
+    fits the checkpoint's context; ValueError (``meshd generate``'s words) when one does not.
+    ``model`` None: the preset ``prepare_model`` would write for ``stages``, read from its
+    definition, so the check needs no checkpoint on disk."""
     from ..pipeline.config import LlamaConfig
     from ..pipeline.generate import check_context, prompt_ids
-    from ..pipeline.tokenizer import load_tokenizer
+    from ..pipeline.tokenizer import Tokenizer, load_tokenizer
 
-    config = LlamaConfig.load(model)
-    tokenizer = load_tokenizer(model, config.bos_token_id, config.eos_token_ids)
+    tokenizer: Tokenizer
+    if model is None:
+        from ..pipeline.checkpoint import preset_config, preset_tokenizer
+
+        config = preset_config(default_preset(stages))
+        tokenizer = preset_tokenizer(default_preset(stages))
+    else:
+        config = LlamaConfig.load(model)
+        tokenizer = load_tokenizer(model, config.bos_token_id, config.eos_token_ids)
     for text in [prompt, *(p for p, _ in other_requests(prompt, streams))]:
         check_context(config, len(prompt_ids(tokenizer, text)), max_tokens)
 
 
+def default_preset(stages: int) -> str:
+    """The checkpoint a run without ``--model`` or ``--stub`` writes: ``small``, or ``deep`` for
+    more stages than ``small`` has layers."""
+    from ..pipeline.checkpoint import PRESETS
+
+    return "small" if stages <= PRESETS["small"]["num_hidden_layers"] else "deep"
+
+
 def prepare_model(model: str | None, stub: bool, tmp: Path, progress: Progress, stages: int = 1) -> str:
     """The checkpoint to serve: the given one, the stub, or one written to ``tmp``: the
-    ``small`` preset, or ``deep`` for more stages than ``small`` has layers."""
+    ``default_preset`` for ``stages``."""
     if stub:
         from ..pipeline.stub import stub_checkpoint
 
         return str(stub_checkpoint())
     if model is None:
-        from ..pipeline.checkpoint import PRESETS, init_checkpoint
+        from ..pipeline.checkpoint import init_checkpoint
 
-        preset = "small" if stages <= PRESETS["small"]["num_hidden_layers"] else "deep"
+        preset = default_preset(stages)
         progress.update(f"writing a {preset} checkpoint")
         model = str(tmp / "model")
         init_checkpoint(model, preset, seed=0)

@@ -51,10 +51,10 @@ def from_env(env: Mapping[str, str]) -> DstackNode | None:
     rank, nodes = number("DSTACK_NODE_RANK", 0), number("DSTACK_NODES_NUM", 2)
     if rank >= nodes:
         raise ValueError(f"DSTACK_NODE_RANK={rank} is outside 0..{nodes - 1}")
-    master = env.get("DSTACK_MASTER_NODE_IP", "").strip()
+    master = _bare_host(env.get("DSTACK_MASTER_NODE_IP", "").strip())
     if not master:
         raise ValueError("DSTACK_MASTER_NODE_IP is not set")
-    ips = env.get("DSTACK_NODES_IPS", "").split()
+    ips = [_bare_host(ip) for ip in env.get("DSTACK_NODES_IPS", "").split()]
     advertise = None
     if len(ips) == nodes:
         advertise = format_addr(ips[rank], GOSSIP_PORT)
@@ -63,6 +63,12 @@ def from_env(env: Mapping[str, str]) -> DstackNode | None:
     if rank == 0:
         return DstackNode("orchestrator", None, nodes - 1, [], relay, advertise=advertise or seed)
     return DstackNode("stage", rank - 1, nodes - 1, [seed], relay, advertise=advertise)
+
+
+def _bare_host(text: str) -> str:
+    """An address without the brackets an IPv6 one may come in (``[fd00::5]``): ``format_addr``
+    adds them where a port follows, and a second pair makes a URL nothing can parse."""
+    return text[1:-1] if text.startswith("[") and text.endswith("]") else text
 
 
 def apply(args, env: Mapping[str, str]) -> None:

@@ -17,6 +17,7 @@ a job out of done, and only a failed job, under an explicit RetryPolicy, is resu
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -786,7 +787,24 @@ def _optional(data: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> 
 _NUMBER = (int, float)
 
 
+def _seconds(data: dict[str, Any], key: str) -> float | None:
+    """An optional time or duration: a number from 0 up that a float holds. JSON's NaN and
+    Infinity, a time before 1970, or an integer past a float's range would break ``meshd ps``'s
+    age column and its ``--json`` line."""
+    value = _optional(data, key, _NUMBER)
+    if value is None:
+        return None
+    try:
+        fits = math.isfinite(float(value)) and value >= 0
+    except OverflowError:
+        fits = False
+    if not fits:
+        raise ValueError(f"field {key}: expected a finite number from 0 up, got {value!r:.40}")
+    return value
+
+
 def job_from_dict(data: dict[str, Any]) -> Job:
+    _optional(data, "status_message", str)  # written for readers; ``meshd ps`` shows it
     return Job(
         name=str(data["name"]),
         role=Role(data["role"]),
@@ -798,11 +816,11 @@ def job_from_dict(data: dict[str, Any]) -> Job:
         pid=_optional(data, "pid", int),
         address=_optional(data, "address", str),
         peer=_optional(data, "peer", str),
-        submitted_at=float(data.get("submitted_at") or 0.0),
-        started_at=_optional(data, "started_at", _NUMBER),
-        finished_at=_optional(data, "finished_at", _NUMBER),
-        attempt=int(data.get("attempt") or 0),
-        restarts=int(data.get("restarts") or 0),
+        submitted_at=_seconds(data, "submitted_at") or 0.0,
+        started_at=_seconds(data, "started_at"),
+        finished_at=_seconds(data, "finished_at"),
+        attempt=_optional(data, "attempt", int) or 0,
+        restarts=_optional(data, "restarts", int) or 0,
         live=bool(data.get("live")),
     )
 
@@ -814,9 +832,9 @@ def run_from_dict(data: dict[str, Any]) -> Run:
         jobs=[job_from_dict(job) for job in data["jobs"]],
         startup_order=StartupOrder(data.get("startup_order", "any")),
         stop_criteria=StopCriteria(data.get("stop_criteria", "all-done")),
-        timeout=_optional(data, "timeout", _NUMBER),
-        submitted_at=float(data.get("submitted_at") or 0.0),
-        finished_at=_optional(data, "finished_at", _NUMBER),
+        timeout=_seconds(data, "timeout"),
+        submitted_at=_seconds(data, "submitted_at") or 0.0,
+        finished_at=_seconds(data, "finished_at"),
         reason=RunReason(data["reason"]) if data.get("reason") else None,
         message=_optional(data, "message", str),
     )

@@ -12,10 +12,13 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .model import JobStatus
 from .state import default_run_dir, load_run_dir, owner_alive
+
+if TYPE_CHECKING:
+    from rich.text import Text
 
 _FINISHED_RUN = {"done", "failed", "terminated"}
 
@@ -85,24 +88,34 @@ def _print_table(runs: list[dict[str, Any]], now: float) -> None:
         table.add_column(column, no_wrap=True)
     for run in runs:
         table.add_row(
-            f"[bold]{run['name']}[/bold]", "", "", "",
-            run_status_text(run),
-            run.get("message") or run.get("reason") or "",
+            _cell(run["name"], "bold"), "", "", "",
+            _cell(run_status_text(run)),
+            _cell(run.get("message") or run.get("reason") or ""),
             age(now, run.get("submitted_at")),
         )
         for job in run.get("jobs", []):
             stage = job.get("stage")
             table.add_row(
-                f"  {job['name']}",
-                job["role"] if stage is None else f"{job['role']} {stage}",
-                job.get("peer") or "",
-                job.get("address") or "",
-                job_status_text(run, job),
-                job.get("reason") or "",
+                _cell(f"  {job['name']}"),
+                _cell(job["role"] if stage is None else f"{job['role']} {stage}"),
+                _cell(job.get("peer") or ""),
+                _cell(job.get("address") or ""),
+                _cell(job_status_text(run, job)),
+                _cell(job.get("reason") or ""),
                 age(now, job.get("submitted_at")),
             )
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
     console.print(table)
+
+
+def _cell(value: Any, style: str = "") -> Text:
+    """Text from a run file as it is written: rich markup in it (``[/bold]``) is shown, not
+    parsed (a stray closing tag would raise), and a control character (an escape sequence
+    for the terminal) shows as U+FFFD."""
+    from rich.text import Text
+
+    text = "".join(c if c.isprintable() else "\ufffd" for c in str(value))
+    return Text(text, style=style)
 
 
 def age(now: float, then: float | None) -> str:

@@ -36,6 +36,7 @@ from .drive import (
     check_prompts_fit,
     converge_and_generate,
     dashboard,
+    default_preset,
     open_netns,
     place_jobs,
     prepare_model,
@@ -156,7 +157,7 @@ def _plan(args: argparse.Namespace, session: _Session, outcome: Outcome, progres
     relays = relay_job_names(args.relays)
     model = prepare_model(args.model, args.stub, session.tmp, progress, args.stages)
     try:  # the run's own checkpoint: before any process starts
-        check_prompts_fit(model, args.prompt, args.streams, args.max_tokens)
+        check_prompts_fit(model, args.prompt, args.streams, args.max_tokens, args.stages)
     except ValueError as exc:
         raise RunFailed(Failure.error(str(exc))) from None
     if args.provider == "netns":
@@ -281,11 +282,14 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--timeout", type=positive_float, default=60.0, metavar="S",
                    help="for convergence and generation (default %(default)s)")
     p.add_argument("--run-dir", type=_run_dir, metavar="DIR",
-                   help="where run state is kept (default $XDG_STATE_HOME/meshd/runs, as for meshd ps)")
+                   help="where run state is kept (default $XDG_STATE_HOME/meshd/runs, else "
+                        "~/.local/state/meshd/runs, as for meshd ps)")
     p.add_argument("--insecure-mesh", action="store_true",
                    help="run without a mesh key (by default the run makes one and gives it to the relay "
                         "and every node)")
-    p.add_argument("--json", action="store_true", help="end with one JSON object on stdout")
+    p.add_argument("--json", action="store_true",
+                   help="end with one JSON object on stdout, the run's report (a refusal before the run "
+                        "starts is one line on stderr and exit 2, as without --json)")
     p.set_defaults(func=_cmd_smoke)
 
 
@@ -316,25 +320,25 @@ def _cmd_smoke(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         check_faults(args)
     except ValueError as exc:
         parser.error(f"smoke-run: {exc}")
-    model = None
+    from ..pipeline.config import ConfigError, LlamaConfig
+    from ..pipeline.model import split_layers
+    from ..pipeline.tokenizer import TokenizerError
+
+    model = args.model
+    what = f"--model {model}"
     if args.stub:
         from ..pipeline.stub import stub_checkpoint
 
-        model = str(stub_checkpoint())
-    elif args.model is not None:
-        model = args.model
-    if model is not None:
-        from ..pipeline.config import ConfigError, LlamaConfig
-        from ..pipeline.model import split_layers
-        from ..pipeline.tokenizer import TokenizerError
-
-        try:
+        model, what = str(stub_checkpoint()), "--stub"
+    elif model is None:
+        what = f"the {default_preset(args.stages)} checkpoint it writes (no --model)"
+    try:
+        if model is not None:  # the default preset splits into every --stages allowed
             split_layers(LlamaConfig.load(model).num_hidden_layers, args.stages)
-            check_prompts_fit(model, args.prompt, args.streams, args.max_tokens)
-        except (ConfigError, TokenizerError, ValueError) as exc:
-            what = "--stub" if args.stub else f"--model {model}"
-            print(f"meshd: error: smoke-run: {what}: {exc}", file=sys.stderr)
-            return 2
+        check_prompts_fit(model, args.prompt, args.streams, args.max_tokens, args.stages)
+    except (ConfigError, TokenizerError, ValueError) as exc:
+        print(f"meshd: error: smoke-run: {what}: {exc}", file=sys.stderr)
+        return 2
     return run_smoke(args)
 
 

@@ -115,7 +115,7 @@ def read_run_dict(path: Path | str) -> dict[str, Any]:
         raise StateFileError(path, f"not valid JSON (line {exc.lineno} column {exc.colno})") from exc
     try:
         run_from_dict(data)
-    except (KeyError, ValueError, TypeError, AttributeError) as exc:
+    except (KeyError, ValueError, TypeError, AttributeError, ArithmeticError) as exc:
         what = f"missing {exc}" if isinstance(exc, KeyError) else str(exc)
         raise StateFileError(path, f"not a meshd run file ({what})") from exc
     return data

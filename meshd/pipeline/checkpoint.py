@@ -18,7 +18,7 @@ from pathlib import Path, PurePosixPath
 import numpy as np
 
 from .config import ConfigError, LlamaConfig, RopeScaling
-from .tokenizer import write_byte_tokenizer_spec
+from .tokenizer import ByteTokenizer, write_byte_tokenizer_spec
 
 
 class CheckpointError(Exception):
@@ -426,6 +426,13 @@ def preset_config(preset: str, **overrides) -> LlamaConfig:
         raise ValueError(f"bad override: {exc}") from None
 
 
+def preset_tokenizer(preset: str) -> ByteTokenizer:
+    """The tokenizer ``init_checkpoint`` writes for ``preset``, without writing it: a run can
+    check its prompts against a checkpoint it has not made yet."""
+    config = preset_config(preset)
+    return ByteTokenizer(_BYTE_OFFSET.get(preset, 0), config.bos_token_id, config.eos_token_ids[:1])
+
+
 def write_shards(out: Path, tensors: dict[str, np.ndarray], shards: int, dtype: str = "float32") -> None:
     """Write ``tensors`` as ``shards`` files of near-equal size, in order, and the index that
     maps each name to its file (Hugging Face's ``save_pretrained(max_shard_size=...)`` layout)."""
@@ -489,7 +496,8 @@ def checkpoint_params(config: LlamaConfig) -> int:
 
 
 __all__ = ["CheckpointError", "ConfigError", "init_checkpoint", "load_weights", "expected_tensors",
-           "random_weights", "write_safetensors", "PRESETS"]
+           "random_weights", "write_safetensors", "PRESETS",
+           "preset_tokenizer"]
 
 
 FINGERPRINT_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",

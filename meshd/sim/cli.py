@@ -6,14 +6,22 @@ import argparse
 import json
 import sys
 
-from ..argtypes import writable_dir
+from ..argtypes import int_up_to, writable_dir
 from ..swim import PROFILES
 
-MAX_NODES = 10_000  # every member's state is held in this process: 3000 take minutes of CPU
-MAX_PERIODS = 10_000
+# Every member's view of every other is held in this process, so memory grows as N²: 3000
+# nodes (the largest docs/scale.md measures) hold about 2.5 GB, 10000 would not fit in most
+# machines' memory. A node-period costs 0.2-1 ms of CPU: 1000 periods of 100 nodes take a minute
+# or two, of 3000 nodes most of an hour.
+MAX_NODES = 3000
+MAX_PERIODS = 1000
 
 
-def _int_at_least(low: int, most: int | None = None):
+def _int_at_least(low: int, most: int | None = None, what: str = ""):
+    """A whole number from ``low`` (to ``most``, when given); past ``most``, "must be at most
+    ``most`` ``what``", as ``argtypes.int_up_to`` says it."""
+    limit = f"{most} {what}" if what else str(most)
+
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -22,7 +30,7 @@ def _int_at_least(low: int, most: int | None = None):
         if value < low:
             raise argparse.ArgumentTypeError(f"{text!r} must be at least {low}")
         if most is not None and value > most:
-            raise argparse.ArgumentTypeError(f"{text!r} must be at most {most}")
+            raise argparse.ArgumentTypeError(f"{text!r} must be at most {limit}")
         return value
 
     return parse
@@ -54,10 +62,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
         description="Drive the real meshd SWIM core over a seeded in-memory network and measure "
         "failure detection, dissemination and load. The same seed gives the same output, byte for byte.",
     )
-    p.add_argument("--nodes", type=_int_at_least(2, MAX_NODES), default=100, metavar="N",
-                   help="members at the start (default %(default)s)")
-    p.add_argument("--periods", type=_int_at_least(1, MAX_PERIODS), default=100, metavar="P",
-                   help="protocol periods to simulate (default %(default)s)")
+    p.add_argument("--nodes", type=_int_at_least(2, MAX_NODES, "nodes, held in one process"), default=100,
+                   metavar="N", help=f"members at the start, 2 to {MAX_NODES} (default %(default)s)")
+    p.add_argument("--periods", type=int_up_to(MAX_PERIODS, "periods"), default=100, metavar="P",
+                   help=f"protocol periods to simulate, up to {MAX_PERIODS} (default %(default)s)")
     p.add_argument("--loss", type=_fraction, default=0.0, metavar="P",
                    help="packet loss on every link, each direction (default %(default)s)")
     p.add_argument("--latency", type=_latency, default="uniform:0.5:1.5", metavar="DIST",
