@@ -490,15 +490,22 @@ def test_a_member_cannot_make_another_leave(members):
 
 def test_a_member_cannot_declare_a_death_in_the_orchestrators_name(members):
     m, victim, orch = members, members.id("stage-1"), members.id("orchestrator")
-    for inc in (0, 1, 2, 2**40):
+    current = m.member("stage-0", "stage-1")["incarnation"]  # the one accusation that is read
+    before = m.counter("rx_bad_signature")
+    for inc in (0, 1, 2, 2**40, current, 2**62):
         forged = m.mallory.sign(accusation_data("dead", victim, inc, orch))
         m.to_all(orch, wire.Dead(inc, victim, orch, forged))
         forged = m.mallory.sign(accusation_data("suspect", victim, inc, orch))
         m.to_all(orch, wire.Suspect(inc, victim, orch, forged))
     _settle_and_check(m)
-    blamed = [line for p in m.procs for line in p.lines
-              if line.startswith("meshd member") and f"by={orch.hex()[:8]}" in line]
-    assert blamed == []
+    assert m.counter("rx_bad_signature") > before
+    # On a loaded host the orchestrator may suspect a slow member for real (at the member's
+    # own incarnation, and refuted); a death in its name, or any word at a forged number, is
+    # the forgery taken.
+    lines = [line.split() for p in m.procs for line in p.lines
+             if line.startswith("meshd member") and f"by={orch.hex()[:8]}" in line
+             and f"prefix={victim.hex()[:8]}" in line]
+    assert [w for w in lines if w[2] != "suspect" or f"incarnation={current}" not in w] == []
 
 
 def test_a_member_cannot_move_another_or_rewrite_its_metadata(members):
