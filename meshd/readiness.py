@@ -162,12 +162,7 @@ def _role_row(label: str, name: str, names: dict, views: dict[str, dict], run_ch
     replicas = [_replica(e, views, run_checkpoint) for e in entries]
     # A tombstone shows only while its owner is known dead: a replica that went down.
     shown = [r for r in replicas if not r["tombstone"] or r["state"] == "dead"]
-    replaced: dict[str, dict | None] = {}
-    taken: set[str] = set()  # each newer node takes the place of one node at most
-    for r in shown:
-        newer = replaced[r["prefix"]] = _replaced_by(r, [s for s in shown if s["prefix"] not in taken])
-        if newer is not None:
-            taken.add(newer["prefix"])
+    replaced = _replacements(shown)
     for r in shown:
         if replaced[r["prefix"]] is not None:
             r["serving"] = False  # a suspect whose address a newer node holds is gone
@@ -217,29 +212,49 @@ def _gone(state: str) -> str:
 REPLACED_SHOWN_S = 600.0  # how long a warning names a dead node that a newer one replaced
 
 
-def _replaced_by(r: dict, shown: list[dict]) -> dict | None:
-    """The serving node that took ``r``'s place, if any: ``r``'s process was replaced (a
-    restart under a new identity), not a replica lost beside one that serves.  One serving
-    at ``r``'s address replaced it (two processes cannot hold one port); elsewhere, one that
-    came up after ``r`` went down did."""
-    if r["state"] == "alive":
-        return None
+def _replacements(shown: list[dict]) -> dict[str, dict | None]:
+    """For each replica, the serving node that took its place, if any: its process was
+    replaced (a restart under a new identity), not a replica lost beside one that serves.
+
+    A place is an address: the processes that went down there followed one another (two
+    cannot hold one port), however many restarts ago, so they share one fate.  A serving
+    node at that address replaced them all; elsewhere, one that came up after the last of
+    them went down did.  A newcomer elsewhere takes one place at most: two replicas that
+    went down together are not both hidden by one node started since.
+    """
+    out: dict[str, dict | None] = {r["prefix"]: None for r in shown}
     serving = [s for s in shown if s["serving"] and s["state"] == "alive"]
-    same_addr = [s for s in serving if r.get("addr") and s.get("addr") == r["addr"]]
-    if same_addr:
-        return same_addr[0]
-    if r["live"]:
-        return None  # a suspect elsewhere may refute: it is a replica until it is dead
-    down_for = r.get("age_s")
-    newer = [s for s in serving if down_for is not None and s.get("age_s") is not None
-             and s["age_s"] < down_for]
-    return min(newer, key=lambda s: s["age_s"]) if newer else None
+    places: dict[str, list[dict]] = {}
+    for r in shown:
+        if r["state"] != "alive":
+            places.setdefault(r.get("addr") or r["prefix"], []).append(r)
+    taken: set[str] = set()
+    elsewhere = []
+    for where, gone in places.items():
+        here = next((s for s in serving if s.get("addr") == where), None)
+        if here is not None:
+            taken.add(here["prefix"])
+            out.update((r["prefix"], here) for r in gone)
+        elif not any(r["live"] for r in gone):  # a suspect elsewhere may refute: a replica until dead
+            ages = [r.get("age_s") for r in gone]
+            if None not in ages:
+                elsewhere.append((min(a for a in ages if a is not None), gone))
+    # The place gone most recently first: the nodes that came up since it went down came up
+    # since every earlier one did too, so each place that can be filled is.
+    for down_for, gone in sorted(elsewhere, key=lambda place: place[0]):
+        newer = [s for s in serving if s["prefix"] not in taken and s.get("age_s") is not None
+                 and s["age_s"] < down_for]
+        if newer:
+            newest = min(newer, key=lambda s: s["age_s"])
+            taken.add(newest["prefix"])
+            out.update((r["prefix"], newest) for r in gone)
+    return out
 
 
 def _degraded(label: str, shown: list[dict], replaced: dict[str, dict | None], serving: int,
               run_checkpoint: str) -> list[str]:
     """What is wrong with some replicas while ``serving`` others take the work; ``replaced``:
-    the node that took each one's place, if any (``_replaced_by``)."""
+    the node that took each one's place, if any (``_replacements``)."""
     out = []
     # Nodes of one stage are its replicas (a node and the one that replaced it are not);
     # two orchestrators are two orchestrators.

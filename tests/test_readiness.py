@@ -219,6 +219,40 @@ def test_a_node_replaced_by_one_started_since_is_named_as_replaced_not_as_a_repl
     assert len([w for w in r["warnings"] if "is down (dead); 1 other serves" in w]) == 1
 
 
+def test_every_process_a_chain_of_restarts_at_one_address_left_behind_reads_as_replaced():
+    """A stage restarted twice under new keys at its address: both earlier identities are
+    gone processes of that one port, so the node serving there replaced both, whichever
+    of them the registry lists first; neither is called a replica."""
+    me, others = healthy()
+    del others[2]  # stage-1 is S1A alone now, at the address ...
+    at = others[1]["addr"]
+    others[1]["state_age_s"] = 5.0
+    first = {**node("51000000", 1, state="dead"), "addr": at, "state_age_s": 40.0}  # ... its first process
+    second = {**node("51ffffff", 1, state="dead"), "addr": at, "state_age_s": 20.0}  # ... and its second
+    for gone in ([first, second], [second, first]):
+        r = readiness(snap_of(me, [*others, *gone], tombstoned=("51000000", "51ffffff")))
+        assert r["ready"] is True and r["stages"][1]["live"] == 1
+        assert sorted(r["warnings"]) == [
+            f"stage-1: 51000000 is down (dead); {S1A}, started since, serves in its place",
+            f"stage-1: 51ffffff is down (dead); {S1A}, started since, serves in its place"]
+    # The second restart moved to another port: the node there replaced the second process,
+    # and through it the first, which held the first port before it.
+    moved = {**others[1], "addr": "127.0.0.1:7"}
+    r = readiness(snap_of(me, [others[0], moved, others[2], first, second],
+                          tombstoned=("51000000", "51ffffff")))
+    assert sorted(r["warnings"]) == [
+        f"stage-1: 51000000 is down (dead); {S1A}, started since, serves in its place",
+        f"stage-1: 51ffffff is down (dead); {S1A}, started since, serves in its place"]
+    # Two replicas at two addresses, both down, and one node started since: it took one
+    # place, whichever order they are listed in; the other is a replica lost.
+    lost = {**second, "addr": "127.0.0.1:8"}
+    for gone in ([first, lost], [lost, first]):
+        r = readiness(snap_of(me, [others[0], moved, others[2], *gone], tombstoned=("51000000", "51ffffff")))
+        assert sorted(r["warnings"]) == [
+            f"stage-1: 51ffffff is down (dead); {S1A}, started since, serves in its place",
+            "stage-1: replica 51000000 is down (dead); 1 other serves"]
+
+
 def test_a_suspect_node_whose_address_a_newer_node_of_its_stage_holds_is_replaced():
     """Restarted at once under a new identity, at its address: the old identity is suspect
     for a few seconds, and cannot serve (its port is the new process's)."""
