@@ -160,8 +160,10 @@ def _role_row(label: str, name: str, names: dict, views: dict[str, dict], run_ch
     """The replicas of ``name`` and how many serve; adds its reasons and warnings."""
     entries = (names.get(name) or {}).get("entries", [])
     replicas = [_replica(e, views, run_checkpoint) for e in entries]
-    # A tombstone shows only while its owner is known dead: a replica that went down.
-    shown = [r for r in replicas if not r["tombstone"] or r["state"] == "dead"]
+    # A tombstone shows while its owner is known dead (a replica that went down), or while
+    # its owner drains: draining withdraws a node's names, and it is still there, serving
+    # no new work.
+    shown = [r for r in replicas if not r["tombstone"] or r["state"] == "dead" or _drains(r)]
     replaced = _replacements(shown)
     for r in shown:
         if replaced[r["prefix"]] is not None:
@@ -179,7 +181,7 @@ def _unserved(label: str, name: str, replicas: list[dict], run_checkpoint: str) 
     """Why no owner of ``name`` can take new work, one line per cause."""
     if not replicas:
         return [f"{label}: no live owner of {name}"]
-    live = [r for r in replicas if r["live"]]
+    live = [r for r in replicas if r["live"] or _drains(r)]
     if not live:
         claims = [r for r in replicas if not r["tombstone"]]
         if not claims:
@@ -189,7 +191,8 @@ def _unserved(label: str, name: str, replicas: list[dict], run_checkpoint: str) 
         owners = ", ".join(f"{r['prefix']} {_gone(r['state'])}" for r in claims)
         return [f"{label}: no live owner of {name} ({owners})"]
     if all(r["draining"] for r in live):
-        return [f"{label}: every owner is draining ({', '.join(r['prefix'] for r in live)})"]
+        owners = ", ".join(r["prefix"] for r in live)
+        return [f"{label}: every owner is draining and takes no new requests ({owners})"]
     out = []
     for r in live:
         if r["reported_down"]:
@@ -197,8 +200,16 @@ def _unserved(label: str, name: str, replicas: list[dict], run_checkpoint: str) 
         elif r["mismatch"]:
             out.append(f"{label}: {r['prefix']} {serves_other(r['checkpoint'], run_checkpoint)}")
         elif r["draining"]:
-            out.append(f"{label}: {r['prefix']} is draining")
+            out.append(f"{label}: {r['prefix']} {_DRAINING}")
     return out
+
+
+_DRAINING = "is draining (hands its requests over)"
+
+
+def _drains(r: dict) -> bool:
+    """Whether ``r``'s owner is draining and still there (its names withdrawn or not)."""
+    return bool(r["draining"]) and r["state"] in LIVE
 
 
 _REPORTED_DOWN = ("looks down to a node that sends to it (its stream ended and a dial was refused, or "
@@ -271,13 +282,13 @@ def _degraded(label: str, shown: list[dict], replaced: dict[str, dict | None], s
                     or not r.get("addr") or newer.get("addr") != r["addr"]):
                 out.append(f"{label}: {r['prefix']} is down ({r['state']}); {newer['prefix']}, "
                            f"started since, serves in its place")
+        elif _drains(r):
+            out.append(f"{label}: {replica}{r['prefix']} {_DRAINING}{rest}")
         elif not r["live"]:
             out.append(f"{label}: {replica}{r['prefix']} is down ({r['state']}){rest}")
         elif r["mismatch"]:
             out.append(f"{label}: {r['prefix']} {serves_other(r['checkpoint'], run_checkpoint)}; "
                        f"not used{rest}")
-        elif r["draining"]:
-            out.append(f"{label}: {replica}{r['prefix']} is draining{rest}")
         elif r["reported_down"]:
             out.append(f"{label}: {replica}{r['prefix']} {_REPORTED_DOWN}{rest}")
         elif r["state"] == "suspect":

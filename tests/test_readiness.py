@@ -149,10 +149,32 @@ def test_the_run_checkpoint_is_the_orchestrators():
 def test_a_stage_whose_every_owner_drains_stops_the_run_and_one_draining_replica_warns():
     me, others = healthy()
     r = readiness(snap_of(me, others[:3] + [node(S2, 2, draining=True)]))
-    assert r["why"] == [f"stage-2: every owner is draining ({S2})"]
+    assert r["why"] == [f"stage-2: every owner is draining and takes no new requests ({S2})"]
     r = readiness(snap_of(me, [others[0], node(S1A, 1, draining=True), *others[2:]]))
     assert r["ready"] is True
-    assert r["warnings"] == [f"stage-1: replica {S1A} is draining; 1 other serves"]
+    assert r["warnings"] == [f"stage-1: replica {S1A} is draining (hands its requests over); 1 other serves"]
+
+
+def test_a_draining_node_that_withdrew_its_names_is_shown_draining_not_missing():
+    """Draining, a node withdraws its names (its entries become tombstones while it is
+    alive) and says so in its metadata: it stays in its stage's listing as draining, serves
+    no new work, and a stage it alone held says why it stopped."""
+    me, others = healthy()
+    others[1] = node(S1A, 1, draining=True)
+    r = readiness(snap_of(me, others, tombstoned=(S1A,)))
+    assert r["ready"] is True and r["stages"][1]["live"] == 1
+    assert {(x["prefix"], x["draining"]) for x in r["stages"][1]["replicas"]} == {(S1B, False), (S1A, True)}
+    assert r["warnings"] == [f"stage-1: replica {S1A} is draining (hands its requests over); 1 other serves"]
+    others[3] = node(S2, 2, draining=True)
+    snap = snap_of(me, others, tombstoned=(S1A, S2))
+    r = readiness(snap)
+    assert r["ready"] is False and r["stages"][2]["live"] == 0
+    assert [x["prefix"] for x in r["stages"][2]["replicas"]] == [S2]
+    assert r["why"] == [f"stage-2: every owner is draining and takes no new requests ({S2})"]
+    assert r["warnings"] == [f"stage-1: replica {S1A} is draining (hands its requests over); 1 other serves"]
+    # Doctor gives that reason, and no other problem for the names a draining node gave up
+    # (no node has gossiped its paths in this snapshot: those are the only problems).
+    assert {p["kind"] for p in problems(snap)} == {"unreported"}
 
 
 def test_no_path_between_consecutive_stages_stops_the_run():
