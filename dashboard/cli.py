@@ -198,8 +198,9 @@ def _print_peers(console: Any, snap: dict) -> int:
 
 
 def _replica(p: dict, *, short: bool = False) -> str:
-    """`` (replica 2/2)`` (short: `` (2/2)``) for a node of a stage that has several, else empty."""
-    if (p.get("replicas") or 0) < 2:
+    """`` (replica 2/2)`` (short: `` (2/2)``) for a node of a stage that has several, else empty
+    (a node that is down or left is no replica)."""
+    if p.get("replica") is None or (p.get("replicas") or 0) < 2:
         return ""
     return f" ({'' if short else 'replica '}{p['replica']}/{p['replicas']})"
 

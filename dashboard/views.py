@@ -71,8 +71,9 @@ def peers(snap: dict) -> dict:
 
     A stage's live node also carries ``replica`` (its place, by prefix, among the live
     nodes of its stage, 1-based) and ``replicas`` (how many live nodes that stage has).
-    A dead or departed node is no replica (its ``replica`` is None): the one that
-    replaced it would otherwise show as one of two for as long as it is remembered.
+    A dead or departed node is no replica (its ``replica`` and ``replicas`` are None):
+    the one that replaced it would otherwise show as one of two for as long as it is
+    remembered.  Its ``replica_of`` still names its stage, as its last metadata said.
     """
     me = peer_view(snap["self"], me=True)
     others = [peer_view(m) for m in snap.get("members", [])]
@@ -83,7 +84,7 @@ def peers(snap: dict) -> dict:
     for p in [me, *others]:
         group = sorted(by_stage.get(p["replica_of"] or "", []), key=lambda v: v["prefix"])
         p["replica"] = next((i + 1 for i, v in enumerate(group) if v is p), None)
-        p["replicas"] = len(group) if group else None
+        p["replicas"] = len(group) if p["replica"] is not None else None
     ready = pipeline_readiness(snap)
     return {"self": me, "peers": others, "join": join_view(snap),
             "readiness": {k: ready[k] for k in ("ready", "why", "warnings", "stages")}}

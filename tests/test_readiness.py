@@ -352,6 +352,26 @@ def test_topology_peers_and_problems_carry_it():
 
 
 
+def test_peers_prints_a_node_that_left_by_its_stage_and_counts_it_in_no_replica_set():
+    from rich.console import Console
+
+    from dashboard.cli import _print_peers
+
+    me, others = healthy()
+    gone = "51c51c51"
+    snap = snap_of(me, [*others, node(gone, 1, state="left")], tombstoned=(gone,))
+    by_prefix = {p["prefix"]: p for p in peers(snap)["peers"]}
+    assert (by_prefix[gone]["replica_of"], by_prefix[gone]["replica"], by_prefix[gone]["replicas"]) == (
+        "stage-1", None, None)
+    assert (by_prefix[S1A]["replica"], by_prefix[S1B]["replica"], by_prefix[S1A]["replicas"]) == (1, 2, 2)
+    console = Console(width=400)
+    with console.capture() as captured:
+        _print_peers(console, snap)
+    rows = [line.split()[:3] for line in captured.get().splitlines() if line.startswith("stage-1")]
+    assert rows == [["stage-1", gone, "left"], ["stage-1", "(1/2)", S1A], ["stage-1", "(2/2)", S1B]], \
+        captured.get()
+
+
 def test_a_problem_names_which_replica_and_says_once_what_a_node_has_not_reported():
     # Every path known but those from stage-1's second replica (no summary at all) and one
     # from stage-0 (its summary lacks stage-1's first replica); stage-0 has no path to stage-2.
