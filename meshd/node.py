@@ -839,6 +839,8 @@ class Node:
                 # Its new process may sit at a new address that has yet to prove itself:
                 # probe it first, so what we hold back for that address goes at once.
                 self.core.probe_soon(ev.node, ev.at)
+                # What our probes showed of the old process is no verdict on the new one.
+                self.paths.restarted(ev.node, ev.at)
             if ev.kind in (EventKind.DEAD, EventKind.LEFT):
                 self.paths.unreachable(ev.node, ev.at, f"member {ev.kind.value}: no path answered")
             elif ev.kind is EventKind.JOIN:

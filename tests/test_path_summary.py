@@ -100,3 +100,22 @@ def test_a_big_meshs_summary_still_fits_one_gossip_packet_with_the_broken_paths_
     # The relay that carries a relayed direction rides along; a direct entry names none.
     assert summary.entries[0].relay == relay and {e.relay for e in summary.entries[1:]} == {""}
     assert 10 < len(summary.entries) < len(peers)
+
+
+def test_a_restarted_peer_starts_with_no_failures_and_a_direct_path():
+    """Probes and packets of a peer's old process say nothing of its new one: doctor must not
+    read the old process's relayed probes as a firewall in front of the new one."""
+    from meshd.net.path_table import DIRECT, RELAY, PathTable
+
+    table, b = PathTable(), NODE_B
+    table.sent(b)
+    table.received(b, RELAY, 1.0)
+    assert table.probe_verdict(b, False, 2.0, "direct ping unanswered")
+    table.unreachable(b, 3.0, "member suspect: no path answered")
+    table.restarted(b, 4.0)
+    assert table.out_path(b) == DIRECT
+    view = table.view(b, 5.0)
+    assert (view["path_out"], view["direct_failures"], view["relay_ok"], view["last_failure"],
+            view["out_attempts"], view["in_seen"]) == (DIRECT, 0, 0, None, 0, {"direct": 0, "relay": 0})
+    (entry,) = table.summary(NODE_A, 1, [(b, None, None)], 5.0).entries
+    assert (entry.path, entry.direct_failures, entry.reason) == (DIRECT, 0, "")

@@ -484,3 +484,27 @@ async def test_survivors_find_a_seed_restarted_at_its_address_with_no_seed_and_n
                   f"({'same' if same_identity else 'new'} identity)")
             assert sum(s.core.counters["tx_reconnect"] for s in stages) > 0
             nursery.cancel_scope.cancel()
+
+
+async def test_a_node_restarted_under_its_key_starts_afresh_in_its_peers_path_tables():
+    """What a peer's probes showed of a node's old process (direct pings unanswered, the
+    relay answering) is no verdict on the new process under the same key: kept, doctor
+    would name a firewall in front of a node that merely restarted."""
+    lines: list[str] = []
+    ident = Identity.generate()
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            orch_opts = NodeOptions(role="orchestrator", stages=2, profile="local")
+            orch = await start_node(nursery, orch_opts, lines)
+            opts = NodeOptions(stage=0, stages=2, profile="local", seeds=[orch.addr])
+            stage = await start_crashable(nursery, opts, lines, ident)
+            await until(lambda: sees_all_alive([orch, stage.running]), 20, "converged")
+            # The old process's last probe: its direct ping unanswered, the relay answering.
+            orch.paths.probe_verdict(ident.node_id, False, trio.current_time(), "direct ping unanswered")
+            await stage.crash()
+            back = await start_crashable(nursery, opts, lines, ident)
+            await until(lambda: sees_all_alive([orch, back.running]), 20, "back")
+            view = orch.paths.view(ident.node_id, trio.current_time())
+            assert (view["path_out"], view["direct_failures"], view["relay_ok"], view["last_failure"]) == (
+                "direct", 0, 0, None)
+            nursery.cancel_scope.cancel()

@@ -846,6 +846,59 @@ def test_a_direction_moved_to_the_relay_is_probed_again_next_period_and_comes_ba
     assert set(probed[:4]) == others, "the members after B in the round keep their turn"
 
 
+def restart(bench: Bench, b: Swim, now: float) -> Alive:
+    """``b`` runs as a new process (a new epoch) under its id: the Alive that says so."""
+    b.set_meta(replace(b.me.meta, epoch=b.me.meta.epoch + 1), now)
+    b.outbox()
+    return Alive(b.incarnation, b.id, b.me.addr, b.me.meta)
+
+
+def test_a_new_process_answering_over_the_relay_a_probe_sent_to_its_old_one_moves_no_path():
+    """B's process dies under A's direct ping and a new one, in the same id, answers the
+    relayed ping: the direct ping went to the old process, so it says nothing of the direct
+    path to the new one.  A keeps A->B direct, as for a member just met."""
+    bench = Bench(2)
+    with_relay(bench)
+    a, b = bench.swims
+    t, (ping,) = bench.tick_until(a, Ping, to=b)  # lost: the old process is gone
+    bench.tell(a, b, restart(bench, b, t + 0.001), now=t + 0.001)
+    assert EventKind.RESTART in [e.kind for e in a.events()]
+    t2, outs = bench.tick_until(a, lambda m: isinstance(m, Ping) and m.seq != found(ping, Ping)[0].seq,
+                                to=b, limit=t + 5)
+    (relayed,) = [o for o in outs if o.via == "relay"]
+    b.receive(relayed.packet, a.me.addr, t2 + 0.001, via="relay")
+    (answer,) = b.outbox()
+    a.receive(answer.packet, b.me.addr, t2 + 0.002, via="relay")
+    assert [e for e in a.events() if e.kind is EventKind.PATH] == []
+    assert a.members[b.id].state is State.ALIVE and a.counters["acks"] == 1
+
+
+def test_a_new_process_starts_with_no_path_verdict_from_its_old_one():
+    """A->B moved to the relay while B's old process ran; B restarts.  If the new process
+    too answers only over the relay, that is news (A's driver started its path afresh)."""
+    bench = Bench(2)
+    with_relay(bench)
+    a, b = bench.swims
+
+    def relay_only_probe(since: float) -> float:
+        t, (ping,) = bench.tick_until(a, Ping, to=b, limit=since + 30)  # lost
+        t2, outs = bench.tick_until(a, lambda m: isinstance(m, Ping) and m.seq != found(ping, Ping)[0].seq,
+                                    to=b, limit=t + 5)
+        (relayed,) = [o for o in outs if o.via == "relay"]
+        b.receive(relayed.packet, a.me.addr, t2 + 0.001, via="relay")
+        (answer,) = b.outbox()
+        a.receive(answer.packet, b.me.addr, t2 + 0.002, via="relay")
+        return t2 + 0.002
+
+    now = relay_only_probe(0.0)
+    assert [(e.node, e.detail["direct"]) for e in a.events() if e.kind is EventKind.PATH] == [(b.id, False)]
+    bench.clock[a.id] = now
+    bench.tell(a, b, restart(bench, b, now), now=now)
+    a.events()
+    relay_only_probe(now)
+    assert [(e.node, e.detail["direct"]) for e in a.events() if e.kind is EventKind.PATH] == [(b.id, False)]
+
+
 # --- a stranger cannot turn a member into a reflector or fill its tables ---
 
 

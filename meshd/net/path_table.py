@@ -111,6 +111,14 @@ class PathTable:
         if out.path != NONE:
             out.path, out.since = NONE, now
 
+    def restarted(self, node: bytes, now: float) -> None:
+        """``node`` runs a new process (a new epoch): the counts, failures and path our
+        packets and probes showed of its old process say nothing of the new one, which
+        starts as a member just met does (direct; its first probe tells).  Where a punch
+        through its NAT opened the way stays the SWIM core's to say."""
+        punched = self.peers[node].out.punched if node in self.peers else None
+        self.peers[node] = PeerPaths(Outbound(since=now, punched=punched))
+
     def revived(self, node: bytes, now: float) -> None:
         """A member is back: try direct again (the next probe will tell)."""
         out = self._peer(node).out

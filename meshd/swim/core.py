@@ -107,6 +107,7 @@ class _Probe:
     relay_seq: int | None = None  # the same ping, sent over the relay after the timeout
     relay_sent_at: float = 0.0  # when that relayed ping went: its round trip counts from here
     acked: bool = False  # the member answered, by some path
+    epoch: int = 0  # the target's process when the direct ping went (its Meta.epoch)
     helpers: frozenset[bytes] = frozenset()
     nackers: set[bytes] = field(default_factory=set)  # helpers that said "no answer"
 
@@ -486,7 +487,10 @@ class Swim:
             if from_target:
                 self.path_checks[probe.target] = self.path_checks.get(probe.target, 0) + 1
             recheck = False
-            if from_target and self._direct_ok.get(probe.target, True) != direct:
+            # A direct ping that went to a process since replaced says nothing of the direct
+            # path to the one that answered over the relay.
+            same_process = self.members[probe.target].meta.epoch == probe.epoch
+            if from_target and (direct or same_process) and self._direct_ok.get(probe.target, True) != direct:
                 # Only the relayed ping was answered (or direct works again): a path
                 # fact, not a failure of the member.
                 self._direct_ok[probe.target] = direct
@@ -698,8 +702,10 @@ class Swim:
         old = m.state
         meta_changed = m.meta != msg.meta or m.addr != msg.addr
         if m.meta.epoch != msg.meta.epoch:
-            # A new process under a known node id: whatever it held (sessions, caches) is gone.
+            # A new process under a known node id: whatever it held (sessions, caches) is gone,
+            # and what our probes showed of its direct path was the old process's.
             self.counters["restarts_seen"] += 1
+            self._direct_ok.pop(msg.node, None)
             self._emit(EventKind.RESTART, msg.node, now, epoch=msg.meta.epoch)
         m.incarnation, m.addr, m.meta, m.proof = msg.incarnation, msg.addr, msg.meta, msg.sig
         if old is not State.ALIVE:
@@ -947,7 +953,7 @@ class Swim:
         m = self.members[target]
         seq = self._next_seq()
         timeout = self.awareness.scale(cfg.probe_timeout)
-        self._probe = _Probe(target, seq, now, now + timeout, now + interval)
+        self._probe = _Probe(target, seq, now, now + timeout, now + interval, epoch=m.meta.epoch)
         msgs: list[Message] = [Ping(seq, target)]
         if m.state is State.SUSPECT:
             # Buddy system: tell the suspect directly, so it can refute at once.
