@@ -174,11 +174,10 @@ def test_a_split_that_cannot_work_is_refused_before_anything_starts(tmp_path):
     # 41 tokens and 214 fit; the fourth stream's prompt ("..., 4") is 3 tokens longer.
     (["--max-tokens", "214", "--streams", "4"], "prompt (44 tokens) + max_tokens 214 exceeds"),
     (["--run-dir", "FILE"], "argument --run-dir: "),
-    (["--provider", "docker"], "scripts/docker-e2e.sh"),
 ])
 def test_smoke_run_refuses_what_cannot_run_before_anything_starts(tmp_path, args, says):
     """Prompts past the context (the first, or another stream's longer one), a run dir that
-    is a file, the Docker provider: one line and exit 2, nothing started or recorded."""
+    is a file: one line and exit 2, nothing started or recorded."""
     (tmp_path / "file").write_text("x")
     args = [str(tmp_path / "file") if a == "FILE" else a for a in args]
     env = {"XDG_STATE_HOME": str(tmp_path / "state"), "XDG_CACHE_HOME": str(tmp_path / "cache")}
@@ -186,6 +185,17 @@ def test_smoke_run_refuses_what_cannot_run_before_anything_starts(tmp_path, args
     assert r.returncode == 2, r.stderr
     assert says in r.stderr.strip().splitlines()[-1] and "Traceback" not in r.stderr, r.stderr
     assert not (tmp_path / "state").exists()
+
+
+def test_the_docker_provider_without_an_engine_fails_in_one_line_and_leaves_nothing(tmp_path):
+    env = {"XDG_STATE_HOME": str(tmp_path / "state"), "TMPDIR": str(tmp_path),
+           "DOCKER_HOST": f"unix://{tmp_path}/no-engine.sock"}
+    r = meshd("smoke-run", "--stub", "--stages", "2", "--provider", "docker", env=env)
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    out = r.stdout + r.stderr
+    assert "error (--provider docker: " in out and "Traceback" not in out, out
+    assert "leftovers: 0" in out
+    assert list(tmp_path.glob("meshd-smoke-*")) == []  # the run's temp dir went with it
 
 
 def test_prompts_past_the_context_of_the_checkpoint_smoke_run_writes_are_refused_up_front(tmp_path):

@@ -11,8 +11,11 @@ it and the wheels.
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -86,3 +89,72 @@ def test_sigterm_mid_run_tears_everything_down(engine, after_s):
     assert proc.returncode == 143, out
     assert f"docker-e2e: torn down: no container, network or volume of {project} is left" in out
     assert _of_the_run(project) == []
+
+
+# --- meshd smoke-run --provider docker: a container per job, driven from the host ---
+
+
+def _smoke_containers() -> list[str]:
+    """Containers and networks any `smoke-run --provider docker` made, by its label."""
+    found = []
+    for kind, cmd in (("container", ["docker", "ps", "-a"]), ("network", ["docker", "network", "ls"])):
+        field = "{{.Names}}" if kind == "container" else "{{.Name}}"
+        found += [f"{kind} {name}" for name in subprocess.run(
+            [*cmd, "--filter", "label=meshd.smoke", "--format", field],
+            capture_output=True, text=True, timeout=30, check=True).stdout.split()]
+    return found
+
+
+def _smoke(tmp_path: Path, *args: str) -> subprocess.Popen:
+    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state"), "TMPDIR": str(tmp_path)}
+    env.pop("MESHD_IMAGE", None)  # the image built from this checkout, as a user's run would
+    return subprocess.Popen([sys.executable, "-m", "meshd", "smoke-run", "--provider", "docker", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def test_smoke_run_in_containers_matches_the_reference_through_a_restart_and_leaves_nothing(engine, tmp_path):
+    proc = _smoke(tmp_path, "--stages", "2", "--replicas", "2", "--max-tokens", "24", "--json",
+                  "--fault", "restart:stage-1@token-8", "--fault", "drop:stage-0->stage-1")
+    out, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, err
+    report = json.loads(out.splitlines()[-1])
+    assert report["ok"] and report["matches_reference"], err
+    assert report["testbed"]["network"].startswith("meshd-smoke-")
+    assert report["testbed"]["subnet"].startswith("10.215.")
+    assert [d["action"] for d in report["disruptions"]] == ["restart"]
+    assert [(a["from"], a["to"]) for a in report["asymmetric"]] == [("stage-0", "stage-1")]
+    assert report["leftovers"] == 0
+    assert _smoke_containers() == []
+    assert list(tmp_path.glob("meshd-smoke-*")) == []
+
+
+def test_smoke_run_in_containers_stopped_by_ctrl_c_removes_its_containers(engine, tmp_path):
+    proc = _smoke(tmp_path, "--stages", "2", "--stub")
+    deadline = time.monotonic() + 600  # a rebuild of the image at most
+    while not any(item.startswith("container ") for item in _smoke_containers()):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no container of the run came up"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0, out
+    assert "interrupted by SIGINT" in out + err and "Traceback" not in err, (out, err)
+    assert _smoke_containers() == []
+
+
+def test_containers_a_killed_smoke_run_left_are_removed_by_the_next(engine, tmp_path):
+    first = _smoke(tmp_path, "--stages", "1", "--stub")
+    deadline = time.monotonic() + 600
+    while sum(item.startswith("container ") for item in _smoke_containers()) < 2:
+        assert first.poll() is None, first.communicate()
+        assert time.monotonic() < deadline, "no container of the run came up"
+        time.sleep(0.2)
+    first.kill()  # no teardown: its containers go on running
+    first.communicate(timeout=30)
+    left = _smoke_containers()
+    assert left, "a SIGKILLed smoke-run's containers were expected to outlive it"
+    second = _smoke(tmp_path, "--stages", "1", "--stub")
+    out, err = second.communicate(timeout=600)
+    assert second.returncode == 0, (out, err)
+    assert f"left by a smoke-run (pid {first.pid}) killed before its teardown" in err
+    assert _smoke_containers() == []

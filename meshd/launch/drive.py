@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from ..swim import LOCAL
 from .checks import Snapshot, cut_off, names_short, owners_needed, paths, sees_all
 from .disrupt import Disruptor, RelayDowns
+from .docker import DockerError, DockerProvider
 from .failure import Failure, Kind, RunFailed
 from .jobs import JobDriver
 from .local import LocalProcess, free_ports
@@ -224,12 +225,23 @@ def open_netns(relays: list[str], names: list[str], progress: Progress) -> Netns
         raise RunFailed(Failure.error(str(exc))) from None
 
 
-def place_jobs(provider: NetnsProvider | None, specs: list[str], names: list[str], relays: list[str],
-               max_tokens: int | None = None) -> Placement:
+def open_docker(relays: list[str], names: list[str], tmp: Path, model: str,
+                progress: Progress) -> DockerProvider:
+    """The run's containers' provider: the engine checked, the image ready and the run's
+    network made (torn down with the run, see ``DockerProvider.teardown``)."""
+    progress.update("checking the Docker engine")
+    try:
+        return DockerProvider([*relays, *names], tmp, model, progress.update)
+    except DockerError as exc:
+        raise RunFailed(Failure.error(str(exc))) from None
+
+
+def place_jobs(provider: NetnsProvider | DockerProvider | None, specs: list[str], names: list[str],
+               relays: list[str], max_tokens: int | None = None) -> Placement:
     """Choose every job's address and plan the faults; on netns, build the testbed with its faults.
 
     ``relays`` are the relay jobs' names, the first first.  ``provider`` None: local processes
-    on ports free on loopback now.
+    on ports free on loopback now; docker: the run's network made, its addresses fixed.
     """
     try:
         if provider is None:
@@ -240,7 +252,7 @@ def place_jobs(provider: NetnsProvider | None, specs: list[str], names: list[str
             return Placement(binds, addrs, faults)
         faults = plan_faults([s for s in specs if not provider.handles(s)], provider.addresses(), max_tokens)
         provider.setup([s for s in specs if provider.handles(s)])  # validates the specs before building
-    except (NetnsError, ValueError) as exc:
+    except (NetnsError, DockerError, ValueError) as exc:
         raise RunFailed(Failure.error(str(exc))) from None
     every = provider.addresses()  # after setup: a job behind NAT has its inside address
     return Placement({n: every[n] for n in relays}, {n: every[n] for n in names}, faults)

@@ -29,6 +29,7 @@ from ..argtypes import int_up_to, positive_float, positive_int
 from ..keyring import generate_file
 from ..net.faults import Faults
 from . import checks
+from .docker import DockerProvider
 from .drive import (
     Driven,
     Generation,
@@ -37,6 +38,7 @@ from .drive import (
     converge_and_generate,
     dashboard,
     default_preset,
+    open_docker,
     open_netns,
     place_jobs,
     prepare_model,
@@ -61,7 +63,7 @@ class _Session:
 
     tmp: Path
     driver: JobDriver | None = None
-    provider: NetnsProvider | None = None  # None: the local provider (loopback)
+    provider: NetnsProvider | DockerProvider | None = None  # None: the local provider (loopback)
 
     def fail(self, outcome: Outcome, failure: Failure) -> None:
         outcome.failure = failure
@@ -162,6 +164,8 @@ def _plan(args: argparse.Namespace, session: _Session, outcome: Outcome, progres
         raise RunFailed(Failure.error(str(exc))) from None
     if args.provider == "netns":
         session.provider = open_netns(relays, names, progress)  # torn down even if building it fails
+    elif args.provider == "docker":
+        session.provider = open_docker(relays, names, session.tmp, model, progress)
     placement = place_jobs(session.provider, args.fault, names, relays, args.max_tokens)
     provider = session.provider
     if provider is not None:
@@ -267,7 +271,9 @@ def add_parser(sub: Any) -> None:
                         "each checked against `meshd generate` (default 1)")
     p.add_argument("--provider", choices=["local", "netns", "docker"], default="local",
                    help="local: loopback processes; netns: a namespace per node, faults as nftables/tc "
-                        "(root only); docker: not run from here, see scripts/docker-e2e.sh")
+                        "(root only); docker: a container per node on an internal network the run makes "
+                        "(a running engine; the image is $MESHD_IMAGE, or meshd:latest built from this "
+                        "checkout first)")
     p.add_argument("--fault", action="append", default=[], metavar="SPEC",
                    help="drop:A->B, isolate:X, loss:P, delay:MS, kill:X@token-T, restart:X@token-T, "
                         "relay-down@SECONDS (the first relay; relay-down:relay-2@SECONDS another), nat:X "
@@ -311,11 +317,6 @@ def check_faults(args: argparse.Namespace) -> None:
 def _cmd_smoke(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Refuse, in one line and before anything starts, a fault spec the run cannot plan, a
     model that cannot be split so, and prompts and --max-tokens past its context."""
-    if args.provider == "docker":
-        print("meshd: error: smoke-run --provider docker: a run in containers needs the image built "
-              "first; from a checkout, scripts/docker-e2e.sh N builds it, runs N stages and checks the "
-              "tokens the same way (docs/real-hosts.md#docker)", file=sys.stderr)
-        return 2
     try:
         check_faults(args)
     except ValueError as exc:
