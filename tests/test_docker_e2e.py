@@ -109,7 +109,7 @@ def _smoke(tmp_path: Path, *args: str) -> subprocess.Popen:
     env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state"), "TMPDIR": str(tmp_path)}
     env.pop("MESHD_IMAGE", None)  # the image built from this checkout, as a user's run would
     return subprocess.Popen([sys.executable, "-m", "meshd", "smoke-run", "--provider", "docker", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
 
 
 def test_smoke_run_in_containers_matches_the_reference_through_a_restart_and_leaves_nothing(engine, tmp_path):
@@ -153,7 +153,10 @@ def test_containers_a_killed_smoke_run_left_are_removed_by_the_next(engine, tmp_
     first.communicate(timeout=30)
     left = _smoke_containers()
     assert left, "a SIGKILLed smoke-run's containers were expected to outlive it"
-    second = _smoke(tmp_path, "--stages", "1", "--stub")
+    # A --model relative to where smoke-run runs: the containers' working directory is not that.
+    subprocess.run([sys.executable, "-m", "meshd", "model", "init", "--out", "model", "--preset", "tiny"],
+                   cwd=tmp_path, check=True, capture_output=True, timeout=120)
+    second = _smoke(tmp_path, "--stages", "1", "--model", "model")
     out, err = second.communicate(timeout=600)
     assert second.returncode == 0, (out, err)
     assert f"left by a smoke-run (pid {first.pid}) killed before its teardown" in err

@@ -157,7 +157,9 @@ def _run(args: argparse.Namespace, session: _Session, outcome: Outcome, progress
 def _plan(args: argparse.Namespace, session: _Session, outcome: Outcome, progress: Progress) -> RunPlan:
     names = node_names(args.stages, args.replicas)
     relays = relay_job_names(args.relays)
-    model = prepare_model(args.model, args.stub, session.tmp, progress, args.stages)
+    # Absolute: a container's working directory is not ours, and the job's --model must name
+    # the path its checkpoint is mounted at.
+    model = str(Path(prepare_model(args.model, args.stub, session.tmp, progress, args.stages)).resolve())
     try:  # the run's own checkpoint: before any process starts
         check_prompts_fit(model, args.prompt, args.streams, args.max_tokens, args.stages)
     except ValueError as exc:
