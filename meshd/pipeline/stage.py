@@ -346,7 +346,7 @@ class StageService(App):
     def _job(self, msg: Activation) -> _Job:
         """The request's state here: new at position 0 (a start, or a failover's replay)."""
         if len(msg.route) != self.stages or msg.route[self.stage] != self.mesh.node_id:
-            raise PipelineError(f"{self.name}: request {msg.req_id} is routed through "
+            raise PipelineError(f"request {msg.req_id} is routed through "
                                 f"{len(msg.route)} stages, not through this node as {self.name}")
         job = self.jobs.get(msg.req_id)
         if msg.pos == 0:
@@ -437,7 +437,7 @@ class StageService(App):
             # before a restart to the new process): the orchestrator replays it, as for a
             # request this stage does not hold, and the state here goes (nothing will extend it).
             # Rows past a cache they follow are a bad request.
-            why = (f"{self.name}: request {msg.req_id} step {msg.step} at position {msg.pos} "
+            why = (f"request {msg.req_id} step {msg.step} at position {msg.pos} "
                    f"({hidden.shape[0]} rows) does not follow its cache ({job.cache.length} of "
                    f"{job.cache.max_seq} filled)")
             if msg.pos == job.cache.length:
@@ -768,7 +768,7 @@ class StageService(App):
         """At stage 0: our rows of the head for this step (with the batch, when batching)."""
         dims = self.model.config.hidden_size
         if len(msg.hidden) != 4 * dims:
-            raise PipelineError(f"{self.name}: head input of {len(msg.hidden)} bytes, expected {4 * dims}")
+            raise PipelineError(f"head input of {len(msg.hidden)} bytes, expected {4 * dims}")
         trace = arrived(msg.trace, msg.sent_at)
         self.metrics.arrived(trace)
         if self._batching():
