@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import logging
 import struct
 from collections.abc import Callable
 from functools import partial
@@ -20,7 +21,7 @@ from meshd.net.handshake import proof_data
 from meshd.node import NodeOptions
 from meshd.relay.server import RelayBindError, serve_relay
 from meshd.swim import LOCAL
-from meshd.testing.inprocess import start_node, wait_converged
+from meshd.testing.inprocess import start_killable, start_node, wait_converged
 from meshd.testing.stranger import chunk_frame, open_data_stream
 from meshd.wire import (
     MAX_FRAME_BYTES,
@@ -187,6 +188,34 @@ async def test_isolated_node_is_declared_dead_and_sends_to_it_fail_naming_it():
                 assert dead == {c.identity.node_id}, f"{n.swim.me.name} holds live members dead"
             view = {m["prefix"]: m for m in mesh.a.snapshot()["members"]}[c.identity.prefix]
             assert view["path_out"] == "none" and "member dead" in view["last_failure"]
+            nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("leaves", [True, False])
+async def test_a_peer_that_left_is_not_said_to_look_down_and_a_killed_one_is(leaves, caplog):
+    """A peer's stream ends and its port refuses the next dial: news while the mesh holds it
+    live (it was killed), not for a peer that said it leaves (its member line says so)."""
+    caplog.set_level(logging.INFO, logger="meshd.channel")
+    lines: list[str] = []
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            opts = dict(profile="local", stages=2)
+            a = await start_node(nursery, NodeOptions(role="orchestrator", **opts), lines)
+            b, b_scope = await start_killable(nursery, NodeOptions(stage=0, seeds=[a.addr], **opts), lines)
+            await wait_converged([a, b])
+            async with trio.open_nursery() as inner:
+                inner.start_soon(_collect, b, 1, [])
+                assert await a.send(b.identity.node_id, b"hello") == "direct"
+            if leaves:
+                await b.node.leave()
+                while a.core.members[b.identity.node_id].state.name != "LEFT":
+                    await trio.sleep(0.01)
+            b_scope.cancel()
+            while not a.data.is_down(b.identity.node_id):
+                await trio.sleep(0.01)
+            said = [r.getMessage() for r in caplog.records if "looks down" in r.getMessage()]
+            killed = [f"stage-0 ({b.identity.prefix}) looks down"]
+            assert [m[:len(killed[0])] for m in said] == ([] if leaves else killed), said
             nursery.cancel_scope.cancel()
 
 

@@ -302,7 +302,10 @@ class DataChannel:
                         return  # a newer process of it has proven itself: the ended one is gone
                     self._down[node] = trio.current_time()
                     self.counters["peers_down"] += 1
-                    log.info("%s looks down: its stream ended and %s", self.describe(node), exc)
+                    # News only while the mesh holds it live: of a peer that left or died,
+                    # its member line has said so.
+                    if self.member(node):
+                        log.info("%s looks down: its stream ended and %s", self.describe(node), exc)
                     return
                 except PathFailed:
                     await trio.sleep(DOWN_CHECK_GAP_S)
