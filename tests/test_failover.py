@@ -12,7 +12,7 @@ import trio
 
 from meshd.identity import Identity
 from meshd.node import NodeOptions
-from meshd.pipeline.api import PipelineError, StageLost
+from meshd.pipeline.api import NotReady, PipelineError, StageLost
 from meshd.pipeline.checkpoint import init_checkpoint
 from meshd.pipeline.generate import diverges, generate, near_ties
 from meshd.pipeline.messages import HANDED_OVER, HANDING_OVER, StageError
@@ -257,6 +257,21 @@ async def test_a_draining_replica_takes_no_new_request_and_none_fails(checkpoint
             await node.node.leave()
             scope.cancel()
         assert errors == [] and results == [want] * 20
+
+
+async def test_a_stage_whose_only_node_drains_gets_a_503_saying_so(checkpoint):
+    async with running(checkpoint, [1, 1]) as mesh:
+        (draining,) = [r for r, _s in mesh.nodes.values() if r.options.stage == 1]
+        await draining.app.drain(1.0)
+        with trio.fail_after(10):  # until the orchestrator hears of the drain
+            while not any(m.draining for m in mesh.orch.app.mesh.members()):
+                await trio.sleep(0.05)
+        with pytest.raises(NotReady) as caught:
+            await mesh.orch.app.generate(PROMPT, 4)
+        said = f"stage-1 ({draining.identity.prefix}) is draining"
+        # pp-exit is the last stage's name too: both say why.
+        assert f"pp-stage-1 does not resolve ({said})" in str(caught.value), str(caught.value)
+        assert f"pp-exit does not resolve ({said})" in str(caught.value), str(caught.value)
 
 
 async def test_a_stage_handing_a_request_over_before_its_drain_is_gossiped_never_gets_it_back(checkpoint):

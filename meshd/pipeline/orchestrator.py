@@ -207,12 +207,20 @@ class Orchestrator(App):
         return NotReady(missing, reasons={n: why for n in missing if (why := self._why_unserved(n))})
 
     def _why_unserved(self, name: str) -> str:
-        """Why the live owners of stage name ``name`` cannot serve this run; "" when it has none
-        (or is not a stage's name)."""
-        if not name.startswith("pp-stage-"):
+        """Why the live owners of stage name ``name`` (pp-stage-K, pp-entry, pp-exit) cannot
+        serve this run; "" when it has none (or is not a stage's name)."""
+        if name.startswith("pp-stage-"):
+            stage = int(name.removeprefix("pp-stage-"))
+        elif name in ("pp-entry", "pp-exit"):  # stage 0's and the last stage's names
+            stage = 0 if name == "pp-entry" else self.stages - 1
+        else:
             return ""
-        stage = int(name.removeprefix("pp-stage-"))
-        return "; ".join(f"{self.mesh.describe(m.id)} {why}" for m in self.mesh.owners(name)
+        owners = self.mesh.owners(name)
+        # A draining node withdrew its names: it owns none, yet is why its stage has no owner.
+        held = {m.id for m in owners}
+        owners += [m for m in self.mesh.members() if m.live and m.draining and m.name == f"stage-{stage}"
+                   and m.id not in held]
+        return "; ".join(f"{self.mesh.describe(m.id)} {why}" for m in owners
                          if (why := self._unusable(m, stage)) is not None)
 
     def decode(self, tokens: list[int]) -> str:
