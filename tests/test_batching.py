@@ -491,7 +491,7 @@ async def test_a_step_arriving_after_its_request_ended_is_dropped_and_a_stranger
             assert (stage0.counters["late_after_end"], stage1.counters["late_after_end"]) == (2, 1)
             stranger = Token("0123456789ab", origin, 1, 5, 9, "", b"", sampling, 0.0, ())
             await stage0._on_message(origin, stranger)
-            assert [e.message for e in told] == ["stage-0 has no KV cache for request 0123456789ab at step 2 "
+            assert [e.message for e in told] == ["has no KV cache for request 0123456789ab at step 2 "
                                                  "(did this stage restart?)"]
             restarted = Activation(ended, origin, 0, 0, 0, 0, b"", (1, 5), sampling, 0.0, (), route)
             await stage0._on_message(origin, restarted)
@@ -527,7 +527,7 @@ async def test_a_batch_row_that_is_not_a_running_requests_next_step_is_handled_a
             batch = Batch.of(False, rows, bytes(4 * 64 * 2), 64, 0.0, hop)
             await stage1.on_rows(origin, batch)
             assert stage1.counters["late_after_end"] == 1
-            assert [e.message for e in told] == ["stage-1 has no KV cache for request 0123456789ab at "
+            assert [e.message for e in told] == ["has no KV cache for request 0123456789ab at "
                                                  "position 9 (did this stage restart?)"]
             assert stage1._ready == []  # neither went to the batcher
             nursery.cancel_scope.cancel()

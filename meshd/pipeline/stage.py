@@ -293,7 +293,7 @@ class StageService(App):
         elif isinstance(msg, Token):  # the feedback edge, at stage 0
             job = self.jobs.get(msg.req_id)
             if job is None:
-                raise LostState(f"{self.name} has no KV cache for request {msg.req_id} at step "
+                raise LostState(f"has no KV cache for request {msg.req_id} at step "
                                 f"{msg.step + 1} (did this stage restart?)")
             await self._activation(Activation(
                 msg.req_id, msg.origin, msg.pos, msg.step + 1, 0, 0, b"", (msg.token,),
@@ -366,7 +366,7 @@ class StageService(App):
                        origin_epoch=origin_epoch)
             self.jobs[msg.req_id] = job
         elif job is None:
-            raise LostState(f"{self.name} has no KV cache for request {msg.req_id} at position "
+            raise LostState(f"has no KV cache for request {msg.req_id} at position "
                             f"{msg.pos} (did this stage restart?)")
         job.touched = trio.current_time()
         return job
@@ -820,7 +820,7 @@ class StageService(App):
         assert msg is not None and join.mine is not None and join.theirs is not None
         job = self.jobs.get(req_id)
         if job is None:
-            raise LostState(f"{self.name} has no state for request {req_id} at step {step}")
+            raise LostState(f"has no state for request {req_id} at step {step}")
         s = msg.sampling
         t0 = time.perf_counter()
         token = self._sampler(job, s, step).choose(merge([join.mine, join.theirs], s.top_k))
