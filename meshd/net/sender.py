@@ -121,7 +121,8 @@ class Sender:
             return {"data_out": None, "data_sent": 0, "data_last_failure": None}
         link = peer.link
         # What carries our data to it now: the path our newest unacked message went out on,
-        # else the one that delivered the last; None while none went (a peer we only ack).
+        # else the path in use (the one that delivered the last, or the stream proven since);
+        # None while none went (a peer we only ack, or a new process of it nothing reached yet).
         written = next((item.written for item in reversed(peer.queue) if item.written), None)
         out = written or (link.path if peer.sent else None)
         return {"data_out": out, "data_sent": peer.sent, "data_last_failure": link.last_failure}
@@ -254,7 +255,10 @@ class Sender:
                 item = peer.queue[0]
                 try:
                     item.path = await self._deliver(node, peer, item)
-                    peer.link.path = item.path
+                    # The path in use from now on: this message's, unless a stream came up
+                    # since it was written (it went over the relay while the dial ran past
+                    # its grace), which carries the next one.
+                    peer.link.path = "direct" if peer.link.stream is not None else item.path
                     peer.sent += 1
                     self._ch.counters["sent"] += 1
                     self._ch.counters["sent_bytes"] += len(item.data)

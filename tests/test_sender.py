@@ -1,0 +1,153 @@
+"""Which path a peer's data takes, and which one the snapshot says it takes (meshd.net.sender).
+
+Two channels on loopback that reach each other both directly and through an in-memory
+relay.  The relay holds what it is given until told to carry it, and the direct dial
+goes through a gate, so a message can be made to go over the relay while the dial is
+held, and its ack to come back after the stream is up: no test here depends on how
+fast anything runs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import trio
+
+from meshd.identity import Identity
+from meshd.net.channel import ChannelConfig, DataChannel
+
+# Nothing here may time out on its own: a resend after a missed ack would take the stream,
+# and the message would no longer show what carried it first.
+PATIENT = ChannelConfig(ack_timeout=60.0, handshake_timeout=60.0, dial_timeout=60.0)
+
+
+class HeldRelay:
+    """Carries each payload to the channel it is addressed to, in order, once ``open`` is set
+    (to none, once ``channels`` holds none for its destination)."""
+
+    def __init__(self) -> None:
+        self.channels: dict[bytes, DataChannel] = {}
+        self.open = trio.Event()
+        self.carried = 0
+        self._in, self._out = trio.open_memory_channel[tuple[bytes, bytes, bytes]](math.inf)
+
+    def sender(self, src: bytes):
+        async def send(dst: bytes, payload: bytes) -> None:
+            self._in.send_nowait((src, dst, payload))
+
+        return send
+
+    async def run(self) -> None:
+        async for src, dst, payload in self._out:
+            await self.open.wait()
+            self.carried += 1
+            channel = self.channels.get(dst)
+            if channel is not None:  # a process that ended gets nothing, as from a real relay
+                await channel.on_relay_payload(src, payload)
+
+
+async def _gate(target: str, opened: trio.Event, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """A TCP proxy to ``target`` that connects through only once ``opened`` is set; reports
+    its own address.  A dial to it waits there, as one to a slow peer would."""
+    host, _, port = target.rpartition(":")
+
+    async def handle(client: trio.SocketStream) -> None:
+        await opened.wait()
+        async with client, await trio.open_tcp_stream(host, int(port)) as server:
+            async with trio.open_nursery() as nursery:
+                async def pump(src: trio.SocketStream, dst: trio.SocketStream) -> None:
+                    try:
+                        while data := await src.receive_some(65536):
+                            await dst.send_all(data)
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        pass
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(pump, client, server)
+                nursery.start_soon(pump, server, client)
+
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(trio.serve_listeners, handle, listeners)
+        task_status.started(f"127.0.0.1:{listeners[0].socket.getsockname()[1]}")
+
+
+async def _channel(identity: Identity, epoch: int, addrs: dict[bytes, str], relay: HeldRelay, *,
+                   task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """A channel on a fresh loopback port, in process ``epoch``; reports it, its own address
+    and the scope whose cancel ends its process."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    channel = DataChannel(identity.node_id, addr_of=addrs.get, describe=lambda n: n.hex()[:8],
+                          relay_send=relay.sender(identity.node_id), sign=identity.sign,
+                          config=PATIENT, epoch=epoch)
+    relay.channels[identity.node_id] = channel
+    with trio.CancelScope() as scope:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(channel.serve, listeners)
+            task_status.started((channel, f"127.0.0.1:{listeners[0].socket.getsockname()[1]}", scope))
+
+
+def _introduce(a: DataChannel, b: DataChannel) -> None:
+    """Each learns the other's process key, as its signed metadata would say it."""
+    a.note_epoch(b.id, b.epoch, b.public_key)
+    b.note_epoch(a.id, a.epoch, a.public_key)
+
+
+async def _relay_then_stream(nursery: trio.Nursery, a: DataChannel, b: DataChannel, b_addr: str,
+                             addrs: dict[bytes, str], relay: HeldRelay, data: bytes) -> str:
+    """``a`` posts ``data`` to ``b`` while its dial is held: the message goes over the relay.
+    The dial then completes, and only after that does the relay carry the message and its ack.
+    Returns the path that delivered it."""
+    opened = trio.Event()
+    addrs[b.id] = await nursery.start(_gate, b_addr, opened)
+    relay.open = trio.Event()
+    item = await a.post(b.id, data)
+    assert item.written == "relay"  # the dial outlasted its grace, held at the gate
+    link = a._sender.link(b.id)
+    opened.set()
+    await link.dialed.wait()
+    assert link.stream is not None, "the held dial did not complete"
+    relay.open.set()
+    await item.done.wait()
+    assert item.error is None and await b.received.receive() == (a.id, data)
+    return item.path
+
+
+@pytest.mark.parametrize("peer", ["its first process", "its new process"])
+async def test_a_stream_that_came_up_while_the_relay_carried_a_message_is_the_path_reported(peer):
+    """A message went over the relay while the dial to the peer ran past its grace; the dial
+    then completed, and the message's ack came back over the relay after that.  Our data to
+    the peer goes direct from then on, and that is what the snapshot says (``data_out``),
+    with no further message to show it: the relay carried one message before the direct
+    path was proven, and does not carry our data now.  The same for a peer's new process
+    (same key, new epoch), whose path starts afresh."""
+    a_key, b_key = Identity.generate(), Identity.generate()
+    addrs: dict[bytes, str] = {}
+    relay = HeldRelay()
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(relay.run)
+            a, _, _ = await nursery.start(_channel, a_key, 10, addrs, relay)
+            b, b_addr, b_scope = await nursery.start(_channel, b_key, 20, addrs, relay)
+            _introduce(a, b)
+            if peer == "its new process":
+                relay.open.set()
+                addrs[b.id] = b_addr
+                assert await a.send(b.id, b"to the first process") == "direct"
+                assert await b.received.receive() == (a.id, b"to the first process")
+                b_scope.cancel()  # its process ends
+                while not a.is_down(b_key.node_id):  # A reads the end and its port refusing
+                    await trio.sleep(0.01)
+                b, b_addr, _ = await nursery.start(_channel, b_key, 21, addrs, relay)
+                _introduce(a, b)  # its new process says its epoch and key
+                assert a.view(b.id)["data_out"] is None
+            assert await _relay_then_stream(nursery, a, b, b_addr, addrs, relay, b"hello") == "relay"
+            assert a.view(b.id)["data_out"] == "direct"
+            assert a.path(b.id) == "direct"
+            carried = relay.carried
+            assert await a.send(b.id, b"next") == "direct"
+            assert await b.received.receive() == (a.id, b"next")
+            assert relay.carried == carried  # the relay carried nothing more: not even an ack
+            assert a.view(b.id)["data_out"] == "direct"
+            nursery.cancel_scope.cancel()
