@@ -9,13 +9,14 @@ fast anything runs.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import trio
 
 from meshd.identity import Identity
-from meshd.net.channel import ChannelConfig, DataChannel
+from meshd.net.channel import ChannelConfig, DataChannel, DeliveryError
 
 # Nothing here may time out on its own: a resend after a missed ack would take the stream,
 # and the message would no longer show what carried it first.
@@ -73,15 +74,17 @@ async def _gate(target: str, opened: trio.Event, *, task_status=trio.TASK_STATUS
         task_status.started(f"127.0.0.1:{listeners[0].socket.getsockname()[1]}")
 
 
-async def _channel(identity: Identity, epoch: int, addrs: dict[bytes, str], relay: HeldRelay, *,
-                   task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """A channel on a fresh loopback port, in process ``epoch``; reports it, its own address
-    and the scope whose cancel ends its process."""
+async def _channel(identity: Identity, epoch: int, addrs: dict[bytes, str], relay: HeldRelay | None,
+                   config: ChannelConfig = PATIENT, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """A channel on a fresh loopback port, in process ``epoch``, reachable through ``relay``
+    too unless it is None; reports it, its own address and the scope whose cancel ends its
+    process."""
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
     channel = DataChannel(identity.node_id, addr_of=addrs.get, describe=lambda n: n.hex()[:8],
-                          relay_send=relay.sender(identity.node_id), sign=identity.sign,
-                          config=PATIENT, epoch=epoch)
-    relay.channels[identity.node_id] = channel
+                          relay_send=relay.sender(identity.node_id) if relay is not None else None,
+                          sign=identity.sign, config=config, epoch=epoch)
+    if relay is not None:
+        relay.channels[identity.node_id] = channel
     with trio.CancelScope() as scope:
         async with trio.open_nursery() as nursery:
             await nursery.start(channel.serve, listeners)
@@ -150,4 +153,43 @@ async def test_a_stream_that_came_up_while_the_relay_carried_a_message_is_the_pa
             assert await b.received.receive() == (a.id, b"next")
             assert relay.carried == carried  # the relay carried nothing more: not even an ack
             assert a.view(b.id)["data_out"] == "direct"
+            nursery.cancel_scope.cancel()
+
+
+async def test_what_a_gone_process_took_along_fails_when_it_is_found_gone_and_the_next_one_gets_the_rest():
+    """B's process ends holding a message of ours it never acked (it holds its acks).  Its
+    stream ends and its port refuses our dial: the message fails then, saying so, long
+    before its deadline, and not when a new process of B serves.  A message posted after
+    that waits for a new process: one that none takes in its time fails saying so, and one
+    B's new process (same key) comes in time for is delivered to it, alone."""
+    a_key, b_key = Identity.generate(), Identity.generate()
+    addrs: dict[bytes, str] = {}
+    holds_acks = dataclasses.replace(PATIENT, ack_delay=3600.0)  # acks only when asked at once
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            a, _, _ = await nursery.start(_channel, a_key, 10, addrs, None)
+            b, addrs[b_key.node_id], b_scope = await nursery.start(_channel, b_key, 20, addrs, None,
+                                                                   holds_acks)
+            _introduce(a, b)
+            assert await a.send(b.id, b"first") == "direct"  # asked for its ack at once
+            assert await b.received.receive() == (a.id, b"first")
+            item = await a.post(b.id, b"taken along", timeout=3600)
+            assert await b.received.receive() == (a.id, b"taken along")  # received, never acked
+            b_scope.cancel()  # its process ends
+            await item.done.wait()
+            assert a.is_down(b.id)
+            assert isinstance(item.error, DeliveryError)
+            assert "its process went away before acking it (its stream ended and connect" in str(item.error)
+            # Posted now, a message waits for a new process; one that never comes in its time
+            # fails saying what it waited for.
+            doomed = await a.post(b.id, b"in time for nobody", timeout=0.5)
+            await doomed.done.wait()
+            why = str(doomed.error)
+            assert "within 0.5s" in why and "no process of it since one went away" in why
+            later = await a.post(b.id, b"for its next process", timeout=3600)
+            b2, addrs[b_key.node_id], _ = await nursery.start(_channel, b_key, 21, addrs, None)
+            _introduce(a, b2)  # its new process says its epoch and key
+            assert await b2.received.receive() == (a.id, b"for its next process")
+            await later.done.wait()
+            assert later.error is None and later.path == "direct"
             nursery.cancel_scope.cancel()

@@ -24,6 +24,8 @@ process nothing goes to it, and a chunk that does not open is dropped unacked
 Each process draws a random epoch.  A handshake that shows a known node id
 with a new epoch means the peer restarted: every session with it starts
 again at once, so nothing waits for message ids its old process took along.
+A process found gone (its stream ended and its port refused a dial) took what
+we sent it unacked along: those messages fail then, not at their deadline.
 """
 
 from __future__ import annotations
@@ -302,6 +304,7 @@ class DataChannel:
                         return  # a newer process of it has proven itself: the ended one is gone
                     self._down[node] = trio.current_time()
                     self.counters["peers_down"] += 1
+                    self._sender.process_gone(node, f"its stream ended and {exc}")
                     # News only while the mesh holds it live: of a peer that left or died,
                     # its member line has said so.
                     if self.member(node):

@@ -66,6 +66,7 @@ class Outgoing:
     writing: bool = False  # post() is writing it now: nobody else should
     path: str | None = None  # the path that delivered it
     error: DeliveryError | None = None
+    gone_with: str | None = None  # why the process it was sent to went away unacked: it fails now
 
 
 @dataclass
@@ -153,6 +154,22 @@ class Sender:
         # no data path to it (and no failure) until a message of ours reaches it.
         link.path, link.last_failure, link.direct_failure, peer.sent = "direct", None, None, 0
         self._renew(peer)
+
+    def process_gone(self, node: bytes, why: str) -> None:
+        """``node``'s process is gone (``why``: its stream ended and its port refused a dial).
+
+        What we sent it unacked went with it: each such message fails now, saying so,
+        not at its deadline, when a new process of it may long be serving.  A message
+        posted from now on waits, as ever, for a process that takes it.
+        """
+        peer = self._peers.get(node)
+        if peer is None or not peer.queue:
+            return
+        for item in peer.queue:
+            item.gone_with = why
+            old, item.acked = item.acked, trio.Event()  # wake a supervisor waiting on its ack
+            peer.acks[item.msg_id] = item.acked
+            old.set()
 
     async def send(self, node: bytes, data: bytes, timeout: float) -> str:
         item = await self.post(node, data, timeout, urgent=True)
@@ -283,6 +300,11 @@ class Sender:
             while True:
                 if item.acked.is_set():
                     return item.written or peer.link.path
+                if item.gone_with is not None:
+                    raise DeliveryError(
+                        f"could not deliver message {item.msg_id} ({len(item.data)} bytes) to "
+                        f"{self._ch.describe(node)}: its process went away before acking it "
+                        f"({item.gone_with})")
                 if item.written is not None:
                     path = item.written  # on the wire: wait for its ack
                 else:
@@ -314,6 +336,10 @@ class Sender:
         failure = peer.link.direct_failure
         if failure and not any(t.startswith("direct") for t in tried):
             tried.append(f"direct: {failure}")  # the dial that ran in the background meanwhile
+        down = self._ch.down_since(node)
+        if down is not None:  # what it waited for: a new process of the peer, which never came
+            tried.append(f"no process of it since one went away {trio.current_time() - down:.0f}s before "
+                         "(its stream ended and its port refused a dial)")
         raise DeliveryError(
             f"could not deliver message {item.msg_id} ({len(item.data)} bytes) to {self._ch.describe(node)} "
             f"within {item.timeout:g}s; tried: {'; '.join(tried[-6:]) or 'nothing (no path available)'}"
