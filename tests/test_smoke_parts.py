@@ -201,6 +201,19 @@ def test_a_relayed_direction_names_its_relay_and_a_direct_one_none():
         ("stage-0", "stage-1", "relay", "ws://b"), ("stage-1", "stage-0", "direct", None)]
 
 
+@pytest.mark.parametrize("data_failure, because", [
+    ("direct: connect to 127.0.0.1:7946 timed out", "direct: connect to 127.0.0.1:7946 timed out"),
+    ("relay: no ack within 2s", "direct ping unanswered"),  # the relay's own: not why it is there
+])
+def test_a_relayed_direction_says_why_it_is_off_the_direct_path(data_failure, because):
+    relayed = {"prefix": "bbbbbbbb", "path_out": "relay", "data_out": "relay",
+               "data_last_failure": data_failure, "last_failure": "direct ping unanswered"}
+    direct = {"prefix": "aaaaaaaa", "path_out": "direct", "data_out": "direct"}
+    _, [pair] = paths({"stage-0": {"members": [relayed]}, "stage-1": {"members": [direct]}},
+                      {"aaaaaaaa": "stage-0", "bbbbbbbb": "stage-1"})
+    assert pair["detail"] == f"stage-0→stage-1: relay, because {because}; stage-1→stage-0: direct"
+
+
 @pytest.mark.parametrize("reads, reported", [
     (["relay", "direct"], []),  # one late answer: the recheck moved it back
     (["relay"] * 100, [("stage-0", "stage-1")]),  # a drop that lasts

@@ -135,7 +135,11 @@ def _side(a: str, b: str, m: Member) -> str:
     if not _uses_relay(m):
         rtt = f", {m['rtt_ms']:.1f} ms" if m.get("rtt_ms") is not None else ""
         return f"{a}→{b}: direct{' (punched)' if m.get('punched') else ''}{rtt}"
+    # Why it is on the relay: a failure of another path (a relay's own lost ack says nothing
+    # of that), else the datagrams' reason.
     why = m.get("data_last_failure") if m.get("data_out") == "relay" else None
+    if why is not None and why.startswith("relay:"):
+        why = None
     why = why or m.get("last_failure")
     layer = "" if m["path_out"] == "relay" else " (data; datagrams direct)"
     return f"{a}→{b}: relay{layer}" + (f", because {why}" if why else "")
