@@ -271,11 +271,13 @@ async def api_generate(request: Request) -> Response:
 
 
 async def api_requests(request: Request) -> Response:
-    """The running requests (where each runs now, stage by stage) and the latest failovers."""
+    """The running requests (where each runs now, stage by stage), the latest ended ones (where
+    each ran last) and the latest failovers."""
     orch: Generator | None = request.app.state.generator
     if orch is None:
         return error(404, "this node is not an orchestrator with a model")
-    return JSONResponse({"requests": orch.active(), "failovers": list(orch.recent_failovers)})
+    return JSONResponse({"requests": orch.active(), "ended": list(orch.recently_ended),
+                         "failovers": list(orch.recent_failovers)})
 
 
 def _finish_reason(result: dict) -> str:

@@ -316,7 +316,8 @@ async def test_the_http_api_shows_the_route_while_it_runs_and_the_failover_after
 
     async with running(checkpoint, [2, 1]) as mesh:
         async with httpx.AsyncClient(base_url=mesh.orch.dashboard_url, timeout=30) as client:
-            assert (await client.get("/api/requests")).json() == {"requests": [], "failovers": []}
+            empty = {"requests": [], "ended": [], "failovers": []}
+            assert (await client.get("/api/requests")).json() == empty
             killed = []
 
             async def watch():
@@ -336,8 +337,12 @@ async def test_the_http_api_shows_the_route_while_it_runs_and_the_failover_after
             body = r.json()
             assert body["tokens"] == reference(checkpoint, 60, 0.0, 0, 0)
             assert killed and [f["from"] for f in body["failovers"]] == killed
-            recent = (await client.get("/api/requests")).json()["failovers"]
+            after = (await client.get("/api/requests")).json()
+            recent = after["failovers"]
             assert recent == body["failovers"] and recent[0]["request"] == body["request"]
+            # Ended, it is listed where it ran last: on the replica it moved to.
+            (ended,) = after["ended"]
+            assert ended["request"] == body["request"] and ended["route"]["stage-0"] == recent[0]["to"]
 
 
 async def test_a_replica_gone_silent_mid_generation_is_suspected_and_its_request_moves(checkpoint):

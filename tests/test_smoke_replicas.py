@@ -101,6 +101,16 @@ def test_the_serving_replica_is_read_from_the_orchestrators_requests():
     assert serving_job(one, None, "stage-0", PREFIXES) == "stage-0.2"  # a stream that gave no id
 
 
+def test_a_request_that_ended_before_its_token_was_read_is_found_where_it_ran_last():
+    """A fast generation can end before smoke-run reads token T of its stream."""
+    ended = {"requests": [], "ended": [{"request": "r1", "route": {"stage-1": "2b91108e"}},
+                                       {"request": "r2", "route": {"stage-1": "9c3e1f07"}}]}
+    prefixes = {"2b91108e": "stage-1", "9c3e1f07": "stage-1.2"}
+    assert serving_job(ended, "r2", "stage-1", prefixes) == "stage-1.2"
+    with pytest.raises(ValueError, match="0 requests are running"):
+        serving_job(ended, None, "stage-1", prefixes)  # without an id, an ended one is no guess
+
+
 @pytest.mark.parametrize("answer, request_id, words", [
     (REQUESTS, "000000000000", "request 000000000000 is not among the running ones"),
     (REQUESTS, None, "2 requests are running and the stream did not say which is ours"),

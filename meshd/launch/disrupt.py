@@ -33,6 +33,11 @@ def serving_job(answer: Any, request: str | None, stage: str, prefixes: dict[str
     running = answer.get("requests") if isinstance(answer, dict) else None
     if not isinstance(running, list):
         raise ValueError(f"the answer has no list of requests: {answer!r:.200}")
+    ended = answer.get("ended")
+    if request is not None and isinstance(ended, list) and not any(
+            isinstance(r, dict) and r.get("request") == request for r in running):
+        # A fast generation may end before its stream's token T reaches us: where it ran last.
+        running = [*running, *(r for r in ended if isinstance(r, dict) and r.get("request") == request)]
     entry = _our_request(running, request)
     route = entry.get("route")
     peer = route.get(stage) if isinstance(route, dict) else None

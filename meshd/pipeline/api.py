@@ -62,6 +62,7 @@ class Generator(Protocol):
 
     recent_traces: Iterable[dict[str, Any]]  # each request's last traces, newest last
     recent_failovers: Iterable[dict[str, Any]]  # {request, stage, from, to, ms, why}, newest last
+    recently_ended: Iterable[dict[str, Any]]  # as ``active`` lists a request, for ended ones, newest last
     model_name: str  # what /v1/models calls the model: its checkpoint directory's name
     created: int  # when this orchestrator started serving it (Unix seconds), for /v1/models
 

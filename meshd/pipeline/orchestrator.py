@@ -135,6 +135,9 @@ class Orchestrator(App):
         self.requests: dict[str, _Request] = {}  # by wire id
         self.recent_traces: deque[dict] = deque(maxlen=256)
         self.recent_failovers: deque[dict] = deque(maxlen=64)
+        # Requests ended lately, as ``active`` shows a running one: a client that reads a
+        # stream's tokens behind the request (smoke-run's faults) still finds its route.
+        self.recently_ended: deque[dict] = deque(maxlen=64)
         self.metrics = OrchestratorMetrics()
         self.metrics.admitted = lambda: (self.admission.running, len(self.admission.waiting))
         self._refused: set[tuple[bytes, str]] = set()  # (node, checkpoint) already logged as refused
@@ -240,10 +243,7 @@ class Orchestrator(App):
 
     def active(self) -> list[dict[str, Any]]:
         """Running requests: where each runs now (stage -> peer prefix), and how far it is."""
-        return [{"request": req.req_id,
-                 "route": {f"stage-{k}": node.hex()[:8] for k, node in enumerate(req.route)},
-                 "tokens": len(req.tokens), "failovers": list(req.failovers)}
-                for req in self.requests.values()]
+        return [_shown(req) for req in self.requests.values()]
 
     # --- one request ---
 
@@ -343,6 +343,8 @@ class Orchestrator(App):
             raise
         finally:
             self.requests.pop(req.wire_id, None)
+            if req.route:
+                self.recently_ended.append(_shown(req))
             if req.route and req.finish_reason not in ("eos", "length"):
                 await self._release(req)
         total = time.perf_counter() - t0
@@ -632,3 +634,10 @@ async def _stream_tokens(req: _Request, seen: int, on_token) -> int:
         await on_token(req.tokens[seen])
         seen += 1
     return seen
+
+
+def _shown(req: _Request) -> dict[str, Any]:
+    """A request as ``/api/requests`` lists it: its route (stage -> peer prefix), how far it is."""
+    route = {f"stage-{k}": node.hex()[:8] for k, node in enumerate(req.route)}
+    return {"request": req.req_id, "route": route, "tokens": len(req.tokens),
+            "failovers": list(req.failovers)}
