@@ -362,10 +362,11 @@ def test_a_product_over_any_number_of_rows_gives_those_rows_and_the_same_bits_ea
     assert out.shape == (rows, 300) and out.dtype == np.float32
     np.testing.assert_allclose(out, x.astype(np.float64) @ w.T.astype(np.float64), rtol=1e-4, atol=1e-4)
     np.testing.assert_array_equal(out, model_module.rows_times(x.copy(), w))
-    # a weight cut into row blocks (the LM head between two stages) gives the whole's bits in
-    # the kernel (a decode step's rows: what keeps a single stream bit-identical); past it,
-    # BLAS may pick another kernel for another block size, so the cut holds to the batched rule
-    cut = 131
+    # a weight cut into row blocks at a multiple of four rows (the LM head between two stages)
+    # gives the whole's bits in the kernel (a decode step's rows: what keeps a single stream
+    # bit-identical); past it, BLAS may pick another kernel for another block size, so the cut
+    # holds to the batched rule
+    cut = 132
     halves = np.concatenate([model_module.rows_times(x, w[:cut]), model_module.rows_times(x, w[cut:])],
                             axis=1)
     if rows <= kernels.KERNEL_ROWS:
