@@ -21,6 +21,7 @@ from meshd.net.data_keys import SEAL_OVERHEAD, ProcessKeys
 from meshd.net.framing import frame, read_packet
 from meshd.net.handshake import HandshakeError, LocalEnd, Proven, accept, dial, proof_data
 from meshd.net.sender import CHUNK_BYTES
+from meshd.testing.tcp_proxy import TcpProxy
 from meshd.wire import (
     MAX_FRAME_BYTES,
     RELAY_DATA,
@@ -118,32 +119,6 @@ async def _relayed_pair(nursery: trio.Nursery, relay: Relay) -> tuple[DataChanne
     return a, b
 
 
-async def _proxy(target: str, record: bytearray, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """A TCP proxy to ``target`` that keeps every byte it carries, either way, in ``record``;
-    reports its own address."""
-    host, _, port = target.rpartition(":")
-
-    async def handle(client: trio.SocketStream) -> None:
-        async with client, await trio.open_tcp_stream(host, int(port)) as server:
-            async with trio.open_nursery() as nursery:
-                async def pump(src: trio.SocketStream, dst: trio.SocketStream) -> None:
-                    try:
-                        while data := await src.receive_some(65536):
-                            record.extend(data)
-                            await dst.send_all(data)
-                    except (trio.BrokenResourceError, trio.ClosedResourceError):
-                        pass
-                    nursery.cancel_scope.cancel()  # one side gone: so is the connection
-
-                nursery.start_soon(pump, client, server)
-                nursery.start_soon(pump, server, client)
-
-    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(trio.serve_listeners, handle, listeners)
-        task_status.started(f"127.0.0.1:{listeners[0].socket.getsockname()[1]}")
-
-
 def _shows(wire: bytes, message: bytes) -> bool:
     """Whether any 32-byte piece of ``message``, taken every KiB, appears in ``wire``."""
     return any(message[i:i + 32] in wire for i in range(0, max(1, len(message) - 32), 1024))
@@ -182,7 +157,8 @@ async def test_a_message_never_crosses_the_wire_in_clear(path, encrypt):
             a, _, _ = await nursery.start(_channel(a_key, 10, addrs, relay, encrypt=encrypt))
             b, b_addr, _ = await nursery.start(_channel(b_key, 20, addrs, relay, encrypt=encrypt))
             if relay is None:
-                addrs[b.id] = await nursery.start(_proxy, b_addr, record)  # A reaches B through it
+                proxy = TcpProxy(b_addr, on_bytes=lambda _, data: record.extend(data))
+                addrs[b.id] = await nursery.start(proxy.serve)  # A reaches B through it
             else:
                 _introduce(a, b)
             for data in (prompt, activation):

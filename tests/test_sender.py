@@ -17,6 +17,7 @@ import trio
 
 from meshd.identity import Identity
 from meshd.net.channel import ChannelConfig, DataChannel, DeliveryError
+from meshd.testing.tcp_proxy import TcpProxy
 
 # Nothing here may time out on its own: a resend after a missed ack would take the stream,
 # and the message would no longer show what carried it first.
@@ -48,32 +49,6 @@ class HeldRelay:
                 await channel.on_relay_payload(src, payload)
 
 
-async def _gate(target: str, opened: trio.Event, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """A TCP proxy to ``target`` that connects through only once ``opened`` is set; reports
-    its own address.  A dial to it waits there, as one to a slow peer would."""
-    host, _, port = target.rpartition(":")
-
-    async def handle(client: trio.SocketStream) -> None:
-        await opened.wait()
-        async with client, await trio.open_tcp_stream(host, int(port)) as server:
-            async with trio.open_nursery() as nursery:
-                async def pump(src: trio.SocketStream, dst: trio.SocketStream) -> None:
-                    try:
-                        while data := await src.receive_some(65536):
-                            await dst.send_all(data)
-                    except (trio.BrokenResourceError, trio.ClosedResourceError):
-                        pass
-                    nursery.cancel_scope.cancel()
-
-                nursery.start_soon(pump, client, server)
-                nursery.start_soon(pump, server, client)
-
-    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(trio.serve_listeners, handle, listeners)
-        task_status.started(f"127.0.0.1:{listeners[0].socket.getsockname()[1]}")
-
-
 async def _channel(identity: Identity, epoch: int, addrs: dict[bytes, str], relay: HeldRelay | None,
                    config: ChannelConfig = PATIENT, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """A channel on a fresh loopback port, in process ``epoch``, reachable through ``relay``
@@ -102,13 +77,13 @@ async def _relay_then_stream(nursery: trio.Nursery, a: DataChannel, b: DataChann
     """``a`` posts ``data`` to ``b`` while its dial is held: the message goes over the relay.
     The dial then completes, and only after that does the relay carry the message and its ack.
     Returns the path that delivered it."""
-    opened = trio.Event()
-    addrs[b.id] = await nursery.start(_gate, b_addr, opened)
+    gate = TcpProxy(b_addr, closed=True)  # a dial to it waits there, as one to a slow peer would
+    addrs[b.id] = await nursery.start(gate.serve)
     relay.open = trio.Event()
     item = await a.post(b.id, data)
     assert item.written == "relay"  # the dial outlasted its grace, held at the gate
     link = a._sender.link(b.id)
-    opened.set()
+    gate.open()
     await link.dialed.wait()
     assert link.stream is not None, "the held dial did not complete"
     relay.open.set()

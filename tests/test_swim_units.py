@@ -771,6 +771,24 @@ def with_relay(bench: Bench) -> None:
         s.events()
 
 
+def answer_only_over_the_relay(bench: Bench, a: Swim, b: Swim, lost: Outgoing, sent: float) -> float:
+    """A's direct ping ``lost``, sent to ``b`` at ``sent``, never arrived: A asks again over the
+    relay, and ``b``'s answer comes back only there.  Returns when A received it."""
+    t, outs = bench.tick_until(a, lambda m: isinstance(m, Ping) and m.seq != found(lost, Ping)[0].seq,
+                               to=b, limit=sent + 5)
+    (relayed,) = [o for o in outs if o.via == "relay"]
+    b.receive(relayed.packet, a.me.addr, t + 0.001, via="relay")
+    (answer,) = b.outbox()
+    a.receive(answer.packet, b.me.addr, t + 0.002, via="relay")
+    return t + 0.002
+
+
+def path_moves(swim: Swim) -> list[tuple[bytes | None, bool]]:
+    """The path moves among the events ``swim`` queued since they were last taken (the rest are
+    dropped with them): (peer, direct or not)."""
+    return [(e.node, e.detail["direct"]) for e in swim.events() if e.kind is EventKind.PATH]
+
+
 def test_a_relayed_ping_also_confirms_the_direct_ping_that_got_through():
     """A's direct ping reached B but B's answer was lost: the relayed answer says
     which direction works, so A keeps A->B direct and names no path failure."""
@@ -816,13 +834,8 @@ def test_a_direction_moved_to_the_relay_is_probed_again_next_period_and_comes_ba
     a = bench.swims[0]
     t, (ping,) = bench.tick_until(a, Ping)  # lost
     b = bench.by_id[ping.node]
-    t2, outs = bench.tick_until(a, lambda m: isinstance(m, Ping) and m.seq != found(ping, Ping)[0].seq,
-                                to=b, limit=t + 5)
-    (relayed,) = [o for o in outs if o.via == "relay"]
-    b.receive(relayed.packet, a.me.addr, t2 + 0.001, via="relay")
-    (answer,) = b.outbox()
-    a.receive(answer.packet, b.me.addr, t2 + 0.002, via="relay")
-    assert [(e.node, e.detail["direct"]) for e in a.events() if e.kind is EventKind.PATH] == [(b.id, False)]
+    t2 = answer_only_over_the_relay(bench, a, b, ping, t)
+    assert path_moves(a) == [(b.id, False)]
 
     t3, (again,) = bench.tick_until(a, Ping, limit=t2 + 5)
     assert again.node == b.id and again.via == "direct", "the next probe rechecks B's direct path"
@@ -830,7 +843,7 @@ def test_a_direction_moved_to_the_relay_is_probed_again_next_period_and_comes_ba
     back = bench.hand(again, t3 + 0.001)
     for out in back:
         a.receive(out.packet, b.me.addr, t3 + 0.002)
-    assert [(e.node, e.detail["direct"]) for e in a.events() if e.kind is EventKind.PATH] == [(b.id, True)]
+    assert path_moves(a) == [(b.id, True)]
 
     probed = []
     limit = t3 + 4 * LAN.probe_interval + 0.5
@@ -863,13 +876,8 @@ def test_a_new_process_answering_over_the_relay_a_probe_sent_to_its_old_one_move
     t, (ping,) = bench.tick_until(a, Ping, to=b)  # lost: the old process is gone
     bench.tell(a, b, restart(bench, b, t + 0.001), now=t + 0.001)
     assert EventKind.RESTART in [e.kind for e in a.events()]
-    t2, outs = bench.tick_until(a, lambda m: isinstance(m, Ping) and m.seq != found(ping, Ping)[0].seq,
-                                to=b, limit=t + 5)
-    (relayed,) = [o for o in outs if o.via == "relay"]
-    b.receive(relayed.packet, a.me.addr, t2 + 0.001, via="relay")
-    (answer,) = b.outbox()
-    a.receive(answer.packet, b.me.addr, t2 + 0.002, via="relay")
-    assert [e for e in a.events() if e.kind is EventKind.PATH] == []
+    answer_only_over_the_relay(bench, a, b, ping, t)
+    assert path_moves(a) == []
     assert a.members[b.id].state is State.ALIVE and a.counters["acks"] == 1
 
 
@@ -882,21 +890,15 @@ def test_a_new_process_starts_with_no_path_verdict_from_its_old_one():
 
     def relay_only_probe(since: float) -> float:
         t, (ping,) = bench.tick_until(a, Ping, to=b, limit=since + 30)  # lost
-        t2, outs = bench.tick_until(a, lambda m: isinstance(m, Ping) and m.seq != found(ping, Ping)[0].seq,
-                                    to=b, limit=t + 5)
-        (relayed,) = [o for o in outs if o.via == "relay"]
-        b.receive(relayed.packet, a.me.addr, t2 + 0.001, via="relay")
-        (answer,) = b.outbox()
-        a.receive(answer.packet, b.me.addr, t2 + 0.002, via="relay")
-        return t2 + 0.002
+        return answer_only_over_the_relay(bench, a, b, ping, t)
 
     now = relay_only_probe(0.0)
-    assert [(e.node, e.detail["direct"]) for e in a.events() if e.kind is EventKind.PATH] == [(b.id, False)]
+    assert path_moves(a) == [(b.id, False)]
     bench.clock[a.id] = now
     bench.tell(a, b, restart(bench, b, now), now=now)
     a.events()
     relay_only_probe(now)
-    assert [(e.node, e.detail["direct"]) for e in a.events() if e.kind is EventKind.PATH] == [(b.id, False)]
+    assert path_moves(a) == [(b.id, False)]
 
 
 # --- a stranger cannot turn a member into a reflector or fill its tables ---
