@@ -16,7 +16,10 @@ running, and the next one on this host removes them.
 The containers see the run's files at the host's paths: its temp dir (node keys, the mesh
 key, snapshots, the compiled kernels' cache) and the checkpoint, read-only, are bind-mounted
 where they are, and a job runs as the user smoke-run runs as, so the files it writes are
-ours to delete.  The image is ``$MESHD_IMAGE`` if set, used as it is; otherwise
+ours to delete.  A checkpoint's links are followed on the host: each folder outside the
+checkpoint that one leads into is mounted read-only where it is too (a Hugging Face cache
+snapshot's files are links into its ``../../blobs``), and a link that leads to no file is
+refused before anything starts.  The image is ``$MESHD_IMAGE`` if set, used as it is; otherwise
 ``meshd:latest``, which a checkout's ``scripts/docker-build.sh`` (re)builds from the tree first
 (a few seconds when only meshd changed; the base image and wheels are cached), so the
 containers run the code the reference runs.
@@ -34,6 +37,7 @@ import signal
 import socket
 import subprocess
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from .local import LocalProcess
@@ -45,6 +49,7 @@ LABEL = "meshd.smoke"
 OWNER = "meshd.smoke.owner"  # host:pid of the smoke-run that made it
 BUILD_TIMEOUT_S = 900.0  # the first build makes a Debian root with debootstrap: a few minutes
 DOCKER_TIMEOUT_S = 60.0  # one docker command that changes state (create, kill, remove)
+MAX_LINK_HOPS = 40  # links followed from one checkpoint file, as Linux's own limit
 
 
 def _alive(pid: int) -> bool:
@@ -112,6 +117,46 @@ def ensure_image(say: Callable[[str], None]) -> str:
     return image
 
 
+def checkpoint_mounts(model: Path) -> list[str]:
+    """The read-only ``--volume`` arguments that make checkpoint folder ``model`` (an absolute
+    path without links in it) readable in a container at its host path: the folder, then each
+    folder outside it that a link in it leads through, sorted, none inside another.
+
+    A container resolves a link as the host does, through the path the link names, so each
+    hop's target must be mounted at that path.  DockerError (one line) for a link that leads
+    to no file."""
+    dirs: set[str] = set()
+    for root, subdirs, files in os.walk(model):  # links to folders are listed, not entered
+        subdirs.sort()  # the first dangling link named is the same on every run
+        for name in sorted([*subdirs, *files]):
+            path = os.path.join(root, name)
+            if os.path.islink(path):
+                dirs.update(_link_dirs(model, path))
+    outside = sorted(d for d in dirs if not _within(d, str(model)))
+    kept = [d for d in outside if not any(_within(d, o) for o in outside if o != d)]
+    return [f"{d}:{d}:ro" for d in [str(model), *kept]]
+
+
+def _link_dirs(model: Path, link: str) -> list[str]:
+    """The folders a container reads through to reach what ``link`` leads to: each hop's
+    target's folder (the target itself where it is a folder), as an absolute path."""
+    if not os.path.exists(link):  # follows every hop: false for a missing target and for a loop
+        raise DockerError(f"--provider docker: the checkpoint's {os.path.relpath(link, model)} is a link "
+                          f"to {os.readlink(link)}, which leads to no file; a container could not read it")
+    dirs, path = [], link
+    for _ in range(MAX_LINK_HOPS):
+        if not os.path.islink(path):
+            break
+        path = os.path.normpath(os.path.join(os.path.dirname(path), os.readlink(path)))
+        is_folder = os.path.isdir(path) and not os.path.islink(path)
+        dirs.append(path if is_folder else os.path.dirname(path))
+    return dirs
+
+
+def _within(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip("/") + "/")
+
+
 class ContainerProcess(LocalProcess):
     """A job's container, run attached (``docker run --rm``): its output is the client's, and its
     exit code too.  Signals go through ``docker kill``: the client forwards a SIGTERM, but a
@@ -141,9 +186,10 @@ class DockerProvider:
     name = "docker"
 
     def __init__(self, names: list[str], tmp: Path, model: str, say: Callable[[str], None]) -> None:
-        check_available()
         self.names = list(names)  # every job, the relays included
         self.tmp, self.model = tmp, str(Path(model).resolve())
+        self.model_mounts = checkpoint_mounts(Path(self.model))  # before the engine is asked anything
+        check_available()
         self.image = ensure_image(say)
         self.x: int | None = None
         self.network = ""
@@ -164,24 +210,27 @@ class DockerProvider:
         return f"{self.ips[name]}:{DASHBOARD_PORT}"
 
     def spawn(self, name: str, argv: list[str], env: dict[str, str] | None) -> LocalProcess:
-        def run_argv(start: int) -> list[str]:
-            mounts = [f"{self.tmp}:{self.tmp}", f"{self.model}:{self.model}:ro"]
-            hostfile = (env or {}).get("MESHD_HOSTFILE")
-            if hostfile:
-                mounts.append(f"{hostfile}:{hostfile}:ro")
-            every = {"HOME": str(self.tmp), "PYTHONUNBUFFERED": "1",
-                     "NUMBA_CACHE_DIR": str(self.tmp / "numba"), **(env or {})}
-            env_args = [a for k, v in sorted(every.items()) for a in ("--env", f"{k}={v}")]
-            return ["docker", "run", "--rm", "--name", container(start), "--label", f"{LABEL}={self.x}",
-                    *self._owner_labels(),
-                    "--network", self.network, "--ip", self.ips[name],
-                    "--user", f"{os.getuid()}:{os.getgid()}",
-                    *(a for m in mounts for a in ("--volume", m)), *env_args, self.image]
+        return ContainerProcess(name, argv, env, run_argv=partial(self.run_argv, name, env),
+                                container=partial(self.container, name))
 
-        def container(start: int) -> str:
-            return f"{self.network}-{name}-{start}"
+    def run_argv(self, name: str, env: dict[str, str] | None, start: int) -> list[str]:
+        """``docker run`` for job ``name``'s ``start``-th container, up to the image; the job's
+        own arguments follow it."""
+        mounts = [f"{self.tmp}:{self.tmp}", *self.model_mounts]
+        hostfile = (env or {}).get("MESHD_HOSTFILE")
+        if hostfile:
+            mounts.append(f"{hostfile}:{hostfile}:ro")
+        every = {"HOME": str(self.tmp), "PYTHONUNBUFFERED": "1",
+                 "NUMBA_CACHE_DIR": str(self.tmp / "numba"), **(env or {})}
+        env_args = [a for k, v in sorted(every.items()) for a in ("--env", f"{k}={v}")]
+        return ["docker", "run", "--rm", "--name", self.container(name, start),
+                "--label", f"{LABEL}={self.x}", *self._owner_labels(),
+                "--network", self.network, "--ip", self.ips[name],
+                "--user", f"{os.getuid()}:{os.getgid()}",
+                *(a for m in mounts for a in ("--volume", m)), *env_args, self.image]
 
-        return ContainerProcess(name, argv, env, run_argv=run_argv, container=container)
+    def container(self, name: str, start: int) -> str:
+        return f"{self.network}-{name}-{start}"
 
     def describe(self) -> dict:
         return {"network": self.network, "subnet": f"10.215.{self.x}.0/24", "image": self.image,
