@@ -762,7 +762,7 @@ class Node:
             via = self.relays.via if self.relays is not None else (lambda node: None)
             peers = [(m.id, self._path_rtt(m), via(m.id)) for m in swim.members.values()
                      if m.id != swim.id and m.state.live]
-            shape = [(node, self.paths.out_path(node), relay) for node, _, relay in peers]
+            shape = [(node, self.paths.shown_path(node), relay) for node, _, relay in peers]
             if shape != last or now - last_at >= PATH_SUMMARY_REFRESH_S:
                 # Wall-clock versions: a restarted node's summaries still supersede its old ones.
                 version = max(version + 1, time.time_ns() // 1000)

@@ -102,10 +102,12 @@ def test_a_big_meshs_summary_still_fits_one_gossip_packet_with_the_broken_paths_
     assert 10 < len(summary.entries) < len(peers)
 
 
-def test_a_restarted_peer_starts_with_no_failures_and_a_direct_path():
+def test_a_restarted_peer_starts_with_no_failures_and_reads_unknown_until_probed():
     """Probes and packets of a peer's old process say nothing of its new one: doctor must not
-    read the old process's relayed probes as a firewall in front of the new one."""
-    from meshd.net.path_table import DIRECT, RELAY, PathTable
+    read the old process's relayed probes as a firewall in front of the new one, nor call the
+    new one's direct path working before a probe of it says so.  Meanwhile datagrams go
+    direct, as to a member just met, and the summary leaves the peer out (not reported)."""
+    from meshd.net.path_table import DIRECT, RELAY, UNKNOWN, PathTable
 
     table, b = PathTable(), NODE_B
     table.sent(b)
@@ -113,9 +115,33 @@ def test_a_restarted_peer_starts_with_no_failures_and_a_direct_path():
     assert table.probe_verdict(b, False, 2.0, "direct ping unanswered")
     table.unreachable(b, 3.0, "member suspect: no path answered")
     table.restarted(b, 4.0)
-    assert table.out_path(b) == DIRECT
+    assert table.out_path(b) == DIRECT and table.shown_path(b) == UNKNOWN
     view = table.view(b, 5.0)
     assert (view["path_out"], view["direct_failures"], view["relay_ok"], view["last_failure"],
-            view["out_attempts"], view["in_seen"]) == (DIRECT, 0, 0, None, 0, {"direct": 0, "relay": 0})
-    (entry,) = table.summary(NODE_A, 1, [(b, None, None)], 5.0).entries
+            view["out_attempts"], view["in_seen"]) == (UNKNOWN, 0, 0, None, 0, {"direct": 0, "relay": 0})
+    assert table.summary(NODE_A, 1, [(b, None, None)], 5.0).entries == ()
+    # The first verdict on the new process is news either way: here, direct works.
+    assert table.probe_verdict(b, True, 6.0, "")
+    (entry,) = table.summary(NODE_A, 2, [(b, None, None)], 7.0).entries
     assert (entry.path, entry.direct_failures, entry.reason) == (DIRECT, 0, "")
+    assert table.view(b, 7.0)["path_out"] == DIRECT and not table.probe_verdict(b, True, 8.0, "")
+
+
+def test_a_restarted_peer_behind_a_one_way_drop_goes_from_unknown_to_relay_never_direct():
+    """A drop of our packets to the peer outlives its restart: the new process's first probe
+    finds it again, and until then the direction is unknown, never direct."""
+    from meshd.net.path_table import RELAY, UNKNOWN, PathTable
+
+    table, b = PathTable(), NODE_B
+    assert table.probe_verdict(b, False, 1.0, "direct ping unanswered")
+    table.restarted(b, 2.0)
+    assert table.view(b, 2.5)["path_out"] == UNKNOWN
+    assert table.probe_verdict(b, False, 3.0, "direct ping unanswered")
+    view = table.view(b, 4.0)
+    assert (view["path_out"], view["direct_failures"], view["path_out_since_s"]) == (RELAY, 1, 1.0)
+    (entry,) = table.summary(NODE_A, 1, [(b, None, "ws://relay:1")], 4.0).entries
+    assert (entry.path, entry.direct_failures, entry.relay) == (RELAY, 1, "ws://relay:1")
+    # Failure detection's verdict counts too: a new process found dead has no path.
+    table.restarted(b, 5.0)
+    table.unreachable(b, 6.0, "member dead: no path answered")
+    assert table.view(b, 6.0)["path_out"] == "none"

@@ -489,7 +489,8 @@ async def test_survivors_find_a_seed_restarted_at_its_address_with_no_seed_and_n
 async def test_a_node_restarted_under_its_key_starts_afresh_in_its_peers_path_tables():
     """What a peer's probes showed of a node's old process (direct pings unanswered, the
     relay answering) is no verdict on the new process under the same key: kept, doctor
-    would name a firewall in front of a node that merely restarted."""
+    would name a firewall in front of a node that merely restarted.  The new process's
+    direction reads unknown until a probe of it tells: here, direct."""
     lines: list[str] = []
     ident = Identity.generate()
     with trio.fail_after(60):
@@ -504,6 +505,7 @@ async def test_a_node_restarted_under_its_key_starts_afresh_in_its_peers_path_ta
             await stage.crash()
             back = await start_crashable(nursery, opts, lines, ident)
             await until(lambda: sees_all_alive([orch, back.running]), 20, "back")
+            await until(lambda: orch.paths.shown_path(ident.node_id) != "unknown", 10, "probed")
             view = orch.paths.view(ident.node_id, trio.current_time())
             assert (view["path_out"], view["direct_failures"], view["relay_ok"], view["last_failure"]) == (
                 "direct", 0, 0, None)

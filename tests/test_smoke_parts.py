@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from meshd.launch.checks import paths, relay_moves
+from meshd.launch.checks import paths, relay_moves, sees_all
 from meshd.launch.drive import orchestrator_failure
 from meshd.launch.failure import Failure, Kind
 from meshd.launch.jobs import JobDriver
@@ -199,6 +199,20 @@ def test_a_relayed_direction_names_its_relay_and_a_direct_one_none():
     every, _ = paths(snaps, {"aaaaaaaa": "stage-0", "bbbbbbbb": "stage-1"})
     assert [(p["from"], p["to"], p["path"], p["relay"]) for p in every] == [
         ("stage-0", "stage-1", "relay", "ws://b"), ("stage-1", "stage-0", "direct", None)]
+
+
+def test_a_direction_to_a_restarted_peer_not_probed_yet_is_neither_asymmetric_nor_converged():
+    """Until a probe of a peer's new process gives a verdict, our direction to it reads
+    unknown: not a pair to report as asymmetric, and not a measured path to converge on."""
+    def member(prefix: str, path: str) -> dict:
+        return {"prefix": prefix, "state": "alive", "path_checks": 3, "path_out": path, "data_out": path}
+
+    snaps = {"stage-0": {"members": [member("bbbbbbbb", "unknown")]},
+             "stage-1": {"members": [member("aaaaaaaa", "direct")]}}
+    every, asymmetric = paths(snaps, {"aaaaaaaa": "stage-0", "bbbbbbbb": "stage-1"})
+    assert [(p["from"], p["path"]) for p in every] == [("stage-0", "unknown"), ("stage-1", "direct")]
+    assert asymmetric == []
+    assert not sees_all(snaps["stage-0"], {"bbbbbbbb"}) and sees_all(snaps["stage-1"], {"aaaaaaaa"})
 
 
 @pytest.mark.parametrize("data_failure, because", [

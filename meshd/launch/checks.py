@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..net.path_table import UNKNOWN
 from .model import parse_stage_job
 from .process import parse_relay_move
 
@@ -79,9 +80,11 @@ def names_short(names: dict[str, Any], needed: dict[str, int]) -> list[str]:
 
 
 def sees_all(snap: Snapshot, peers: set[str]) -> bool:
-    """The node sees each of ``peers`` alive, each probed at least once (so the paths reported
-    are measured, not assumed)."""
-    seen = {m["prefix"] for m in snap["members"] if m["state"] == "alive" and m["path_checks"] > 0}
+    """The node sees each of ``peers`` alive, each probed at least once and its path known
+    (so the paths reported are measured, not assumed: a peer's new process reads ``unknown``
+    until a probe of it gives a verdict)."""
+    seen = {m["prefix"] for m in snap["members"]
+            if m["state"] == "alive" and m["path_checks"] > 0 and m.get("path_out") != UNKNOWN}
     return peers <= seen
 
 
@@ -98,7 +101,11 @@ def cut_off(snaps: dict[str, Snapshot], prefixes: dict[str, str]) -> list[str]:
 
 
 def paths(snaps: dict[str, Snapshot], prefixes: dict[str, str]) -> tuple[list[dict], list[dict]]:
-    """Each ordered pair's path, from each node's own outbound view; and the asymmetric pairs."""
+    """Each ordered pair's path, from each node's own outbound view; and the asymmetric pairs.
+
+    A direction to a peer's new process that no probe has given a verdict on yet reads
+    ``unknown``; a pair with such a direction is not called asymmetric (nothing is known
+    of it yet to differ)."""
     table: dict[tuple[str, str], Member] = {}
     for name, snap in snaps.items():
         for m in snap["members"]:
@@ -118,7 +125,7 @@ def paths(snaps: dict[str, Snapshot], prefixes: dict[str, str]) -> tuple[list[di
     asymmetric = []
     for (a, b), m in sorted(table.items()):
         back = table.get((b, a))
-        if back is None or a > b:
+        if back is None or a > b or UNKNOWN in (m["path_out"], back["path_out"]):
             continue
         if m["path_out"] != back["path_out"] or _uses_relay(m) != _uses_relay(back):
             asymmetric.append({"from": a, "to": b, "detail": f"{_side(a, b, m)}; {_side(b, a, back)}"})

@@ -5,6 +5,10 @@ Per peer and per direction: the path in use (``direct``, ``relay`` or
 the last RTT and why the last direct attempt failed.  The SWIM core reports
 probe verdicts (direct answered, or only the relayed ping was); every probe
 tries direct first, so a recovered link is used again within a period.
+
+A peer's new process (a restart) is shown as ``unknown`` until a probe of it
+gives a verdict: what the old process's probes showed is not its, and a direct
+path nobody has tested yet is not one that works.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from ..wire import (
 MAX_SUMMARY_BYTES = GOSSIP_BUDGET_BYTES - PACKET_OVERHEAD - 64
 
 DIRECT, RELAY, NONE = "direct", "relay", "none"
+UNKNOWN = "unknown"  # shown, never routed on: a new process no probe has given a verdict on
 
 
 @dataclass
@@ -38,6 +43,14 @@ class Outbound:
     relay_ok: int = 0  # probes answered only over the relay
     last_failure: str | None = None
     punched: str | None = None  # the address a punch through its NAT opened (direct goes there)
+    # The peer's new process has had no probe verdict yet: our datagrams go by ``path`` (direct,
+    # as to a member just met), but the direction shows as unknown, not as working.
+    unprobed: bool = False
+
+    @property
+    def shown(self) -> str:
+        """The path as views and summaries show it."""
+        return UNKNOWN if self.unprobed else self.path
 
 
 @dataclass
@@ -68,10 +81,17 @@ class PathTable:
         return peer
 
     def out_path(self, node: bytes | None) -> str:
+        """The path our datagrams to ``node`` take: ``direct``, ``relay`` or ``none``."""
         if node is None:
             return DIRECT
         peer = self.peers.get(node)
         return peer.out.path if peer is not None else DIRECT
+
+    def shown_path(self, node: bytes) -> str:
+        """The outbound path to ``node`` as it is shown: ``out_path``, or ``unknown`` while
+        its new process has had no probe verdict."""
+        peer = self.peers.get(node)
+        return peer.out.shown if peer is not None else DIRECT
 
     def sent(self, node: bytes | None) -> None:
         if node is not None:
@@ -84,16 +104,16 @@ class PathTable:
         inn.last_seen = now
 
     def probe_verdict(self, node: bytes, direct: bool, now: float, reason: str) -> bool:
-        """Record what a probe showed; True if the outbound path changed."""
+        """Record what a probe showed; True if the outbound path shown changed."""
         out = self._peer(node).out
         new = DIRECT if direct else RELAY
         if not direct:
             out.direct_failures += 1
             out.relay_ok += 1
             out.last_failure = reason
-        if new == out.path:
+        if new == out.shown:
             return False
-        out.path, out.since = new, now
+        out.path, out.since, out.unprobed = new, now, False
         return True
 
     def set_punched(self, node: bytes, addr: str | None) -> None:
@@ -106,18 +126,22 @@ class PathTable:
         return peer is not None and peer.out.path == DIRECT and peer.out.punched is not None
 
     def unreachable(self, node: bytes, now: float, reason: str) -> None:
+        """Failure detection found ``node`` down (dead or left): no path reaches it."""
         out = self._peer(node).out
         out.last_failure = reason
-        if out.path != NONE:
-            out.path, out.since = NONE, now
+        if out.shown != NONE:
+            out.path, out.since, out.unprobed = NONE, now, False
 
     def restarted(self, node: bytes, now: float) -> None:
         """``node`` runs a new process (a new epoch): the counts, failures and path our
-        packets and probes showed of its old process say nothing of the new one, which
-        starts as a member just met does (direct; its first probe tells).  Where a punch
-        through its NAT opened the way stays the SWIM core's to say."""
+        packets and probes showed of its old process say nothing of the new one.  Our
+        datagrams go direct, as to a member just met, but the direction shows as unknown
+        until a probe of the new process gives its verdict (the SWIM core owes one), so
+        neither the old process's failures are blamed on it nor a direct path that nobody
+        has tested is reported as working.  Where a punch through its NAT opened the way
+        stays the SWIM core's to say."""
         punched = self.peers[node].out.punched if node in self.peers else None
-        self.peers[node] = PeerPaths(Outbound(since=now, punched=punched))
+        self.peers[node] = PeerPaths(Outbound(since=now, punched=punched, unprobed=True))
 
     def revived(self, node: bytes, now: float) -> None:
         """A member is back: try direct again (the next probe will tell)."""
@@ -130,8 +154,8 @@ class PathTable:
         out, inn = peer.out, peer.inn
         return {
             "peer": prefix(node),
-            "path_out": out.path,
-            "punched": out.punched if out.path == DIRECT else None,
+            "path_out": out.shown,
+            "punched": out.punched if out.shown == DIRECT else None,
             "path_out_since_s": round(now - out.since, 3) if out.since else None,
             "path_in": inn.path,
             "out_attempts": out.attempts,
@@ -149,12 +173,16 @@ class PathTable:
         A failure reason rides along only when the path is not direct: it is what
         explains an asymmetric pair, and it keeps a healthy mesh's summary small.  In a
         mesh too big for one packet, relay and none entries go first; the direct ones
-        that do not fit are left out (the topology shows them as not reported).
+        that do not fit are left out (the topology shows them as not reported).  A peer
+        whose new process has had no probe verdict is left out too: it is not reported
+        yet, which every reader takes as unknown (the wire has no word for it).
         """
         entries = []
         for node, rtt, relay in peers[:MAX_PATH_ENTRIES]:
             peer = self.peers.get(node)
             out = peer.out if peer is not None else Outbound()
+            if out.unprobed:
+                continue
             reason = "" if out.path == DIRECT else (out.last_failure or "")[:MAX_REASON_CHARS].rstrip(" ;,.")
             carrier = relay if out.path == RELAY and relay and len(relay) <= MAX_RELAY_URL_CHARS else ""
             entries.append(PathEntry(node, out.path, 0 if rtt is None else max(0, round(rtt * 1e6)),

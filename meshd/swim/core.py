@@ -173,7 +173,9 @@ class Swim:
         # Probes the target itself answered, per member: how often we tested our path to it.
         self.path_checks: dict[bytes, int] = {}
         self._direct_pings: dict[bytes, tuple[int, float]] = {}  # last direct ping per prober: (seq, when)
-        self._direct_ok: dict[bytes, bool] = {}  # last probe verdict on our direct path to each member
+        # The last probe verdict on our direct path to each member; None for a member's new
+        # process that no probe has given one yet (its first verdict is news, direct or not).
+        self._direct_ok: dict[bytes, bool | None] = {}
         self._seq = rng.randrange(1 << 31)
         self._out: list[Outgoing] = []
         self._events: list[Event] = []
@@ -491,8 +493,8 @@ class Swim:
             # path to the one that answered over the relay.
             same_process = self.members[probe.target].meta.epoch == probe.epoch
             if from_target and (direct or same_process) and self._direct_ok.get(probe.target, True) != direct:
-                # Only the relayed ping was answered (or direct works again): a path
-                # fact, not a failure of the member.
+                # Only the relayed ping was answered (or direct works again, or this is a new
+                # process's first verdict): a path fact, not a failure of the member.
                 self._direct_ok[probe.target] = direct
                 self._emit(EventKind.PATH, probe.target, now, direct=direct, rtt=rtt)
                 # One lost ping (a host too busy to answer in time) must not leave the
@@ -644,7 +646,7 @@ class Swim:
 
     def _direct_failing(self, node: bytes) -> bool:
         """Our last probe of ``node`` found its direct path down (only the relayed ping answered)."""
-        return not self._direct_ok.get(node, True)
+        return self._direct_ok.get(node) is False
 
     def _punch_sends(self, sends: list[Send]) -> None:
         for send in sends:
@@ -703,9 +705,11 @@ class Swim:
         meta_changed = m.meta != msg.meta or m.addr != msg.addr
         if m.meta.epoch != msg.meta.epoch:
             # A new process under a known node id: whatever it held (sessions, caches) is gone,
-            # and what our probes showed of its direct path was the old process's.
+            # and what our probes showed of its direct path was the old process's.  The driver
+            # shows the new one's path as unknown until the first verdict, which is emitted
+            # even when it finds direct working.
             self.counters["restarts_seen"] += 1
-            self._direct_ok.pop(msg.node, None)
+            self._direct_ok[msg.node] = None
             self._emit(EventKind.RESTART, msg.node, now, epoch=msg.meta.epoch)
         m.incarnation, m.addr, m.meta, m.proof = msg.incarnation, msg.addr, msg.meta, msg.sig
         if old is not State.ALIVE:
