@@ -26,6 +26,9 @@ log = logging.getLogger("meshd.pipeline")
 RESOLVE_TIMEOUT_S = 10.0
 SEND_TIMEOUT_S = 30.0
 PREFILL_ROWS = 8  # more rows than this run in a thread, from a task of their own
+# After a "could not deliver" line for a peer, the failures to it in this long are counted
+# and logged as one line: a peer that dies takes every message queued to it along.
+UNDELIVERED_QUIET_S = 5.0
 
 
 async def resolve(mesh: Mesh, name: str, timeout: float = RESOLVE_TIMEOUT_S) -> bytes:
@@ -55,6 +58,7 @@ class App:
     def __init__(self, mesh: Mesh) -> None:
         self.mesh = mesh
         self._nursery: trio.Nursery | None = None
+        self._undelivered: dict[bytes, int] = {}  # per peer in its quiet time: failures not logged yet
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -117,13 +121,32 @@ class App:
             return
 
         async def undelivered(exc: Exception) -> None:
-            log.warning("%s: %s", self.mesh.name, exc)
+            self._log_undelivered(dst, exc)
             # The channel's error names the peer and every path tried: it is the request's error.
             failure = PipelineError(str(exc))
             for msg in per_request(msgs):
                 await self.failed(msg, failure, dst)
 
         await self.mesh.post(dst, data, SEND_TIMEOUT_S, undelivered)
+
+    def _log_undelivered(self, dst: bytes, exc: Exception) -> None:
+        """Log ``exc``, the first failure to ``dst`` in UNDELIVERED_QUIET_S; count the rest, which
+        ``_undelivered_summary`` logs as one line (each still fails its own request)."""
+        if dst in self._undelivered:
+            self._undelivered[dst] += 1
+            return
+        log.warning("%s: %s", self.mesh.name, exc)
+        if self._nursery is not None:
+            self._undelivered[dst] = 0
+            self._nursery.start_soon(self._undelivered_summary, dst)
+
+    async def _undelivered_summary(self, dst: bytes) -> None:
+        await trio.sleep(UNDELIVERED_QUIET_S)
+        more = self._undelivered.pop(dst, 0)
+        if more:
+            log.warning("%s: %d more message%s to %s could not be delivered in the %gs after that",
+                        self.mesh.name, more, "" if more == 1 else "s", self.mesh.describe(dst),
+                        UNDELIVERED_QUIET_S)
 
     def path_to(self, dst: bytes) -> str:
         if dst == self.mesh.node_id:
