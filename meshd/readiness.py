@@ -44,10 +44,11 @@ def readiness(snap: dict) -> dict:
     run_checkpoint = _run_checkpoint(snap, names, views)
     why: list[str] = []
     warnings: list[str] = _stage_count_warnings(snap, expected)
-    orchestrator = _role_row("orchestrator", ORCHESTRATOR, names, views, run_checkpoint, why, warnings)
+    now = snap.get("time")  # wall clock, as the members' start times are
+    orchestrator = _role_row("orchestrator", ORCHESTRATOR, names, views, run_checkpoint, now, why, warnings)
     rows = []
     for k in range(expected):
-        row = _role_row(f"stage-{k}", stage_name(k), names, views, run_checkpoint, why, warnings)
+        row = _role_row(f"stage-{k}", stage_name(k), names, views, run_checkpoint, now, why, warnings)
         rows.append({"stage": k, **row})
     _check_edge_names(rows, names, why)
     _check_hops(snap, orchestrator, rows, why, warnings)
@@ -138,8 +139,9 @@ def _short(fingerprint: str) -> str:
 _REPLICA_KEYS = ("prefix", "state", "checkpoint", "draining", "serving", "id")
 
 
-def _replica(entry: dict, views: dict[str, dict], run_checkpoint: str) -> dict:
-    """One owner's entry as readiness sees it; ``serving`` when it can take new work."""
+def _replica(entry: dict, views: dict[str, dict], run_checkpoint: str, now: float | None) -> dict:
+    """One owner's entry as readiness sees it; ``serving`` when it can take new work, ``up_s``
+    how long ago its process started (``_up_for``)."""
     view = views.get(entry["owner"], {})
     checkpoint = str(view.get("checkpoint") or "")
     draining = bool(view.get("draining"))
@@ -152,14 +154,24 @@ def _replica(entry: dict, views: dict[str, dict], run_checkpoint: str) -> dict:
             "draining": draining, "serving": live and not draining and not mismatch and not down,
             "live": live, "mismatch": mismatch, "tombstone": bool(entry.get("tombstone")),
             "id": view.get("id"), "reported_down": down, "age_s": view.get("state_age_s"),
-            "addr": view.get("addr")}
+            "up_s": _up_for(view, now), "addr": view.get("addr")}
+
+
+def _up_for(view: dict, now: float | None) -> float | None:
+    """How long ago the member's process started: by the start time it gossips (its own clock,
+    seconds since 1970; ``now`` is the snapshot's), else, alive, for as long as we have seen
+    it alive; None for a node gone that said no start time (an older peer)."""
+    started = view.get("started")
+    if started and now is not None:
+        return max(0.0, now - started)
+    return view.get("state_age_s") if view.get("state") == "alive" else None
 
 
 def _role_row(label: str, name: str, names: dict, views: dict[str, dict], run_checkpoint: str,
-              why: list[str], warnings: list[str]) -> dict:
+              now: float | None, why: list[str], warnings: list[str]) -> dict:
     """The replicas of ``name`` and how many serve; adds its reasons and warnings."""
     entries = (names.get(name) or {}).get("entries", [])
-    replicas = [_replica(e, views, run_checkpoint) for e in entries]
+    replicas = [_replica(e, views, run_checkpoint, now) for e in entries]
     # A tombstone shows while its owner is known dead (a replica that went down), or while
     # its owner drains: draining withdraws a node's names, and it is still there, serving
     # no new work.
@@ -227,11 +239,16 @@ def _replacements(shown: list[dict]) -> dict[str, dict | None]:
     """For each replica, the serving node that took its place, if any: its process was
     replaced (a restart under a new identity), not a replica lost beside one that serves.
 
-    A place is an address: the processes that went down there followed one another (two
-    cannot hold one port), however many restarts ago, so they share one fate.  A serving
-    node at that address replaced them all; elsewhere, one that came up after the last of
-    them went down did.  A newcomer elsewhere takes one place at most: two replicas that
-    went down together are not both hidden by one node started since.
+    Each serving node ends a line of processes that followed one another, each started
+    after the one before went down.  A place is an address: the processes that went down
+    there followed one another (two cannot hold one port), however many restarts ago, so
+    they are in the line of the node serving there, if one does.  A place elsewhere joins
+    the line where it fits in time: its processes went down before the next in the line
+    came up and, unless it goes first, the first of them came up after the one before went
+    down (by the start times the processes gossip).  So a chain of restarts under new keys
+    at new addresses, however long, reads as one node replaced; and two replicas that went
+    down together do not both join the line of one node started since.  A suspect
+    elsewhere may refute: a replica until dead.
     """
     out: dict[str, dict | None] = {r["prefix"]: None for r in shown}
     serving = [s for s in shown if s["serving"] and s["state"] == "alive"]
@@ -239,27 +256,42 @@ def _replacements(shown: list[dict]) -> dict[str, dict | None]:
     for r in shown:
         if r["state"] != "alive":
             places.setdefault(r.get("addr") or r["prefix"], []).append(r)
-    taken: set[str] = set()
+    lines = {s["prefix"]: [s] for s in serving}  # newest first: the serving node, then before it
     elsewhere = []
     for where, gone in places.items():
+        # The last to go down first (those that say no age after them): the line's order.
+        gone.sort(key=lambda r: (r.get("age_s") is None, r.get("age_s") or 0.0))
         here = next((s for s in serving if s.get("addr") == where), None)
         if here is not None:
-            taken.add(here["prefix"])
+            lines[here["prefix"]] += gone
             out.update((r["prefix"], here) for r in gone)
-        elif not any(r["live"] for r in gone):  # a suspect elsewhere may refute: a replica until dead
-            ages = [r.get("age_s") for r in gone]
-            if None not in ages:
-                elsewhere.append((min(a for a in ages if a is not None), gone))
-    # The place gone most recently first: the nodes that came up since it went down came up
-    # since every earlier one did too, so each place that can be filled is.
-    for down_for, gone in sorted(elsewhere, key=lambda place: place[0]):
-        newer = [s for s in serving if s["prefix"] not in taken and s.get("age_s") is not None
-                 and s["age_s"] < down_for]
-        if newer:
-            newest = min(newer, key=lambda s: s["age_s"])
-            taken.add(newest["prefix"])
-            out.update((r["prefix"], newest) for r in gone)
+        elif not any(r["live"] for r in gone) and all(r.get("age_s") is not None for r in gone):
+            elsewhere.append(gone)
+    # The place gone most recently first, into the newest gap it fits: whatever came up
+    # since it went down came up since every earlier place did too, so each place that can
+    # be filled is.
+    for gone in sorted(elsewhere, key=lambda place: place[0]["age_s"]):
+        fits = [(line[i]["up_s"], node, i + 1) for node, line in lines.items() for i in range(len(line))
+                if _fits(gone, line[i], line[i + 1] if i + 1 < len(line) else None)]
+        if fits:
+            _, node, at = min(fits, key=lambda fit: fit[0])
+            lines[node][at:at] = gone
+            out.update((r["prefix"], lines[node][0]) for r in gone)
     return out
+
+
+def _fits(gone: list[dict], later: dict, earlier: dict | None) -> bool:
+    """Whether the processes of one place (``gone``, the last to go down first) came between
+    ``earlier`` (None: nothing before) and ``later`` in a line: all went down before ``later``
+    came up, and the first of them came up after ``earlier`` went down."""
+    if later.get("up_s") is None or not later["up_s"] < gone[0]["age_s"]:
+        return False
+    if earlier is None:
+        return True
+    ups = [r.get("up_s") for r in gone]
+    if None in ups or earlier.get("age_s") is None:
+        return False  # one of them may have come up first, before ``earlier`` went down
+    return max(u for u in ups if u is not None) < earlier["age_s"]
 
 
 def _degraded(label: str, shown: list[dict], replaced: dict[str, dict | None], serving: int,

@@ -8,6 +8,7 @@ replicas, then one thing broken at a time); then ``meshd doctor`` and
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import trio
 
@@ -275,6 +276,41 @@ def test_every_process_a_chain_of_restarts_at_one_address_left_behind_reads_as_r
             "stage-1: replica 51000000 is down (dead); 1 other serves"]
 
 
+def test_a_chain_of_restarts_under_new_keys_at_new_addresses_reads_as_one_node_replaced():
+    """Stage-1 restarted twice under new keys, at another address each time (a host swapped,
+    a container moved): 51000000 went down, 51ffffff started after that and went down too,
+    and S1A started after that.  Each process's start time (its own, gossiped in its
+    metadata) follows the last one's going down, so doctor reads one node replaced twice,
+    not a replica lost beside the one serving."""
+    now = 1_800_000_000.0  # the snapshot's wall clock
+    me, others = healthy()
+    del others[2]  # stage-1 is S1A alone now, up 5 s
+    others[1].update(state_age_s=5.0, started=int(now - 5))
+    first = {**node("51000000", 1, state="dead"), "addr": "127.0.0.1:5", "state_age_s": 40.0,
+             "started": int(now - 3600)}
+    second = {**node("51ffffff", 1, state="dead"), "addr": "127.0.0.1:6", "state_age_s": 20.0,
+              "started": int(now - 30)}
+    replaced = [f"stage-1: 51000000 is down (dead); {S1A}, started since, serves in its place",
+                f"stage-1: 51ffffff is down (dead); {S1A}, started since, serves in its place"]
+
+    def seen(*gone: dict, serving: tuple[dict, ...] = tuple(others)) -> dict:
+        return readiness({**snap_of(me, [*serving, *gone], tombstoned=("51000000", "51ffffff")), "time": now})
+
+    for gone in ([first, second], [second, first]):
+        r = seen(*gone)
+        assert r["ready"] is True and r["stages"][1]["live"] == 1
+        assert sorted(r["warnings"]) == replaced
+    # The third process back at the first one's address: the same chain, read the same way.
+    back = {**others[1], "addr": first["addr"]}
+    assert sorted(seen(first, second, serving=(others[0], back, others[2]))["warnings"]) == replaced
+    # Had the second started before the first went down, they were replicas: one is lost.
+    r = seen(first, {**second, "started": int(now - 60)})
+    assert sorted(r["warnings"]) == [replaced[1], "stage-1: replica 51000000 is down (dead); 1 other serves"]
+    # A process that gives no start time (an older peer) links nothing: as before.
+    r = seen(first, {**second, "started": None})
+    assert sorted(r["warnings"]) == [replaced[1], "stage-1: replica 51000000 is down (dead); 1 other serves"]
+
+
 def test_a_suspect_node_whose_address_a_newer_node_of_its_stage_holds_is_replaced():
     """Restarted at once under a new identity, at its address: the old identity is suspect
     for a few seconds, and cannot serve (its port is the new process's)."""
@@ -404,6 +440,28 @@ async def _run(capsys, *argv: str) -> tuple[int, str]:
     return code, capsys.readouterr().out
 
 
+async def _doctor_once_ok(capsys, url: str) -> str:
+    """What ``meshd doctor URL`` prints once it exits 0 (every name and path summary arrived)."""
+    with trio.fail_after(15):
+        while True:
+            code, out = await _run(capsys, "doctor", url)
+            if code == 0:
+                return out
+            await trio.sleep(0.2)
+
+
+async def _orchestrator_and_stage_0(nursery: trio.Nursery, lines: list[str]) -> tuple[Any, Any, dict]:
+    """An orchestrator and stage-0 of a 2-stage run, converged; the options they share."""
+    from meshd.node import NodeOptions
+    from meshd.testing.inprocess import start_node, wait_converged
+
+    opts = dict(profile="local", stages=2, dashboard="127.0.0.1:0")
+    orch = await start_node(nursery, NodeOptions(role="orchestrator", **opts), lines)
+    s0 = await start_node(nursery, NodeOptions(stage=0, seeds=[orch.addr], **opts), lines)
+    await wait_converged([orch, s0])
+    return orch, s0, opts
+
+
 async def test_doctor_says_why_until_the_missing_stage_joins_then_peers_shows_its_replicas(capsys):
     from meshd.node import NodeOptions
     from meshd.testing.inprocess import start_node, wait_converged
@@ -411,10 +469,7 @@ async def test_doctor_says_why_until_the_missing_stage_joins_then_peers_shows_it
     lines: list[str] = []
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
-            opts = dict(profile="local", stages=2, dashboard="127.0.0.1:0")
-            orch = await start_node(nursery, NodeOptions(role="orchestrator", **opts), lines)
-            s0 = await start_node(nursery, NodeOptions(stage=0, seeds=[orch.addr], **opts), lines)
-            await wait_converged([orch, s0])
+            orch, s0, opts = await _orchestrator_and_stage_0(nursery, lines)
             code, out = await _run(capsys, "doctor", orch.dashboard_url)
             assert code == 1
             assert out.startswith("not ready\nWhy\n  stage-1: no live owner of pp-stage-1\n"), out
@@ -426,12 +481,7 @@ async def test_doctor_says_why_until_the_missing_stage_joins_then_peers_shows_it
             replicas = [await start_node(nursery, NodeOptions(stage=1, seeds=[s0.addr], **opts), lines)
                         for _ in range(2)]
             await wait_converged([orch, s0, *replicas])
-            with trio.fail_after(15):
-                while True:
-                    code, out = await _run(capsys, "doctor", orch.dashboard_url)
-                    if code == 0:
-                        break
-                    await trio.sleep(0.2)  # until every name and path summary has arrived
+            out = await _doctor_once_ok(capsys, orch.dashboard_url)
             assert out.startswith("ready: yes (stage-0, stage-1×2)\nWarnings\n  no node serves a model"), out
             assert "\nok: 4 live nodes" in out, out
 
@@ -465,6 +515,40 @@ async def test_doctor_says_why_until_the_missing_stage_joins_then_peers_shows_it
             orch.report_down(second.identity.node_id, second.data.epoch, seen_here=True)
             code, out = await _run(capsys, "doctor", orch.dashboard_url)
             assert code == 1 and f"{second.identity.prefix} looks down to a node" in out, out
+            nursery.cancel_scope.cancel()
+
+
+async def test_doctor_reads_a_chain_of_restarts_under_new_keys_at_new_addresses_as_one_node_replaced(capsys):
+    """Stage-1 killed and started again twice, each time under a new key at a new port: the
+    orchestrator's doctor names both identities left behind as replaced by the node serving
+    now, by the start times the processes gossip, and none as a replica lost."""
+    from meshd.node import NodeOptions
+    from meshd.swim import State
+    from meshd.testing.inprocess import start_killable, start_node, wait_converged
+
+    lines: list[str] = []
+    with trio.fail_after(90):
+        async with trio.open_nursery() as nursery:
+            orch, s0, opts = await _orchestrator_and_stage_0(nursery, lines)
+            s1_opts = NodeOptions(stage=1, seeds=[orch.addr], **opts)
+            gone = []
+            for _ in range(2):
+                s1, scope = await start_killable(nursery, s1_opts, lines)
+                await wait_converged([orch, s0, s1])
+                scope.cancel()
+                gone.append(s1.identity)
+                with trio.fail_after(30):
+                    while orch.core.members[s1.identity.node_id].state is not State.DEAD:
+                        await trio.sleep(0.1)
+                await trio.sleep(1.5)  # a start time counts whole seconds: the next starts after
+            s1 = await start_node(nursery, s1_opts, lines)  # port 0: a new address each time
+            await wait_converged([orch, s0, s1])
+            out = await _doctor_once_ok(capsys, orch.dashboard_url)
+            warnings = [line.strip() for line in out.splitlines() if line.startswith("  stage-1:")]
+            serving = s1.identity.prefix
+            assert sorted(warnings) == sorted(
+                f"stage-1: {g.prefix} is down (dead); {serving}, started since, serves in its place"
+                for g in gone), out
             nursery.cancel_scope.cancel()
 
 
