@@ -31,7 +31,7 @@ from meshd.pipeline.generate import LOGITS_TOLERANCE as TOLERANCE
 from meshd.pipeline.generate import NEAR_TIE, diverges, generate, near_ties
 from meshd.pipeline.messages import Activation, Batch, HeadPart, Hop, Sampling, Token
 from meshd.pipeline.model import StageModel
-from meshd.pipeline.stage import MIN_GROUP, group_size
+from meshd.pipeline.stage import MIN_GROUP, SPLIT_GROUP, group_size
 from meshd.testing.inprocess import start_pipeline
 
 PROMPTS = ["Once upon a time", "A", "The quick brown fox jumps over the lazy dog, and then",
@@ -659,9 +659,11 @@ def test_smoke_runs_summary_says_where_a_token_parted_at_a_near_tie():
 
 def test_stage_0_splits_the_requests_decoding_into_groups_of_about_min_group():
     # One batch of everything keeps one stage busy at a time; groups much smaller than
-    # MIN_GROUP would pay a weight pass for too few rows.
-    assert MIN_GROUP == 8
-    assert [group_size(n, 3, 16) for n in (1, 4, 8, 11)] == [(1, 1), (4, 4), (8, 8), (11, 11)]  # one group
+    # MIN_GROUP would pay a weight pass for too few rows, except that two groups go in
+    # flight as soon as each holds SPLIT_GROUP.
+    assert (MIN_GROUP, SPLIT_GROUP) == (8, 4)
+    assert [group_size(n, 3, 16) for n in (1, 4, 7)] == [(1, 1), (4, 4), (7, 7)]  # one group
+    assert group_size(8, 3, 16) == (4, 4) and group_size(11, 3, 16) == (5, 6)  # two small groups
     assert group_size(16, 3, 16) == (8, 8)  # two groups of 8 in flight
     # One request short of two full groups still makes two, of 7 and 8: one group of 15
     # would leave the other stages idle for the rest of the run.

@@ -76,6 +76,12 @@ BATCH_GATHER_S = 0.005
 # streams 1.0x as two batches of 2 against 1.2-1.4x as one of 4; 15 streams 870 tokens/s
 # as batches of 7 and 8 against 834 as one of 15.
 MIN_GROUP = 8
+# Two groups go in flight as soon as each would hold this many steps (the rows the decode
+# kernel multiplies at once, see ``kernels._dot_rows``), so 8 streams keep two stages busy
+# rather than one: side by side, 8 streams 634 tokens/s as two batches of 4 against 518 as
+# one of 8, and 16 streams alike (829 and 831) (medians of 4 runs, small preset, 3 stages
+# on 2 cores).
+SPLIT_GROUP = 4
 # The LM head is cut between stage 0 and the last stage only when half of it outweighs the
 # extra message that costs: on loopback a hop is about 0.3 ms, some 2-4 M multiply-adds of
 # numpy.  The small preset's head (32000 x 288) is cut; the tiny one's (258 x 64) is not,
@@ -169,9 +175,15 @@ def group_size(decoding: int, stages: int, max_batch: int) -> tuple[int, int]:
     more groups than stages: a weight pass shared by fewer rows costs more per
     token than the idle stages it fills.  Groups that cannot be equal differ by
     one (15 requests: 7 and 8), and a batch goes on once the smaller size is
-    ready, so neither waits for a step that is not coming.
+    ready, so neither waits for a step that is not coming.  Two groups of
+    SPLIT_GROUP already beat one of twice that: the kernel's cost per row
+    hardly grows below its block of four rows, and the second group keeps a
+    second stage busy.
     """
-    groups = max(1, min(stages, (decoding + MIN_GROUP // 2) // MIN_GROUP))
+    groups = (decoding + MIN_GROUP // 2) // MIN_GROUP
+    if decoding >= 2 * SPLIT_GROUP:
+        groups = max(groups, 2)
+    groups = max(1, min(stages, groups))
     least, most = decoding // groups, -(-decoding // groups)
     return max(1, min(max_batch, least)), max(1, min(max_batch, most))
 
