@@ -215,6 +215,26 @@ def test_a_direction_to_a_restarted_peer_not_probed_yet_is_neither_asymmetric_no
     assert not sees_all(snaps["stage-0"], {"bbbbbbbb"}) and sees_all(snaps["stage-1"], {"aaaaaaaa"})
 
 
+def test_the_summary_says_a_direction_not_yet_probed_is_unknown_not_relayed():
+    """stage-0's direction to stage-1's new process has had no probe verdict yet: the JSON
+    says ``unknown`` and the summary names it as not yet probed, never as via relay; a
+    direction with no path is named as such too."""
+    def member(prefix: str, path: str) -> dict:
+        return {"prefix": prefix, "path_out": path, "data_out": "direct"}
+
+    prefixes = {"aaaaaaaa": "orchestrator", "bbbbbbbb": "stage-0", "cccccccc": "stage-1"}
+    snaps = {"orchestrator": {"members": [member("bbbbbbbb", "direct"), member("cccccccc", "relay")]},
+             "stage-0": {"members": [member("aaaaaaaa", "direct"), member("cccccccc", "unknown")]},
+             "stage-1": {"members": [member("aaaaaaaa", "direct"), member("bbbbbbbb", "none")]}}
+    every, asymmetric = paths(snaps, prefixes)
+    generated = _generated()
+    generated.paths, generated.asymmetric = every, []
+    out = Outcome(2, generated=generated).to_json()
+    assert {(p["from"], p["to"]): p["path"] for p in out["paths"]}[("stage-0", "stage-1")] == "unknown"
+    assert ("paths: 3 direct, via relay: orchestrator→stage-1, not yet probed: stage-0→stage-1, "
+            "no path: stage-1→stage-0") in summary(out).splitlines()
+
+
 @pytest.mark.parametrize("data_failure, because", [
     ("direct: connect to 127.0.0.1:7946 timed out", "direct: connect to 127.0.0.1:7946 timed out"),
     ("relay: no ack within 2s", "direct ping unanswered"),  # the relay's own: not why it is there

@@ -193,13 +193,8 @@ def summary_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
     rows += [("asymmetric", f"asymmetric: {a['detail']}") for a in result.get("asymmetric", [])]
     relays = result.get("relays") or {}
     relay_job = {url: job for job, url in relays.items()} if len(relays) > 1 else {}
-    relayed = [_relayed(p, relay_job) for p in result.get("paths", []) if p["path"] != "direct"]
     if result.get("paths"):
-        punched = [f"{p['from']}→{p['to']}" for p in result["paths"]
-                   if p["path"] == "direct" and p.get("punched")]
-        rows.append(("paths", f"paths: {len(result['paths']) - len(relayed)} direct"
-                     + (f" ({len(punched)} punched: {', '.join(punched)})" if punched else "")
-                     + (f", via relay: {', '.join(relayed)}" if relayed else "")))
+        rows.append(("paths", _paths_line(result["paths"], relay_job)))
     if "tokens" in result:
         t = result["timings"]
         rows.append(("generated", f"generated {len(result['tokens'])} tokens; matches meshd generate: "
@@ -263,6 +258,27 @@ def print_report(result: dict[str, Any], file: TextIO | None = None) -> None:
             path = p["path"] if p["path"] == "direct" else f"[yellow]{p['path']}[/yellow]"
             paths.add_row(p["from"], p["to"], path, "yes" if p.get("punched") else "")
         console.print(paths)
+
+
+# How the paths line names each kind of direction that is not direct, in its order.
+_NOT_DIRECT = (("relay", "via relay"), ("unknown", "not yet probed"), ("none", "no path"))
+
+
+def _paths_line(paths: list[dict[str, Any]], relay_job: dict[str, str]) -> str:
+    """``paths: 9 direct (1 punched: a→b), via relay: c→d, not yet probed: e→f``.  A direction
+    to a peer's new process that no probe has given a verdict on yet (path ``unknown``) is
+    said as such: nothing is known of it, relay least of all."""
+    direct = [p for p in paths if p["path"] == "direct"]
+    punched = [f"{p['from']}→{p['to']}" for p in direct if p.get("punched")]
+    line = f"paths: {len(direct)} direct"
+    if punched:
+        line += f" ({len(punched)} punched: {', '.join(punched)})"
+    for path, words in _NOT_DIRECT:
+        named = [_relayed(p, relay_job) if path == "relay" else f"{p['from']}→{p['to']}"
+                 for p in paths if p["path"] == path]
+        if named:
+            line += f", {words}: {', '.join(named)}"
+    return line
 
 
 def _relayed(path: dict[str, Any], relay_job: dict[str, str]) -> str:
