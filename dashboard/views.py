@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from meshd.readiness import path, readiness
+from meshd.readiness import NOT_PROBED, NOT_REPORTED, path, readiness
 from meshd.relay.protocol import CLOSE_NOT_MEMBER
 from meshd.snapshot import stage_sort_key
 
@@ -118,7 +118,7 @@ def _direction(frm: dict, to: dict, edge: dict) -> str:
             f", {rtt:.1f} ms via relay" if rtt is not None else "") + for_
     if path == "none":
         return f"{head}: no path ({reason}{times}){for_}"
-    return f"{head}: not reported yet"
+    return f"{head}: {edge.get('why_unknown') or NOT_REPORTED}"
 
 
 _RANK = {"direct": 0, "relay": 1, "none": 2, "unknown": -1}
@@ -127,7 +127,9 @@ _RANK = {"direct": 0, "relay": 1, "none": 2, "unknown": -1}
 def topology(snap: dict) -> dict:
     """The directed view of the whole mesh, from every node's gossiped outbound summary.
 
-    Our own outbound edges come from our own path table (fresher than our summary).
+    Our own outbound edges come from our own path table (fresher than our summary).  An
+    edge whose path is ``unknown`` says why in ``why_unknown``: ours to a peer's new
+    process not probed since its restart, or another node's not reported.
     """
     me = snap["self"]
     by_id: dict[str, dict] = {me["id"]: me}
@@ -143,7 +145,7 @@ def topology(snap: dict) -> dict:
         return {"from": a["id"], "to": b["id"], "from_name": _name(a), "to_name": _name(b),
                 "path": e["path"], "ok": ok, "rtt_ms": e["rtt_ms"],
                 "direct_failures": e["direct_failures"], "reason": e["reason"], "since_s": e["since_s"],
-                "relay": e["relay"], "punched": e["punched"]}
+                "relay": e["relay"], "punched": e["punched"], "why_unknown": e["why_unknown"]}
 
     order = sorted(live, key=lambda v: stage_sort_key(_name(v)))
     edges = [edge(a, b) for a in order for b in order if a["id"] != b["id"]]
@@ -207,6 +209,13 @@ def problems(snap: dict, topo: dict | None = None) -> list[dict[str, Any]]:
             out.append({"kind": "no-path", "where": f"{a}→{b}",
                         "detail": e.get("reason") or "neither direct nor relay answered",
                         "check": f"is {b} up, and do both reach the relay?"})
+        elif e["path"] == "unknown" and e["from"] == snap["self"]["id"] and e["to"] in alive:
+            since = e.get("since_s")
+            ago = f" (seen {since:.0f} s ago)" if since is not None else ""
+            out.append({"kind": "unprobed", "where": f"{a}→{b}",
+                        "detail": f"{a}→{b}: {NOT_PROBED}{ago}; our datagrams go direct meanwhile",
+                        "check": f"wait a few seconds: the next probe of {b}'s new process tells whether "
+                                 f"direct works; if it persists, is {b} answering (its log)?"})
         elif e["path"] == "unknown" and e["from"] != snap["self"]["id"] and e["from"] in alive:
             # (a suspect node's silence is its suspicion, said once, not once per peer)
             unreported.setdefault(e["from"], []).append(b)

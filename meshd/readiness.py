@@ -340,11 +340,20 @@ def _check_edge_names(rows: list[dict], names: dict, why: list[str]) -> None:
 # ------------------------------------------------------------- paths
 
 
+# Why a path reads ``unknown``: our own direction to a peer's new process that no probe has
+# given a verdict on yet (the only way our path table shows one unknown), or a direction
+# another node's gossiped summary does not name (not sent yet, or left out).
+NOT_PROBED = "not probed since its restart"
+NOT_REPORTED = "not reported"
+
+
 def path(snap: dict, frm: str, to: str) -> dict:
     """The path from node ``frm`` to node ``to`` (full ids): ``{"path", "rtt_ms", "direct_failures",
-    "reason", "since_s", "relay", "punched"}``; ``path`` is ``direct``, ``relay``, ``none`` or
-    ``unknown``, ``relay`` the relay that carries it (None when unknown or not the relay), and
-    ``punched`` whether a direct path goes through the peer's NAT, opened by hole punching.
+    "reason", "since_s", "relay", "punched", "why_unknown"}``; ``path`` is ``direct``, ``relay``,
+    ``none`` or ``unknown``, ``relay`` the relay that carries it (None when unknown or not the
+    relay), ``punched`` whether a direct path goes through the peer's NAT, opened by hole
+    punching, and ``why_unknown`` why an unknown path is (``NOT_PROBED`` or ``NOT_REPORTED``;
+    None for a known one).
 
     Our own outbound paths come from our own path table (fresher than our
     summary); every other node's from the summary it gossiped.
@@ -355,14 +364,14 @@ def path(snap: dict, frm: str, to: str) -> dict:
         return {"path": way, "rtt_ms": m.get("rtt_ms"), "direct_failures": m.get("direct_failures", 0),
                 "reason": m.get("last_failure") if way != "direct" else None,
                 "since_s": m.get("path_out_since_s"), "relay": m.get("relay_via") if way == "relay" else None,
-                "punched": bool(m.get("punched"))}
+                "punched": bool(m.get("punched")), "why_unknown": NOT_PROBED if way == "unknown" else None}
     entries = (snap.get("path_summaries") or {}).get(frm, {}).get("entries", [])
     x = next((e for e in entries if e.get("to") == to), None)
     if x is None:
         return {"path": "unknown", "rtt_ms": None, "direct_failures": 0, "reason": None, "since_s": None,
-                "relay": None, "punched": False}
+                "relay": None, "punched": False, "why_unknown": NOT_REPORTED}
     out = {k: x.get(k) for k in ("path", "rtt_ms", "direct_failures", "reason", "since_s", "relay")}
-    return {**out, "punched": bool(x.get("punched"))}
+    return {**out, "punched": bool(x.get("punched")), "why_unknown": None}
 
 
 def _hops(orchestrator: dict, rows: list[dict]) -> list[tuple[dict, dict]]:

@@ -431,6 +431,39 @@ def test_a_problem_names_which_replica_and_says_once_what_a_node_has_not_reporte
     assert [p["where"] for p in found if p["kind"] == "unreported"] == [f"stage-0→stage-1 ({S1A})"]
 
 
+def test_doctor_and_the_page_say_our_direction_to_a_restarted_peer_is_not_probed_yet():
+    """Stage-0 restarted: our (the orchestrator's) path table reads unknown for its new
+    process until a probe gives a verdict.  Doctor names that direction as not probed since
+    the restart, where another node's direction it has not reported stays "not reported";
+    the page's topology says which is which."""
+    from rich.console import Console
+
+    from dashboard.cli import _print_doctor
+
+    me, others = healthy()
+    everyone = [me, *others]
+    summaries = {v["prefix"]: {w["prefix"]: "direct" for w in everyone if w is not v}
+                 for v in everyone if v is not me}
+    del summaries[S1A][S0]  # stage-1's first replica has not reported its path to stage-0 yet
+    snap = snap_of(me, others, summaries=summaries)
+    snap["members"][0].update(path_out="unknown", path_out_since_s=2.0)
+    topo = topology(snap)
+    why = {(e["from"][:8], e["to"][:8]): e["why_unknown"] for e in topo["edges"] if e["path"] == "unknown"}
+    assert why == {(ORCH, S0): "not probed since its restart", (S1A, S0): "not reported"}
+    found = problems(snap, topo)
+    assert [(p["kind"], p["where"], p["detail"]) for p in found] == [
+        ("unprobed", "orchestrator→stage-0", "orchestrator→stage-0: not probed since its restart "
+                                             "(seen 2 s ago); our datagrams go direct meanwhile"),
+        ("unreported", f"stage-1 ({S1A})→stage-0",
+         f"stage-1 ({S1A}) has not reported its path to stage-0 yet")]
+    console = Console(width=400)
+    with console.capture() as captured:
+        code = _print_doctor(console, snap)
+    text = captured.get()
+    assert code == 1
+    assert "orchestrator→stage-0: not probed since its restart (seen 2 s ago)" in text, text
+
+
 # ------------------------------------------------------------- through the CLI, on real nodes
 
 

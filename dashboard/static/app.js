@@ -158,8 +158,8 @@ function at(cv, t) {
 function edgeText(e, asym) {
   if (asym) return `${e.from_name}→${e.to_name}: ${e.path}`;
   const rtt = e.rtt_ms != null ? ` ${fmt(e.rtt_ms)} ms` : "";
-  return {direct: `direct${rtt}`, relay: `relay${rtt}`, none: "no path", unknown: "not reported"}[e.path]
-    || e.path;
+  return {direct: `direct${rtt}`, relay: `relay${rtt}`, none: "no path",
+          unknown: e.why_unknown || "not reported"}[e.path] || e.path;
 }
 
 function overlaps(a, b, pad) {
@@ -210,6 +210,7 @@ function drawTopology(state) {
       "marker-end": `url(#arrow-${COLORS[e.path] ? e.path : "unknown"})`, class: cls, "data-key": key,
       "data-from": e.from_name, "data-to": e.to_name, "data-path": e.path});
     path.appendChild(el("title", {}, `${e.from_name}→${e.to_name}: ${e.path}` +
+      (e.why_unknown ? ` (${e.why_unknown})` : "") +
       (e.rtt_ms != null ? `, ${fmt(e.rtt_ms)} ms` : "") + (e.since_s != null ? `, for ${ago(e.since_s)}` : "") +
       (hop && hop !== "forward" ? ` (${hop})` : "")));
     edgesG.appendChild(path);
