@@ -27,7 +27,6 @@ from .net.channel import DataChannel
 from .net.faults import Faults
 from .net.path_table import RELAY, PathTable
 from .net.udp import MAX_DATAGRAM, AddressError, format_addr, open_udp_and_tcp, parse_addr
-from .readiness import readiness
 from .relay.client import RelayClient
 from .relay.pool import Move, RelayPool
 from .rotation import KeyRotation
@@ -644,11 +643,6 @@ class Node:
             view.update(self.data.view(node))
             # The relay our frames to it took last (datagrams or data), if any did.
             view["relay_via"] = self.relays.via(node) if self.relays is not None else None
-            # When its process started, by its own clock (Meta.started; None from a peer too old
-            # to say): readiness links a chain of restarts under new keys at new addresses by it.
-            view["started"] = self.swim.members[node].meta.started or None
-        snap["self"]["started"] = self.swim.me.meta.started or None
-        snap["readiness"] = readiness(snap)  # again, now that it can read the start times
         snap["data"] = dict(self.data.counters)
         return snap
 

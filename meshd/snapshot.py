@@ -36,6 +36,9 @@ def member_view(m: Member, now: float) -> dict:
         "generation": m.meta.generation,
         "stages": m.meta.stages,
         "epoch": m.meta.epoch,
+        # When its process started, by its own clock (seconds since 1970; None from a peer too
+        # old to say): readiness links a chain of restarts under new keys at new addresses by it.
+        "started": m.meta.started or None,
         "checkpoint": m.meta.checkpoint,
         "draining": m.meta.draining,
         "keyring": list(m.meta.keyring),  # ids of the mesh keys it holds, the one it seals with first

@@ -311,6 +311,28 @@ def test_a_chain_of_restarts_under_new_keys_at_new_addresses_reads_as_one_node_r
     assert sorted(r["warnings"]) == [replaced[1], "stage-1: replica 51000000 is down (dead); 1 other serves"]
 
 
+def test_the_snapshot_gives_each_process_s_start_time_for_readiness_to_read():
+    """``meshd.snapshot.snapshot`` (what /api/snapshot, doctor and readiness read) says when
+    each process started, ours included, by its own clock: None for a peer that says none."""
+    from dataclasses import replace
+
+    from test_swim_units import Bench
+
+    from meshd.snapshot import snapshot
+    from meshd.wire import Alive
+
+    bench = Bench(3)
+    a, b, c = bench.swims
+    a.set_meta(replace(a.me.meta, started=1_800_000_000), 0.0)
+    b.set_meta(replace(b.me.meta, started=1_800_000_100), 0.0)
+    for peer in (b, c):  # c says no start time, as an older peer
+        bench.tell(a, peer, Alive(peer.incarnation, peer.id, peer.me.addr, peer.me.meta), now=1.0)
+    snap = snapshot(a, 1.0)
+    assert snap["self"]["started"] == 1_800_000_000
+    assert {m["prefix"]: m["started"] for m in snap["members"]} == {b.me.prefix: 1_800_000_100,
+                                                                     c.me.prefix: None}
+
+
 def test_a_suspect_node_whose_address_a_newer_node_of_its_stage_holds_is_replaced():
     """Restarted at once under a new identity, at its address: the old identity is suspect
     for a few seconds, and cannot serve (its port is the new process's)."""
