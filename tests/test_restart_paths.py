@@ -48,8 +48,8 @@ async def test_a_one_way_drop_to_a_restarted_peer_reads_unknown_then_relay_never
     """Our packets to stage-0 are dropped (a firewall), and stage-0 restarts at its address
     under its key.  Its new process is behind the same drop: from the moment we know of it
     until the first probe of it tells, the direction reads unknown (topology edge ``ok``
-    null, no asymmetric pair, nothing for doctor to blame), and then relay again, with the
-    asymmetric pair back in doctor.  It never reads direct."""
+    null, no asymmetric pair: doctor says only that it is not probed yet), and then relay
+    again, with the asymmetric pair back in doctor.  It never reads direct."""
     lines: list[str] = []
     ident = Identity.generate()
     with trio.fail_after(90):
