@@ -39,6 +39,8 @@ each next to the monolithic single stream, each one's single-stream latency rati
 the share of each pass spent before its last stream's first token (the prompts' prefills,
 which the aggregate includes).  Last, this host's wake after a 5 ms sleep (``bench/wake.py``),
 which each hop of a single stream pays: on a VM it moves the latency ratio from hour to hour.
+``bench/ring.py`` measures the floor under that ratio: the same three stages' compute over
+plain blocking sockets, with none of meshd's own work between the processes.
 """
 
 from __future__ import annotations
