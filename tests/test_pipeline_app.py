@@ -55,3 +55,15 @@ async def test_messages_to_a_dead_peer_fail_each_request_and_log_one_line_then_a
         await service.send(GONE, Release("r24"))
         assert [r.getMessage() for r in caplog.records][2].startswith("stage-0: could not deliver message")
         nursery.cancel_scope.cancel()
+
+
+async def test_a_failure_after_the_service_stopped_is_logged_not_raised(caplog):
+    caplog.set_level(logging.WARNING, "meshd.pipeline")
+    service = _Recording()
+    async with trio.open_nursery() as nursery:
+        service._nursery = nursery
+    # The nursery is closed (the service's serve() returned); the channel may still fail a message.
+    await service.send(GONE, Release("late-1"))
+    await service.send(GONE, Release("late-2"))
+    assert service.failed_ids == ["late-1", "late-2"]
+    assert len([r for r in caplog.records if "could not deliver" in r.getMessage()]) == 2

@@ -136,9 +136,13 @@ class App:
             self._undelivered[dst] += 1
             return
         log.warning("%s: %s", self.mesh.name, exc)
-        if self._nursery is not None:
-            self._undelivered[dst] = 0
+        if self._nursery is None:
+            return
+        try:
             self._nursery.start_soon(self._undelivered_summary, dst)
+        except RuntimeError:  # the service stopped (its nursery closed): each failure logs its own line
+            return
+        self._undelivered[dst] = 0
 
     async def _undelivered_summary(self, dst: bytes) -> None:
         await trio.sleep(UNDELIVERED_QUIET_S)
