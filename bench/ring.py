@@ -27,10 +27,12 @@ import os
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # one core per stage, as in bench/pipeline.py
 
 import multiprocessing  # noqa: E402
+import queue  # noqa: E402
 import socket  # noqa: E402
 import statistics  # noqa: E402
 import struct  # noqa: E402
 import tempfile  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -42,6 +44,7 @@ from meshd.pipeline.stage import stage_share  # noqa: E402
 
 STAGES = 3
 FIRST_TOKEN = 1
+WAIT_S = 120.0  # a process that died (or hangs) ends the bench with an error, not a hang
 _PICK = struct.Struct("<if")  # a head share's best token and its logit
 
 
@@ -79,7 +82,7 @@ def _stage(k: int, model_dir: str, listener: socket.socket, next_port: int, roun
     model = StageModel.load(model_dir, layers, embed=embed, head=head, config=config)
     cut = head_cut(config.vocab_size)
     dims = config.hidden_size
-    ready.wait()
+    ready.wait(WAIT_S)
     nxt = _connect(next_port)  # stage k -> k+1, and the last stage -> stage 0
     prev = _accept(listener)
     per_round: list[float] = []
@@ -106,8 +109,8 @@ def _stage(k: int, model_dir: str, listener: socket.socket, next_port: int, roun
                 theirs = model.head_logits(normed, slice(cut, config.vocab_size))[0]
                 nxt.sendall(_PICK.pack(*_best(theirs, cut)))
         per_round.append((time.perf_counter() - t0) / tokens)
-        ready.wait()  # the monolithic run goes between rounds, alone
-        ready.wait()
+        ready.wait(WAIT_S)  # the monolithic run goes between rounds, alone
+        ready.wait(WAIT_S)
     if k == 0:
         out.put((per_round, made))
 
@@ -128,8 +131,13 @@ def main() -> None:
                         help="greedy tokens a round (the small preset holds 256)")
     parser.add_argument("--pairs", type=int, default=15)
     args = parser.parse_args()
+    if args.pairs < 1:
+        parser.error("--pairs must be at least 1")
     with tempfile.TemporaryDirectory() as model_dir:
-        init_checkpoint(model_dir, "small")
+        config = init_checkpoint(model_dir, "small")
+        if not 1 <= args.tokens < config.max_position_embeddings:
+            parser.error(f"--tokens must be from 1 to {config.max_position_embeddings - 1} "
+                         "(the small preset's context, less the first token)")
         whole = StageModel.load(model_dir)
         _monolithic(whole, args.tokens)  # warm
         listeners = []
@@ -149,13 +157,15 @@ def main() -> None:
         for p in procs:
             p.start()
         try:
-            ready.wait()  # loaded
+            ready.wait(WAIT_S)  # loaded
             mono = []
             for _ in range(rounds):
-                ready.wait()  # the ring's round is done
+                ready.wait(WAIT_S)  # the ring's round is done
                 mono.append(_monolithic(whole, args.tokens))
-                ready.wait()
-            ring, ring_tokens = out.get(timeout=60)
+                ready.wait(WAIT_S)
+            ring, ring_tokens = out.get(timeout=WAIT_S)
+        except (threading.BrokenBarrierError, queue.Empty):
+            raise SystemExit(f"bench/ring.py: a stage process died or hung (waited {WAIT_S:g} s)") from None
         finally:
             for p in procs:
                 p.join(timeout=10)
