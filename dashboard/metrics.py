@@ -75,7 +75,8 @@ class _SnapshotCollector:
         yield GaugeMetricFamily("meshd_awareness", "Lifeguard local health score (0 = healthy)",
                                 value=snap.get("awareness") or 0)
         rtt = GaugeMetricFamily("meshd_peer_rtt_seconds", "Last RTT to a peer", labels=["peer", "name"])
-        path = GaugeMetricFamily("meshd_peer_path_out", "1 for the outbound path in use to a peer",
+        path = GaugeMetricFamily("meshd_peer_path_out", "1 for the outbound path in use to a peer "
+                                 "(unknown: a restarted peer not probed since)",
                                  labels=["peer", "name", "path"])
         fails = CounterMetricFamily("meshd_peer_direct_failures", "Probes whose direct ping went unanswered",
                                     labels=["peer", "name"])
@@ -83,7 +84,7 @@ class _SnapshotCollector:
             labels = [m["prefix"], m.get("name") or ""]
             if m.get("rtt_ms") is not None:
                 rtt.add_metric(labels, m["rtt_ms"] / 1000)
-            for p in _PATHS[:3]:
+            for p in _PATHS:  # one of the four is 1: an unprobed direction is no missing path
                 path.add_metric([*labels, p], 1.0 if m.get("path_out", "direct") == p else 0.0)
             fails.add_metric(labels, m.get("direct_failures", 0))
         yield rtt

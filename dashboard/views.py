@@ -214,8 +214,11 @@ def problems(snap: dict, topo: dict | None = None) -> list[dict[str, Any]]:
             ago = f" (seen {since:.0f} s ago)" if since is not None else ""
             out.append({"kind": "unprobed", "where": f"{a}→{b}",
                         "detail": f"{a}→{b}: {NOT_PROBED}{ago}; our datagrams go direct meanwhile",
-                        "check": f"wait a few seconds: the next probe of {b}'s new process tells whether "
-                                 f"direct works; if it persists, is {b} answering (its log)?"})
+                        "check": f"wait a probe period or two: the first probe of {b}'s new process that "
+                                 f"{b} or another member answers gives the verdict (direct, relay, or none "
+                                 f"when only other members vouch for {b}); if it persists, nobody answers "
+                                 f"our probes of {b}: is {b} up (its log), and do our packets reach the "
+                                 f"other members?"})
         elif e["path"] == "unknown" and e["from"] != snap["self"]["id"] and e["from"] in alive:
             # (a suspect node's silence is its suspicion, said once, not once per peer)
             unreported.setdefault(e["from"], []).append(b)

@@ -7,17 +7,19 @@ from __future__ import annotations
 
 from functools import partial
 
+import pytest
 import trio
 from test_rejoin import start_crashable, until
-from test_swim_units import Bench, found, restart
+from test_swim_units import Bench, found, path_moves, restart, with_relay
 
 from dashboard.views import problems, topology
 from meshd.identity import Identity
+from meshd.net.path_table import VOUCHED_ONLY, PathTable
 from meshd.node import NodeOptions
 from meshd.relay.server import Relay, serve_relay
-from meshd.swim import EventKind
+from meshd.swim import EventKind, Swim
 from meshd.testing.inprocess import start_node
-from meshd.wire import Ack, Ping
+from meshd.wire import Ack, Ping, PingReq
 
 
 def test_a_new_process_s_first_probe_verdict_is_reported_even_when_direct_works():
@@ -42,6 +44,88 @@ def test_a_new_process_s_first_probe_verdict_is_reported_even_when_direct_works(
     assert moves == [(b.id, True)], "the new process's first verdict"
     _, moves = direct_probe(now)
     assert moves == [], "and then only changes"
+
+
+
+def helpers_only_probe(bench: Bench, a: Swim, b: Swim, c: Swim, since: float) -> float:
+    """A's next probe of B: A's direct ping to B is dropped (one way: A->B), and so is anything
+    A sends over a relay; C, asked by A, pings B, and B's answer reaches A only as C's.  A's
+    probes of C are answered.  Returns A's time once its probe of B is over."""
+    probing_b = False
+    while (now := max(a.next_deadline(), bench.clock[a.id])) <= since + 30:
+        bench.clock[a.id] = now
+        a.tick(now)
+        if probing_b and a._probe is None:
+            return now
+        for out in a.outbox():
+            if out.via == "relay" or out.node == b.id:
+                probing_b = probing_b or bool(found(out, Ping))
+                continue  # dropped
+            if out.node != c.id or not (found(out, Ping) or found(out, PingReq)):
+                continue
+            t = max(now, bench.clock[c.id]) + 0.001
+            for back in bench.hand(out, t):  # C's ack to A, or its ping of B for A
+                if back.node == b.id:
+                    for ack in bench.hand(back, max(t, bench.clock[b.id]) + 0.001):
+                        if found(ack, Ack):
+                            for vouch in bench.hand(ack, bench.clock[c.id] + 0.001):
+                                bench.hand(vouch, max(now, bench.clock[a.id]) + 0.002)
+                elif found(back, Ack):
+                    bench.hand(back, max(now, bench.clock[a.id]) + 0.002)
+    raise AssertionError("A's probe of B did not end")
+
+
+@pytest.mark.parametrize("relay", [False, True], ids=["no-relay", "relay-down"])
+def test_a_restarted_peer_only_helpers_vouch_for_gets_a_verdict_none_not_unknown_forever(relay: bool):
+    """A->B is dropped one way, and no relay carries it (none configured, or its relayed ping
+    is lost too); B restarts.  Every probe of B's new process is answered only through a
+    ping-req helper: that is a verdict (none), so the direction stops reading unknown, is
+    reported in A's summary, and is given once.  Direct working again is news."""
+    bench = Bench(3)
+    if relay:
+        with_relay(bench)
+    a, b, c = bench.swims
+    paths = PathTable()
+
+    def drive(now: float) -> list[tuple[bytes | None, bool | None]]:
+        moves = []
+        for e in a.events():
+            if e.kind is EventKind.RESTART:
+                paths.restarted(e.node, e.at)
+                a.probe_soon(e.node, e.at)
+            elif e.kind is EventKind.PATH:
+                moves.append((e.node, e.detail["direct"]))
+                paths.probe_verdict(e.node, e.detail["direct"], e.at, "the relayed ping was answered")
+        return moves
+
+    bench.tell(a, b, restart(bench, b, 0.0), now=0.0)
+    drive(0.0)
+    assert paths.shown_path(b.id) == "unknown"
+    now = helpers_only_probe(bench, a, b, c, 0.0)
+    assert a.members[b.id].state.live
+    assert drive(now) == [(b.id, None)], "only helpers vouched: the new process's first verdict"
+    view = paths.view(b.id, now)
+    assert (view["path_out"], view["last_failure"], paths.out_path(b.id)) == ("none", VOUCHED_ONLY, "none")
+    (entry,) = [e for e in paths.summary(a.id, 1, [(b.id, None, None)], now).entries if e.peer == b.id]
+    assert (entry.path, entry.reason) == ("none", VOUCHED_ONLY)
+    now = helpers_only_probe(bench, a, b, c, now)
+    assert drive(now) == [], "and then only changes"
+    # The drop is lifted: B's direct answer moves the direction back to direct.
+    t, (ping,) = bench.tick_until(a, Ping, to=b, limit=now + 30)
+    for out in bench.hand(ping, t + 0.001):
+        if found(out, Ack):
+            bench.hand(out, t + 0.002)
+    assert drive(t) == [(b.id, True)] and paths.shown_path(b.id) == "direct"
+
+
+def test_a_peer_just_met_that_only_helpers_vouch_for_reads_none_as_a_restarted_one_does():
+    """The same one-way drop to a member just met: not direct (as assumed until now), but none."""
+    bench = Bench(3)
+    a, b, c = bench.swims
+    now = helpers_only_probe(bench, a, b, c, 0.0)
+    assert path_moves(a) == [(b.id, None)]
+    helpers_only_probe(bench, a, b, c, now)
+    assert path_moves(a) == []
 
 
 async def test_a_one_way_drop_to_a_restarted_peer_reads_unknown_then_relay_never_direct():

@@ -3,8 +3,9 @@
 Per peer and per direction: the path in use (``direct``, ``relay`` or
 ``none``), outbound attempts and successes, inbound messages seen per path,
 the last RTT and why the last direct attempt failed.  The SWIM core reports
-probe verdicts (direct answered, or only the relayed ping was); every probe
-tries direct first, so a recovered link is used again within a period.
+probe verdicts (direct answered, only the relayed ping was, or neither was and
+only other members vouched for the peer: ``none``); every probe tries direct
+first, so a recovered link is used again within a period.
 
 A peer's new process (a restart) is shown as ``unknown`` until a probe of it
 gives a verdict: what the old process's probes showed is not its, and a direct
@@ -32,6 +33,9 @@ MAX_SUMMARY_BYTES = GOSSIP_BUDGET_BYTES - PACKET_OVERHEAD - 64
 
 DIRECT, RELAY, NONE = "direct", "relay", "none"
 UNKNOWN = "unknown"  # shown, never routed on: a new process no probe has given a verdict on
+# Why a direction reads none while the peer is alive: a probe ended with neither our direct
+# ping nor a relayed one answered, and only ping-req helpers vouched for the peer.
+VOUCHED_ONLY = "direct ping unanswered; only others vouched"  # fits a summary (MAX_REASON_CHARS)
 
 
 @dataclass
@@ -103,9 +107,21 @@ class PathTable:
         inn.last_path = via
         inn.last_seen = now
 
-    def probe_verdict(self, node: bytes, direct: bool, now: float, reason: str) -> bool:
-        """Record what a probe showed; True if the outbound path shown changed."""
+    def probe_verdict(self, node: bytes, direct: bool | None, now: float, reason: str) -> bool:
+        """Record what a probe showed; True if the outbound path shown changed.
+
+        ``direct`` None: the probe ended with only other members vouching for the peer (neither
+        our direct ping nor a relayed one was answered), so no path of ours is known to reach
+        it: ``none``, with ``VOUCHED_ONLY`` as the reason (``reason`` speaks of a relay that
+        answered).  Our datagrams still go direct: nothing else could carry them."""
         out = self._peer(node).out
+        if direct is None:
+            out.direct_failures += 1
+            out.last_failure = VOUCHED_ONLY
+            if out.shown == NONE:
+                return False
+            out.path, out.since, out.unprobed = NONE, now, False
+            return True
         new = DIRECT if direct else RELAY
         if not direct:
             out.direct_failures += 1

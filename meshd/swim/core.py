@@ -107,6 +107,8 @@ class _Probe:
     relay_seq: int | None = None  # the same ping, sent over the relay after the timeout
     relay_sent_at: float = 0.0  # when that relayed ping went: its round trip counts from here
     acked: bool = False  # the member answered, by some path
+    acked_at: float = 0.0  # when the first answer came, by any path
+    answered: bool = False  # the member itself answered (direct or over the relay), not only helpers
     epoch: int = 0  # the target's process when the direct ping went (its Meta.epoch)
     helpers: frozenset[bytes] = frozenset()
     nackers: set[bytes] = field(default_factory=set)  # helpers that said "no answer"
@@ -176,6 +178,9 @@ class Swim:
         # The last probe verdict on our direct path to each member; None for a member's new
         # process that no probe has given one yet (its first verdict is news, direct or not).
         self._direct_ok: dict[bytes, bool | None] = {}
+        # Members whose last verdict was that only ping-req helpers vouched for them: neither our
+        # direct ping nor a relayed one was answered (reported as a PATH event with direct None).
+        self._unanswered: set[bytes] = set()
         self._seq = rng.randrange(1 << 31)
         self._out: list[Outgoing] = []
         self._events: list[Event] = []
@@ -470,7 +475,7 @@ class Swim:
             from_target = sender == probe.target  # else a ping-req helper forwarded it
             direct = msg.seq == probe.seq and from_target
             if not probe.acked:
-                probe.acked = True
+                probe.acked, probe.acked_at = True, now
                 self.counters["acks"] += 1
                 if not probe.indirect_sent:
                     self.awareness.apply_delta(-1)
@@ -487,15 +492,18 @@ class Swim:
             elif relayed and from_target:
                 self.members[probe.target].relay_rtt = rtt
             if from_target:
+                probe.answered = True
                 self.path_checks[probe.target] = self.path_checks.get(probe.target, 0) + 1
             recheck = False
             # A direct ping that went to a process since replaced says nothing of the direct
             # path to the one that answered over the relay.
             same_process = self.members[probe.target].meta.epoch == probe.epoch
-            if from_target and (direct or same_process) and self._direct_ok.get(probe.target, True) != direct:
+            if from_target and (direct or same_process) and (
+                    self._direct_ok.get(probe.target, True) != direct or probe.target in self._unanswered):
                 # Only the relayed ping was answered (or direct works again, or this is a new
                 # process's first verdict): a path fact, not a failure of the member.
                 self._direct_ok[probe.target] = direct
+                self._unanswered.discard(probe.target)
                 self._emit(EventKind.PATH, probe.target, now, direct=direct, rtt=rtt)
                 # One lost ping (a host too busy to answer in time) must not leave the
                 # direction on the relay for a whole round of the probe list: the next
@@ -506,6 +514,8 @@ class Swim:
                 self._punch_sends(self.punch.direct_failed(self.members[probe.target], self.me, now))
             if direct or probe.relay_seq is None or msg.seq == probe.relay_seq:
                 self._probe = None
+                if not probe.answered:
+                    recheck = self._vouched_only(probe, now)
                 if recheck:
                     self._probe_next(probe.target)
             # else: a helper vouched for the member; keep listening for the relayed
@@ -644,6 +654,20 @@ class Swim:
             return  # the relay vouches for who asks; a datagram could claim anyone
         self._punch_sends(self.punch.called(m, self.me, msg.addrs, now))
 
+    def _vouched_only(self, probe: _Probe, now: float) -> bool:
+        """``probe`` is over: helpers vouched for its member, but it answered neither our direct
+        ping nor one over the relay (none went, or none came back).  That is a verdict on our
+        path to it too, reported once (a PATH event with ``direct`` None): without it a new
+        process's path would read unknown for good.  True if it is news: the next period
+        probes the member again, so one lost ping does not hold the verdict for a round."""
+        node = probe.target
+        m = self.members.get(node)
+        if m is None or m.meta.epoch != probe.epoch or node in self._unanswered:
+            return False  # a ping to a process since replaced says nothing of the new one's path
+        self._unanswered.add(node)
+        self._emit(EventKind.PATH, node, now, direct=None, rtt=probe.acked_at - probe.sent_at)
+        return True
+
     def _direct_failing(self, node: bytes) -> bool:
         """Our last probe of ``node`` found its direct path down (only the relayed ping answered)."""
         return self._direct_ok.get(node) is False
@@ -710,6 +734,7 @@ class Swim:
             # even when it finds direct working.
             self.counters["restarts_seen"] += 1
             self._direct_ok[msg.node] = None
+            self._unanswered.discard(msg.node)
             self._emit(EventKind.RESTART, msg.node, now, epoch=msg.meta.epoch)
         m.incarnation, m.addr, m.meta, m.proof = msg.incarnation, msg.addr, msg.meta, msg.sig
         if old is not State.ALIVE:
@@ -723,6 +748,7 @@ class Swim:
         # so that it beats the suspicion timers it races (a false death is the worse error).
         self.broadcasts.queue(msg.node, msg, urgent=old is State.SUSPECT)
         if old in (State.DEAD, State.LEFT):
+            self._unanswered.discard(msg.node)  # the driver takes it to be direct again (paths.revived)
             if msg.node not in self._probe_list:
                 self._probe_list.insert(self.rng.randint(0, len(self._probe_list)), msg.node)
             self._emit(EventKind.JOIN, msg.node, now)
@@ -914,6 +940,8 @@ class Swim:
         if probe is not None and now >= probe.end_at:
             if probe.acked:
                 self._probe = None
+                if not probe.answered and self._vouched_only(probe, now):
+                    self._probe_next(probe.target)
             else:
                 self._probe_failed(probe, now)
         if self._probe is None and now >= self._next_probe:
