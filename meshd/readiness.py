@@ -45,10 +45,12 @@ def readiness(snap: dict) -> dict:
     why: list[str] = []
     warnings: list[str] = _stage_count_warnings(snap, expected)
     now = snap.get("time")  # wall clock, as the members' start times are
-    orchestrator = _role_row("orchestrator", ORCHESTRATOR, names, views, run_checkpoint, now, why, warnings)
+    lag = snap.get("suspicion_s")  # how long a death's verdict may trail it; None: not said
+    orchestrator = _role_row("orchestrator", ORCHESTRATOR, names, views, run_checkpoint, now, lag, why,
+                             warnings)
     rows = []
     for k in range(expected):
-        row = _role_row(f"stage-{k}", stage_name(k), names, views, run_checkpoint, now, why, warnings)
+        row = _role_row(f"stage-{k}", stage_name(k), names, views, run_checkpoint, now, lag, why, warnings)
         rows.append({"stage": k, **row})
     _check_edge_names(rows, names, why)
     _check_hops(snap, orchestrator, rows, why, warnings)
@@ -139,9 +141,11 @@ def _short(fingerprint: str) -> str:
 _REPLICA_KEYS = ("prefix", "state", "checkpoint", "draining", "serving", "id")
 
 
-def _replica(entry: dict, views: dict[str, dict], run_checkpoint: str, now: float | None) -> dict:
+def _replica(entry: dict, views: dict[str, dict], run_checkpoint: str, now: float | None,
+             lag: float | None) -> dict:
     """One owner's entry as readiness sees it; ``serving`` when it can take new work, ``up_s``
-    how long ago its process started (``_up_for``)."""
+    how long ago its process started (``_up_for``), ``down_s`` how long ago, at the most, a
+    process gone went down (``_down_for``)."""
     view = views.get(entry["owner"], {})
     checkpoint = str(view.get("checkpoint") or "")
     draining = bool(view.get("draining"))
@@ -154,7 +158,7 @@ def _replica(entry: dict, views: dict[str, dict], run_checkpoint: str, now: floa
             "draining": draining, "serving": live and not draining and not mismatch and not down,
             "live": live, "mismatch": mismatch, "tombstone": bool(entry.get("tombstone")),
             "id": view.get("id"), "reported_down": down, "age_s": view.get("state_age_s"),
-            "up_s": _up_for(view, now), "addr": view.get("addr")}
+            "up_s": _up_for(view, now), "down_s": _down_for(view, lag), "addr": view.get("addr")}
 
 
 def _up_for(view: dict, now: float | None) -> float | None:
@@ -167,11 +171,29 @@ def _up_for(view: dict, now: float | None) -> float | None:
     return view.get("state_age_s") if view.get("state") == "alive" else None
 
 
+def _down_for(view: dict, lag: float | None) -> float | None:
+    """How long ago, at the most, a member no longer alive went down: its process cannot have
+    gone before we last heard from it, nor before its verdict (its state's age) less ``lag``,
+    the suspicion timeout by which a verdict of death trails the death (None: a snapshot
+    that does not say it); the nearer of the two, and no nearer than the verdict.  None when
+    its state says no age."""
+    age = view.get("state_age_s")
+    if age is None:
+        return None
+    bounds = [b for b in (view.get("last_seen_s"), None if lag is None else age + lag) if b is not None]
+    return max(age, min(bounds)) if bounds else age
+
+
+# A process started this long before another went down may still have started after it:
+# start times count whole seconds (cut down), by another host's clock.
+START_SLACK_S = 1.0
+
+
 def _role_row(label: str, name: str, names: dict, views: dict[str, dict], run_checkpoint: str,
-              now: float | None, why: list[str], warnings: list[str]) -> dict:
+              now: float | None, lag: float | None, why: list[str], warnings: list[str]) -> dict:
     """The replicas of ``name`` and how many serve; adds its reasons and warnings."""
     entries = (names.get(name) or {}).get("entries", [])
-    replicas = [_replica(e, views, run_checkpoint, now) for e in entries]
+    replicas = [_replica(e, views, run_checkpoint, now, lag) for e in entries]
     # A tombstone shows while its owner is known dead (a replica that went down), or while
     # its owner drains: draining withdraws a node's names, and it is still there, serving
     # no new work.
@@ -282,16 +304,21 @@ def _replacements(shown: list[dict]) -> dict[str, dict | None]:
 
 def _fits(gone: list[dict], later: dict, earlier: dict | None) -> bool:
     """Whether the processes of one place (``gone``, the last to go down first) came between
-    ``earlier`` (None: nothing before) and ``later`` in a line: all went down before ``later``
-    came up, and the first of them came up after ``earlier`` went down."""
-    if later.get("up_s") is None or not later["up_s"] < gone[0]["age_s"]:
+    ``earlier`` (None: nothing before) and ``later`` in a line: all may have gone down before
+    ``later`` came up, and the first of them came up after ``earlier`` may have gone down.
+    Going down is as early as it can have been (``down_s``), not when the mesh declared it:
+    a process restarted at once comes up before its last one is declared dead."""
+    downs = [r.get("down_s") for r in gone]
+    if later.get("up_s") is None or None in downs:
+        return False
+    if not later["up_s"] < min(d for d in downs if d is not None) + START_SLACK_S:
         return False
     if earlier is None:
         return True
     ups = [r.get("up_s") for r in gone]
-    if None in ups or earlier.get("age_s") is None:
+    if None in ups or earlier.get("down_s") is None:
         return False  # one of them may have come up first, before ``earlier`` went down
-    return max(u for u in ups if u is not None) < earlier["age_s"]
+    return max(u for u in ups if u is not None) < earlier["down_s"] + START_SLACK_S
 
 
 def _degraded(label: str, shown: list[dict], replaced: dict[str, dict | None], serving: int,

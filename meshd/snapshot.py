@@ -97,6 +97,9 @@ def snapshot(swim: Swim, now: float, paths: PathTable | None = None, relay: dict
         "relay": relay,
         "path_summaries": path_summaries(swim, now),
         "awareness": swim.awareness.score,
+        # The longest a suspicion runs before a death's verdict, at the mesh's size now: readiness
+        # allows for it when it asks whether a process started after another went down.
+        "suspicion_s": swim.config.suspicion_bounds(swim.live_count())[1],
         "counters": dict(sorted(swim.counters.items())),
         "twin": twin_view(swim, now),
     }

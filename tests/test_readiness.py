@@ -311,9 +311,47 @@ def test_a_chain_of_restarts_under_new_keys_at_new_addresses_reads_as_one_node_r
     assert sorted(r["warnings"]) == [replaced[1], "stage-1: replica 51000000 is down (dead); 1 other serves"]
 
 
+def test_a_restart_that_came_up_before_its_last_process_was_declared_dead_reads_as_replaced():
+    """A supervisor restarted stage-1 at once under a new key at a new address: the old
+    process died at t0, the new one started at t0+1 and joined at t0+30, and the mesh
+    declared the old one dead only at t0+5, after its suspicion ran out.  The new one came
+    up after the old one went down (when it was last heard from), so it replaced it; a node
+    started well before that is a replica, and of two replicas that died together one
+    node started since replaces one only."""
+    t0 = 1_800_000_000.0
+    now = t0 + 40  # the snapshot's wall clock
+    me, others = healthy()
+    del others[2]  # stage-1 is S1A alone, up since t0+1, joined at t0+30
+    others[1].update(state_age_s=now - (t0 + 30), started=int(t0 + 1))
+    old = {**node(S1B, 1, state="dead"), "addr": "127.0.0.1:5", "state_age_s": now - (t0 + 5),
+           "last_seen_s": now - (t0 - 0.2), "started": int(t0 - 3600)}
+    replaced = f"stage-1: {S1B} is down (dead); {S1A}, started since, serves in its place"
+
+    def seen(*gone: dict, **extra: Any) -> dict:
+        tombs = tuple(g["prefix"] for g in gone)
+        return readiness({**snap_of(me, [*others, *gone], tombstoned=tombs), "time": now, **extra})
+
+    assert seen(old)["warnings"] == [replaced]
+    # Not heard from by us at all: its verdict less the suspicion timeout bounds its death.
+    unheard = {**old, "last_seen_s": None}
+    assert seen(unheard, suspicion_s=6.0)["warnings"] == [replaced]
+    assert seen(unheard)["warnings"] == [f"stage-1: replica {S1B} is down (dead); 1 other serves"]
+    # Started 20 s before the old one was last heard from: a replica, then and now.
+    early = {**others[1], "started": int(t0 - 20)}
+    r = readiness({**snap_of(me, [others[0], early, *others[2:], old], tombstoned=(S1B,)), "time": now,
+                   "suspicion_s": 6.0})
+    assert r["warnings"] == [f"stage-1: replica {S1B} is down (dead); 1 other serves"]
+    # Two replicas at two addresses that died together, one node started since: one is lost.
+    twin = {**old, "prefix": "51c51c51", "id": "51c51c51" * 8, "addr": "127.0.0.1:6"}
+    r = seen(old, twin, suspicion_s=6.0)
+    assert len([w for w in r["warnings"] if "serves in its place" in w]) == 1
+    assert len([w for w in r["warnings"] if "is down (dead); 1 other serves" in w]) == 1
+
+
 def test_the_snapshot_gives_each_process_s_start_time_for_readiness_to_read():
     """``meshd.snapshot.snapshot`` (what /api/snapshot, doctor and readiness read) says when
-    each process started, ours included, by its own clock: None for a peer that says none."""
+    each process started, ours included, by its own clock: None for a peer that says none;
+    and the suspicion timeout, by which a death's verdict may trail the death."""
     from dataclasses import replace
 
     from test_swim_units import Bench
@@ -331,6 +369,8 @@ def test_the_snapshot_gives_each_process_s_start_time_for_readiness_to_read():
     assert snap["self"]["started"] == 1_800_000_000
     assert {m["prefix"]: m["started"] for m in snap["members"]} == {b.me.prefix: 1_800_000_100,
                                                                      c.me.prefix: None}
+    # ... and how long a death's verdict may trail it: the longest suspicion at its size.
+    assert snap["suspicion_s"] == a.config.suspicion_bounds(3)[1]
 
 
 def test_a_suspect_node_whose_address_a_newer_node_of_its_stage_holds_is_replaced():
@@ -595,7 +635,6 @@ async def test_doctor_reads_a_chain_of_restarts_under_new_keys_at_new_addresses_
                 with trio.fail_after(30):
                     while orch.core.members[s1.identity.node_id].state is not State.DEAD:
                         await trio.sleep(0.1)
-                await trio.sleep(1.5)  # a start time counts whole seconds: the next starts after
             s1 = await start_node(nursery, s1_opts, lines)  # port 0: a new address each time
             await wait_converged([orch, s0, s1])
             out = await _doctor_once_ok(capsys, orch.dashboard_url)
