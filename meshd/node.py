@@ -25,7 +25,7 @@ from .mesh import Handler, MemberInfo
 from .net.amplification import AmplificationGuard
 from .net.channel import DataChannel
 from .net.faults import Faults
-from .net.path_table import RELAY, PathTable
+from .net.path_table import RELAY, VOUCHED_ONLY, PathTable
 from .net.udp import MAX_DATAGRAM, AddressError, format_addr, open_udp_and_tcp, parse_addr
 from .relay.client import RelayClient
 from .relay.pool import Move, RelayPool
@@ -850,8 +850,13 @@ class Node:
         if wake:
             self._wake.set()  # the core's next deadline may have moved
 
-    def _path_changed(self, node: bytes, direct: bool, rtt: float, now: float) -> None:
-        reason = "direct ping unanswered within the probe timeout; the relayed ping was answered"
+    def _path_changed(self, node: bytes, direct: bool | None, rtt: float, now: float) -> None:
+        """A probe's verdict on ``node``: direct answered (True), only the relayed ping was
+        answered (False), or neither, only other members vouched for it (None)."""
+        if direct is None:
+            reason = VOUCHED_ONLY
+        else:
+            reason = "direct ping unanswered within the probe timeout; the relayed ping was answered"
         if not direct and (why := self.core.punch.status(node)):
             reason = f"{why}; {reason}"  # first: a gossiped summary keeps only the start
         self.paths.set_punched(node, self.core.punch.address(node))

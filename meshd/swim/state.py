@@ -64,7 +64,8 @@ class EventKind(enum.Enum):
     LEFT = "left"
     NAME = "name"  # the registry changed
     RESTART = "restart"  # a member's new process (a new epoch): detail {"epoch"}
-    PATH = "path"  # a probe told us which path reaches a member: detail {"direct": bool, "rtt"}
+    PATH = "path"  # a probe told us which path reaches a member: detail {"direct", "rtt"}; direct is
+    # True (it answered directly), False (only over the relay) or None (only others vouched for it)
     KEYRING = "keyring"  # a member changed the mesh keyring: detail {"change": KeyringChange}
     PUNCHED = "punched"  # a punch through a member's NAT was answered: detail {"addr", "seen"}
     TWIN = "twin"  # another live process signs as us (see twin.py): detail {"twin", "keep"}
