@@ -95,6 +95,46 @@ def test_links_through_other_folders_mount_each_folder_they_pass_once(tmp_path):
     assert checkpoint_mounts(model) == [f"{d}:{d}:ro" for d in (model, a, b, shared)]
 
 
+def test_links_inside_a_linked_folder_are_followed_and_mounted_too(tmp_path):
+    """model/sub is a link to x/ext, whose w is a link to ../blobs/w: a container reads w
+    through both, so x/blobs is mounted beside x/ext; a link back into a folder already
+    walked is walked once; a link there that leads nowhere is refused by its path in the
+    checkpoint."""
+    tmp_path = tmp_path.resolve()
+    model, x = tmp_path / "model", tmp_path / "x"
+    for folder in (model, x / "ext", x / "blobs"):
+        folder.mkdir(parents=True)
+    (x / "blobs" / "w").write_bytes(b"w")
+    (x / "ext" / "w").symlink_to("../blobs/w")
+    (x / "ext" / "back").symlink_to(x / "ext")  # a cycle
+    (model / "sub").symlink_to(x / "ext")
+    (model / "again").symlink_to(x / "ext")
+    assert checkpoint_mounts(model) == [f"{d}:{d}:ro" for d in (model, x / "blobs", x / "ext")]
+    (x / "ext" / "lost").symlink_to("../blobs/missing")
+    with pytest.raises(DockerError) as caught:
+        checkpoint_mounts(model)
+    message = str(caught.value)
+    assert message.startswith("--provider docker: the checkpoint's again/lost is a link to ../blobs/missing")
+    assert "\n" not in message
+
+
+def test_a_link_through_a_linked_folder_mounts_the_folders_the_kernel_reaches(tmp_path):
+    """model/w names /t/link/w, /t/link is a link to deep/real, and real/w is a link to
+    ../blobs/w: the kernel reads ../blobs from the folder the link is in, deep/real, so
+    deep/blobs is mounted, not a /t/blobs that is not there."""
+    tmp_path = tmp_path.resolve()
+    model, t, deep = tmp_path / "model", tmp_path / "t", tmp_path / "far" / "deep"
+    for folder in (model, t, deep / "real", deep / "blobs"):
+        folder.mkdir(parents=True)
+    (deep / "blobs" / "w").write_bytes(b"w")
+    (deep / "real" / "w").symlink_to("../blobs/w")
+    (t / "link").symlink_to(deep / "real")
+    (model / "w").symlink_to(t / "link" / "w")
+    mounts = checkpoint_mounts(model)
+    assert mounts == [f"{d}:{d}:ro" for d in (model, deep / "blobs", t / "link")]
+    assert all(os.path.exists(m.split(":")[0]) for m in mounts)
+
+
 @pytest.mark.parametrize("target", ["../../blobs/" + "f" * 40, "generation_config.json"],
                          ids=["missing", "loop-to-itself"])
 def test_a_link_that_leads_to_no_file_is_refused_in_one_line_before_the_engine_is_asked(

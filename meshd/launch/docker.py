@@ -120,34 +120,47 @@ def ensure_image(say: Callable[[str], None]) -> str:
 def checkpoint_mounts(model: Path) -> list[str]:
     """The read-only ``--volume`` arguments that make checkpoint folder ``model`` (an absolute
     path without links in it) readable in a container at its host path: the folder, then each
-    folder outside it that a link in it leads through, sorted, none inside another.
+    folder outside it that a link in it leads through, sorted, none inside another.  A link to
+    a folder is walked into too (each folder once, so a cycle ends), and the links in it count.
 
     A container resolves a link as the host does, through the path the link names, so each
     hop's target must be mounted at that path.  DockerError (one line) for a link that leads
-    to no file."""
+    to no file, named by its path through the checkpoint."""
     dirs: set[str] = set()
-    for root, subdirs, files in os.walk(model):  # links to folders are listed, not entered
-        subdirs.sort()  # the first dangling link named is the same on every run
-        for name in sorted([*subdirs, *files]):
-            path = os.path.join(root, name)
-            if os.path.islink(path):
-                dirs.update(_link_dirs(model, path))
+    walked: list[str] = []
+    todo = [(str(model), "")]  # a real folder to walk, and its path through the checkpoint
+    while todo:
+        real, shown = todo.pop(0)
+        if any(_within(real, w) for w in walked):
+            continue
+        walked.append(real)
+        for root, subdirs, files in os.walk(real):  # links to folders are listed, not entered
+            subdirs.sort()  # the first dangling link named is the same on every run
+            for name in sorted([*subdirs, *files]):
+                path = os.path.join(root, name)
+                if os.path.islink(path):
+                    named = os.path.normpath(os.path.join(shown, os.path.relpath(path, real)))
+                    dirs.update(_link_dirs(named, path))
+                    if os.path.isdir(path):
+                        todo.append((os.path.realpath(path), named))
     outside = sorted(d for d in dirs if not _within(d, str(model)))
     kept = [d for d in outside if not any(_within(d, o) for o in outside if o != d)]
     return [f"{d}:{d}:ro" for d in [str(model), *kept]]
 
 
-def _link_dirs(model: Path, link: str) -> list[str]:
-    """The folders a container reads through to reach what ``link`` leads to: each hop's
-    target's folder (the target itself where it is a folder), as an absolute path."""
+def _link_dirs(named: str, link: str) -> list[str]:
+    """The folders a container reads through to reach what ``link`` (``named`` in the
+    checkpoint) leads to: each hop's target's folder (the target itself where it is a folder),
+    as an absolute path.  A hop is read from the real folder its link is in, as the kernel
+    reads it: ``..`` in it leaves that folder, not the path it was reached by."""
     if not os.path.exists(link):  # follows every hop: false for a missing target and for a loop
-        raise DockerError(f"--provider docker: the checkpoint's {os.path.relpath(link, model)} is a link "
+        raise DockerError(f"--provider docker: the checkpoint's {named} is a link "
                           f"to {os.readlink(link)}, which leads to no file; a container could not read it")
     dirs, path = [], link
     for _ in range(MAX_LINK_HOPS):
         if not os.path.islink(path):
             break
-        path = os.path.normpath(os.path.join(os.path.dirname(path), os.readlink(path)))
+        path = os.path.normpath(os.path.join(os.path.realpath(os.path.dirname(path)), os.readlink(path)))
         is_folder = os.path.isdir(path) and not os.path.islink(path)
         dirs.append(path if is_folder else os.path.dirname(path))
     return dirs
