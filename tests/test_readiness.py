@@ -306,7 +306,7 @@ def test_a_chain_of_restarts_under_new_keys_at_new_addresses_reads_as_one_node_r
     # Had the second started before the first went down, they were replicas: one is lost.
     r = seen(first, {**second, "started": int(now - 60)})
     assert sorted(r["warnings"]) == [replaced[1], "stage-1: replica 51000000 is down (dead); 1 other serves"]
-    # A process that gives no start time (an older peer) links nothing: as before.
+    # A process that gives no start time (an older peer) links by address alone: here, nothing.
     r = seen(first, {**second, "started": None})
     assert sorted(r["warnings"]) == [replaced[1], "stage-1: replica 51000000 is down (dead); 1 other serves"]
 
