@@ -215,6 +215,17 @@ def test_a_direction_to_a_restarted_peer_not_probed_yet_is_neither_asymmetric_no
     assert not sees_all(snaps["stage-0"], {"bbbbbbbb"}) and sees_all(snaps["stage-1"], {"aaaaaaaa"})
 
 
+def test_a_peer_that_never_answers_us_but_others_vouch_for_has_a_measured_path_none():
+    """Our pings to stage-1 go unanswered both ways (a one-way drop, no relay) while other
+    members vouch for it: the verdict is ``none``, a measured path, so smoke-run converges
+    and reports it instead of waiting out its converge timeout."""
+    def member(path: str, checks: int) -> dict:
+        return {"prefix": "bbbbbbbb", "state": "alive", "path_checks": checks, "path_out": path}
+
+    assert sees_all({"members": [member("none", 0)]}, {"bbbbbbbb"})
+    assert not sees_all({"members": [member("direct", 0)]}, {"bbbbbbbb"})  # not probed yet: assumed
+
+
 def test_the_summary_says_a_direction_not_yet_probed_is_unknown_not_relayed():
     """stage-0's direction to stage-1's new process has had no probe verdict yet: the JSON
     says ``unknown`` and the summary names it as not yet probed, never as via relay; a

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..net.path_table import NONE as NONE_PATH
 from ..net.path_table import UNKNOWN
 from .model import parse_stage_job
 from .process import parse_relay_move
@@ -80,11 +81,13 @@ def names_short(names: dict[str, Any], needed: dict[str, int]) -> list[str]:
 
 
 def sees_all(snap: Snapshot, peers: set[str]) -> bool:
-    """The node sees each of ``peers`` alive, each probed at least once and its path known
-    (so the paths reported are measured, not assumed: a peer's new process reads ``unknown``
-    until a probe of it gives a verdict)."""
+    """The node sees each of ``peers`` alive, each with a measured path, not an assumed one:
+    probed at least once (it answered), or found to answer neither directly nor over a relay
+    while others vouch for it (``none``); a peer's new process reads ``unknown`` until a probe
+    of it gives a verdict."""
     seen = {m["prefix"] for m in snap["members"]
-            if m["state"] == "alive" and m["path_checks"] > 0 and m.get("path_out") != UNKNOWN}
+            if m["state"] == "alive" and m.get("path_out") != UNKNOWN
+            and (m["path_checks"] > 0 or m.get("path_out") == NONE_PATH)}
     return peers <= seen
 
 
