@@ -5,7 +5,7 @@ cost per message is the relay's cost: this codec parses a frame with a few
 slices, unmasks with numpy (a 64 KiB frame in ~15 µs, where XOR through a
 Python int takes ~240 µs; below 512 bytes the int is quicker), and keeps no
 state beyond the bytes of the frame being read and the fragments of the
-message being assembled.
+message being assembled (at most MAX_FRAGMENTS of them).
 
 A ``FrameReader`` takes the bytes read from the peer and hands back whole
 messages (``bytes`` for binary, ``str`` for text) and control frames
@@ -38,6 +38,10 @@ CLOSE_INVALID_DATA = 1007
 CLOSE_TOO_BIG = 1009
 
 MAX_CONTROL_PAYLOAD = 125
+# Frames one message may come in.  Each fragment is held until the last, so an endless run of
+# empty ones would grow the reader without bound while staying under max_message; no client
+# of ours fragments at all.
+MAX_FRAGMENTS = 1024
 
 _U16 = struct.Struct("!H")
 _U64 = struct.Struct("!Q")
@@ -188,6 +192,8 @@ class FrameReader:
                 raise FrameError(CLOSE_PROTOCOL_ERROR, "new message before the last one was finished")
             elif self._size + length > self._max_message:
                 raise FrameError(CLOSE_TOO_BIG, f"message over {self._max_message} bytes")
+            elif len(self._parts) >= MAX_FRAGMENTS:
+                raise FrameError(CLOSE_TOO_BIG, f"message in over {MAX_FRAGMENTS} fragments")
             key = None
             if self._masked:
                 key = bytes(buf[start:start + 4])
