@@ -35,15 +35,15 @@ def frame(packet: Packet) -> bytes:
     return prefixed(encode(packet, MAX_FRAME_BYTES))
 
 
-def next_frame(buf: bytearray) -> bytes | None:
+def next_frame(buf: bytearray, max_bytes: int = MAX_FRAME_BYTES) -> bytes | None:
     """The next whole frame's packet bytes, taken off the front of ``buf``; None until one is whole.
 
-    Raises WireError for a length no frame of ours has (not our protocol)."""
+    Raises WireError for a length over ``max_bytes`` (not our protocol, or not at this point of it)."""
     if len(buf) < _LEN.size:
         return None
     (n,) = _LEN.unpack_from(buf)
-    if n > MAX_FRAME_BYTES:
-        raise WireError(f"a frame of {n} bytes")
+    if n > max_bytes:
+        raise WireError(f"a frame of {n} bytes, over {max_bytes}")
     if len(buf) < _LEN.size + n:
         return None
     data = bytes(buf[_LEN.size:_LEN.size + n])
@@ -51,15 +51,17 @@ def next_frame(buf: bytearray) -> bytes | None:
     return data
 
 
-async def read_packet(stream: trio.abc.ReceiveStream, buf: bytearray) -> Packet:
+async def read_packet(stream: trio.abc.ReceiveStream, buf: bytearray, max_bytes: int = MAX_FRAME_BYTES
+                      ) -> Packet:
     """The next whole frame from ``stream``, decoded; bytes read past it stay in ``buf``.
 
-    Raises FramingError when the stream closes first or the bytes are not our protocol."""
+    Raises FramingError when the stream closes first or the bytes are not our protocol
+    (a frame over ``max_bytes`` included: it is refused from its length, before it is read)."""
     while True:
         try:
-            data = next_frame(buf)
+            data = next_frame(buf, max_bytes)
             if data is not None:
-                return decode(data, MAX_FRAME_BYTES)
+                return decode(data, max_bytes)
         except WireError as exc:
             raise FramingError(f"not our protocol ({exc})") from exc
         more = await stream.receive_some(RECV_BYTES)

@@ -33,6 +33,11 @@ from ..wire import DH_KEY_BYTES, STREAM_NONCE_BYTES, Message, Packet, StreamChal
 from .data_keys import BadPeerKey, ProcessKeys
 from .framing import FramingError, frame, read_packet
 
+# A handshake frame holds one StreamChallenge or StreamProof: under 400 bytes encoded.  A larger
+# length is refused from the frame's header, so a stranger who has proved nothing yet cannot make
+# us buffer a data frame's megabyte on each of its connections.
+MAX_HANDSHAKE_FRAME_BYTES = 1024
+
 
 class HandshakeError(Exception):
     """A stream's handshake did not prove the other end's node id, process key or mesh key."""
@@ -104,7 +109,7 @@ def _only(packet: Packet, kind: type[_M]) -> _M:
 
 async def _read(stream: trio.SocketStream, buf: bytearray) -> Packet:
     try:
-        return await read_packet(stream, buf)
+        return await read_packet(stream, buf, MAX_HANDSHAKE_FRAME_BYTES)
     except FramingError as exc:
         raise HandshakeError(str(exc)) from exc
 
