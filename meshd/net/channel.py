@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -62,6 +62,12 @@ MAX_EPOCHS = 4096
 # second, that peer's oldest.
 MAX_INBOUND_STREAMS = 512
 MAX_INBOUND_PER_PEER = 4
+# Inbound connections still in their handshake.  Each holds a socket for up to the handshake
+# timeout before it has proved anything, so a stranger who keeps opening connections would
+# otherwise hold as many sockets as the process may open (and then none is left for our own
+# dials, the relay or the dashboard).  Past the bound, the oldest one from the address that
+# holds the most goes: a member's handshake takes a round trip, a stranger's waits out the timeout.
+MAX_PENDING_HANDSHAKES = 128
 
 
 @dataclass
@@ -144,12 +150,13 @@ class DataChannel:
         self.member = member or (lambda node: True)
         self._inbound: dict[trio.SocketStream, bytes] = {}  # inbound streams -> peer, oldest first
         self._evicted: set[trio.SocketStream] = set()  # closed by _make_room, their readers not yet out
+        self._pending: dict[trio.SocketStream, str] = {}  # inbound, in their handshake -> peer host
         self.reassembler = Reassembler()
         self.counters: dict[str, int] = {
             "sent": 0, "delivered": 0, "resent": 0, "bad_frames": 0, "streams_in": 0,
             "streams_refused": 0, "handshake_failures": 0, "dials": 0, "dial_failures": 0,
             "reader_errors": 0, "peer_restarts": 0, "peers_down": 0, "rx_data_undecryptable": 0,
-            "bad_peer_keys": 0, "streams_evicted": 0,
+            "bad_peer_keys": 0, "streams_evicted": 0, "handshakes_evicted": 0,
             "sent_bytes": 0, "delivered_bytes": 0,  # message payload bytes
         }
         self._down: dict[bytes, float] = {}  # peers whose process looks gone, since when
@@ -199,9 +206,12 @@ class DataChannel:
 
     async def _handle_inbound(self, stream: trio.SocketStream) -> None:
         self.counters["streams_in"] += 1
+        raw = stream
         stream = with_stream_faults(stream, self.faults, self._spawn)  # our writes on it held, as netem would
         async with stream:
             buf = bytearray()
+            self._make_pending_room()
+            self._pending[raw] = _peer_host(raw)
             try:
                 with trio.fail_after(self.config.handshake_timeout):
                     proven = await accept(stream, buf, self.local_end(), self._blocked)
@@ -209,6 +219,8 @@ class DataChannel:
                 self.counters["handshake_failures"] += 1
                 log.debug("inbound data stream refused: %s", exc or "handshake timed out")
                 return
+            finally:
+                self._pending.pop(raw, None)
             node = proven.node_id
             if not self._make_room(node):
                 self.counters["streams_refused"] += 1
@@ -243,6 +255,17 @@ class DataChannel:
             victim = next(iter(self._inbound))
         self._close_inbound(victim)
         return True
+
+    def _make_pending_room(self) -> None:
+        """Room for one more connection in its handshake: past MAX_PENDING_HANDSHAKES, close the
+        oldest one from the host that has the most in theirs."""
+        if len(self._pending) < MAX_PENDING_HANDSHAKES:
+            return
+        busiest = Counter(self._pending.values()).most_common(1)[0][0]
+        victim = next(stream for stream, host in self._pending.items() if host == busiest)
+        del self._pending[victim]
+        victim.socket.close()  # its handshake fails at its next read or write
+        self.counters["handshakes_evicted"] += 1
 
     def _close_inbound(self, stream: trio.SocketStream) -> None:
         """Close an inbound stream to make room.  Its socket closes, not its reader's task: a
@@ -430,3 +453,10 @@ class DataChannel:
         """Our data path to ``node``, for the snapshot: in use, messages sent, the last failure."""
         return self._sender.view(node)
 
+
+def _peer_host(stream: trio.SocketStream) -> str:
+    """The address a connection comes from ("" once it cannot be read)."""
+    try:
+        return str(stream.socket.getpeername()[0])
+    except OSError:
+        return ""
