@@ -1,8 +1,10 @@
-"""WebSocket frames a stranger can send the relay before and after it authenticates.
+"""What a stranger can send the relay before it has proved an id: frames, and connections.
 
 A message may come in fragments, and the reader holds each fragment until the
 last one; a stranger who never sends the last one (an endless run of empty
 continuation frames, six bytes each) must not make the relay hold more and more.
+Nor may a crowd of connections that never authenticate hold a socket each
+until the relay can open no more.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import os
 
 import pytest
 import trio
+import trio.testing
+from test_relay import assert_exchange, start_client, start_relay
 
 from meshd.relay import wsframe
 from meshd.relay.server import Relay, RelayConfig, serve_relay
@@ -84,3 +88,42 @@ async def test_the_relay_closes_a_connection_that_sends_endless_fragments():
     assert head.startswith(b"HTTP/1.1 101")
     assert wsframe.CLOSE_TOO_BIG in _close_codes(frames)
     assert relay.refused.get("oversized") == 1
+
+
+async def _upgrade_and_wait(port: int, closed: list[int]) -> None:
+    """Upgrade to a WebSocket, take the challenge, answer nothing; count it once the relay
+    closes it."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    key = base64.b64encode(os.urandom(16)).decode()
+    async with stream:
+        await stream.send_all((f"GET / HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\n"
+                               f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\n"
+                               "Sec-WebSocket-Version: 13\r\n\r\n").encode())
+        try:
+            while await stream.receive_some(65536):
+                pass
+        except trio.BrokenResourceError:
+            pass
+        closed.append(1)
+        await trio.sleep_forever()
+
+
+async def test_a_crowd_that_never_authenticates_holds_a_bounded_number_of_sockets():
+    limit = 8
+    # Neither the upgrade nor the challenge times out here: only the bound can close them.
+    relay = Relay(RelayConfig(handshake_timeout=3600, auth_timeout=3600, max_pending=limit))
+    closed: list[int] = []
+    async with trio.open_nursery() as nursery:
+        _, port, relay = await start_relay(nursery, relay)
+        for _ in range(3 * limit):
+            nursery.start_soon(_upgrade_and_wait, port, closed)
+        await trio.testing.wait_all_tasks_blocked(0.2)
+        assert relay.refused.get("busy", 0) >= 2 * limit
+        with trio.fail_after(30):  # a guard against a hang: each close is over in a moment
+            while len(closed) < relay.refused["busy"]:
+                await trio.sleep(0.05)
+        # Members that connect while the crowd waits still get through, and are relayed.
+        a = await start_client(nursery, port)
+        b = await start_client(nursery, port)
+        await assert_exchange(a, b, b"past the crowd")
+        nursery.cancel_scope.cancel()

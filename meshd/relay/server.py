@@ -36,6 +36,7 @@ import logging
 import os
 import random
 import secrets
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn
@@ -98,6 +99,10 @@ class RelayConfig:
     # reconnect).  Without a mesh key anyone can prove a fresh id, so this bounds what a crowd
     # of them can make the relay hold (a socket and a few tasks each).
     max_clients: int = 4096
+    # Connections not yet authenticated (upgrade and challenge, up to handshake_timeout +
+    # auth_timeout each): past it, the oldest from the address that holds the most is closed,
+    # so a stranger opening connection after connection cannot use up the relay's sockets.
+    max_pending: int = 256
 
     def __post_init__(self) -> None:
         if not 0 < self.max_payload <= MAX_PAYLOAD:
@@ -110,6 +115,8 @@ class RelayConfig:
             raise ValueError("total_queue_bytes must be at least queue_bytes")
         if self.max_clients < 1:
             raise ValueError("max_clients must be at least 1")
+        if self.max_pending < 1:
+            raise ValueError("max_pending must be at least 1")
 
     @property
     def max_frame(self) -> int:
@@ -164,6 +171,9 @@ class Relay:
         if self.mesh_key_file is not None:
             self.mesh_key, self._mesh_key_stamp = _read_keyring(self.mesh_key_file)
         self._clients: dict[bytes, _Client] = {}
+        # Connections not yet authenticated -> (their host, the scope whose cancel closes them).
+        self._pending: dict[trio.abc.Stream, tuple[str, trio.CancelScope]] = {}
+        self._evicted: set[trio.abc.Stream] = set()
         # While a reader forwards one read's frames: the destinations it holds (see _reader).
         self._held: list[WebSocket] | None = None
         self.frames_forwarded = 0
@@ -232,18 +242,24 @@ class Relay:
         port scanner) is counted as refused."""
         remote = _stream_peer(stream)
         ws = None
+        self._make_pending_room()
+        pending = self._pending[stream] = (_stream_host(stream), trio.CancelScope())
         try:
-            with trio.move_on_after(self.config.handshake_timeout):
-                try:
-                    ws = await wsconn.accept(stream, max_message=self.config.max_frame,
-                                             on_queued=self._queued)
-                except HandshakeError as exc:
-                    log.debug("relay: %s: %s", remote, exc)
-            if ws is None:
-                self._count_refused("handshake-failed", remote, "no WebSocket upgrade (not a relay client)")
-                return
-            await self.handle(ws, remote)
+            with pending[1]:
+                with trio.move_on_after(self.config.handshake_timeout):
+                    try:
+                        ws = await wsconn.accept(stream, max_message=self.config.max_frame,
+                                                 on_queued=self._queued)
+                    except HandshakeError as exc:
+                        log.debug("relay: %s: %s", remote, exc)
+                if ws is None:
+                    self._count_refused("handshake-failed", remote,
+                                        "no WebSocket upgrade (not a relay client)")
+                    return
+                await self.handle(ws, remote)
         finally:
+            self._pending.pop(stream, None)
+            self._evicted.discard(stream)
             if ws is not None:
                 with trio.CancelScope(shield=True):  # bounded: our Close, once, then the stream
                     await ws.aclose(timeout=self.config.close_timeout)
@@ -255,15 +271,35 @@ class Relay:
         """One upgraded connection: authenticate it, then serve it until it closes."""
         try:
             node_id = await self._authenticate(ws, remote)
+            self._pending.pop(ws.stream, None)  # proven: no longer the crowd's to make room in
             if node_id is not None:
                 await self._session(ws, node_id, remote)
         finally:
-            if ws.closed is None:
+            if ws.closed is None and ws.stream in self._evicted:
+                text = f"over {self.config.max_pending} connections wait to authenticate here"
+                with trio.CancelScope(shield=True):
+                    await ws.aclose(CLOSE_FULL, text, timeout=min(self.config.close_timeout, SHUTDOWN_GRACE))
+            elif ws.closed is None:
                 # Cancelled: the relay is shutting down. Say so, so clients reconnect at once;
                 # the close frame goes out at once, the wait for the peer's reply is short.
                 with trio.CancelScope(shield=True):
                     await ws.aclose(CLOSE_SHUTTING_DOWN, "relay shutting down",
                                     timeout=min(self.config.close_timeout, SHUTDOWN_GRACE))
+
+    def _make_pending_room(self) -> None:
+        """Room for one more unauthenticated connection: past max_pending, close the oldest one
+        from the host that has the most waiting (counted as refused "busy", not logged one by
+        one: a crowd would fill the log)."""
+        if len(self._pending) < self.config.max_pending:
+            return
+        busiest = Counter(host for host, _ in self._pending.values()).most_common(1)[0][0]
+        victim = next(stream for stream, (host, _) in self._pending.items() if host == busiest)
+        _, scope = self._pending.pop(victim)
+        self._evicted.add(victim)
+        scope.cancel()
+        self.refused["busy"] = self.refused.get("busy", 0) + 1
+        log.debug("relay: closed a connection from %s waiting to authenticate: %d wait already",
+                  busiest, self.config.max_pending)
 
     def _current_mesh_key(self) -> mesh_keyring.Keyring | None:
         """Our keyring, read again if its file changed since; a file that cannot be read now
@@ -604,6 +640,13 @@ def _close_text(ws: WebSocket) -> str:
     if reason is None:
         return "open"
     return f"{reason.code} {reason.reason}".strip()
+
+
+def _stream_host(stream: trio.abc.Stream) -> str:
+    try:
+        return str(stream.socket.getpeername()[0])  # type: ignore[attr-defined]
+    except (AttributeError, OSError):
+        return ""
 
 
 def _stream_peer(stream: trio.abc.Stream) -> str:
