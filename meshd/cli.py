@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 from . import __version__
 from .argtypes import float_between, int_up_to, path, positive_int, writable_dir
@@ -179,18 +178,17 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
         model_dir = str(stub_checkpoint())
     if model_dir is not None:
-        from .pipeline.checkpoint import CheckpointError
+        from .pipeline.checkpoint import CheckpointError, check_headers
         from .pipeline.config import ConfigError, LlamaConfig
-        from .pipeline.inspection import stored_weights
         from .pipeline.model import split_layers
 
         try:
             config = LlamaConfig.load(model_dir)
             if args.stages is not None:  # every role of a run whose stages cannot split it
                 split_layers(config.num_hidden_layers, args.stages)
-            # The weights' headers: an orchestrator never loads the weights, and a broken file
-            # would only show as its checkpoint fingerprint differing from the stages'.
-            stored_weights(Path(model_dir), config)
+            # The weights' headers, each tensor's shape against config.json: an orchestrator
+            # never loads the weights, and a broken file would only show as the stages failing.
+            check_headers(model_dir, config)
         except (ConfigError, CheckpointError, OSError, ValueError) as exc:
             print(f"meshd: error: --model {model_dir}: {exc}", file=sys.stderr)
             return 2

@@ -323,6 +323,7 @@ def _cmd_smoke(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         check_faults(args)
     except ValueError as exc:
         parser.error(f"smoke-run: {exc}")
+    from ..pipeline.checkpoint import CheckpointError, check_headers
     from ..pipeline.config import ConfigError, LlamaConfig
     from ..pipeline.model import split_layers
     from ..pipeline.tokenizer import TokenizerError
@@ -337,9 +338,11 @@ def _cmd_smoke(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         what = f"the {default_preset(args.stages)} checkpoint it writes (no --model)"
     try:
         if model is not None:  # the default preset splits into every --stages allowed
-            split_layers(LlamaConfig.load(model).num_hidden_layers, args.stages)
+            config = LlamaConfig.load(model)
+            split_layers(config.num_hidden_layers, args.stages)
+            check_headers(model, config)  # as each `meshd run` would refuse it, once started
         check_prompts_fit(model, args.prompt, args.streams, args.max_tokens, args.stages)
-    except (ConfigError, TokenizerError, ValueError) as exc:
+    except (CheckpointError, ConfigError, TokenizerError, ValueError) as exc:
         print(f"meshd: error: smoke-run: {what}: {exc}", file=sys.stderr)
         return 2
     return run_smoke(args)

@@ -257,10 +257,35 @@ def load_weights(model_dir: str | Path, layers: Iterable[int] | None = None, *, 
         config = LlamaConfig.load(model_dir)
     layers = range(config.num_hidden_layers) if layers is None else layers
     wanted = expected_tensors(config, layers, embed=embed, head=head)
+    where = _headers(model_dir, wanted)  # every header first: a missing tensor fails before any read
+    parts = [_part(name) for name in wanted]
+    total_layers = len({p for p in parts if p is not None})
+    total_bytes = sum(st.nbytes(name) for name, st in where.items())
+    out: dict[str, np.ndarray] = {}
+    done_layers = done_bytes = 0
+    for k, (name, st) in enumerate(where.items()):
+        out[name] = st.read(name)
+        done_bytes += st.nbytes(name)
+        if progress is not None and (k + 1 == len(parts) or parts[k + 1] != parts[k]):
+            done_layers += parts[k] is not None
+            progress(done_layers, total_layers, done_bytes, total_bytes)
+    return out
+
+
+def check_headers(model_dir: str | Path, config: LlamaConfig) -> None:
+    """Every tensor the model needs, checked in the safetensors headers alone (no weight is
+    read): present, of the shape config.json implies and of a dtype meshd reads.  Raises
+    CheckpointError naming the file and the tensor, as :func:`load_weights` would."""
+    every = expected_tensors(config, range(config.num_hidden_layers), embed=True, head=True)
+    _headers(Path(model_dir), every)
+
+
+def _headers(model_dir: Path, wanted: dict[str, tuple[int, ...]]) -> dict[str, _SafetensorsFile]:
+    """Name -> the file holding it, for each wanted tensor, its header entry checked."""
     shard_of = _tensor_files(model_dir)
     files: dict[Path, _SafetensorsFile] = {}
     where: dict[str, _SafetensorsFile] = {}
-    for name, shape in wanted.items():  # every header first: a missing tensor fails before any read
+    for name, shape in wanted.items():
         if shard_of and name not in shard_of:
             raise CheckpointError(f"{model_dir / INDEX_FILE}: field weight_map: no file for tensor {name}")
         path = shard_of.get(name, model_dir / WEIGHTS_FILE)
@@ -275,18 +300,7 @@ def load_weights(model_dir: str | Path, layers: Iterable[int] | None = None, *, 
         if dtype not in _ITEMSIZE:
             raise CheckpointError(f"{path}: tensor {name} has dtype {dtype}; expected {_READABLE}")
         where[name] = st
-    parts = [_part(name) for name in wanted]
-    total_layers = len({p for p in parts if p is not None})
-    total_bytes = sum(st.nbytes(name) for name, st in where.items())
-    out: dict[str, np.ndarray] = {}
-    done_layers = done_bytes = 0
-    for k, (name, st) in enumerate(where.items()):
-        out[name] = st.read(name)
-        done_bytes += st.nbytes(name)
-        if progress is not None and (k + 1 == len(parts) or parts[k + 1] != parts[k]):
-            done_layers += parts[k] is not None
-            progress(done_layers, total_layers, done_bytes, total_bytes)
-    return out
+    return where
 
 
 def _part(name: str) -> int | None:

@@ -160,11 +160,16 @@ def _cmd_model_init(args: argparse.Namespace, parser: argparse.ArgumentParser) -
 
 
 def _cmd_model_inspect(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .checkpoint import CheckpointError, check_headers
+    from .config import LlamaConfig
     from .inspection import InspectError, describe, render
 
     try:
         report = describe(args.model_dir, args.stages)
-    except InspectError as exc:
+        # describe counts the stored bytes; a tensor whose shape config.json contradicts is
+        # refused here as `meshd run` and `meshd generate` refuse it.
+        check_headers(args.model_dir, LlamaConfig.load(args.model_dir))
+    except (InspectError, CheckpointError) as exc:
         return _error(f"model inspect: {exc}")
     print(json.dumps(report, indent=2) if args.json else render(report))
     return 0
