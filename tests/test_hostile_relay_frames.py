@@ -127,3 +127,19 @@ async def test_a_crowd_that_never_authenticates_holds_a_bounded_number_of_socket
         b = await start_client(nursery, port)
         await assert_exchange(a, b, b"past the crowd")
         nursery.cancel_scope.cancel()
+
+
+async def test_a_stream_of_garbage_connections_is_counted_and_logged_once(caplog):
+    relay = Relay()
+    async with trio.open_nursery() as nursery:
+        _, port, relay = await start_relay(nursery, relay)
+        for _ in range(50):
+            async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+                await stream.send_all(b"garbage\r\n\r\n")
+                while await stream.receive_some(65536):
+                    pass
+        await trio.testing.wait_all_tasks_blocked(0.2)
+        nursery.cancel_scope.cancel()
+    assert relay.refused["handshake-failed"] == 50
+    logged = [r for r in caplog.records if "no WebSocket upgrade" in r.getMessage()]
+    assert len(logged) == 1, [r.getMessage() for r in logged]

@@ -70,6 +70,9 @@ from .wsconn import ConnectionClosed, HandshakeError, WebSocket, WriteStalled
 log = logging.getLogger("meshd.relay")
 
 STUN_MAX_DATAGRAM = 2048
+# A refusal is logged once per reason and host in this many seconds; the rest are counted.
+REFUSAL_LOG_INTERVAL = 60.0
+MAX_REFUSAL_LOG_KEYS = 1024
 # On shutdown, how long to wait for each client to answer our close frame.
 SHUTDOWN_GRACE = 0.25
 
@@ -174,6 +177,8 @@ class Relay:
         # Connections not yet authenticated -> (their host, the scope whose cancel closes them).
         self._pending: dict[trio.abc.Stream, tuple[str, trio.CancelScope]] = {}
         self._evicted: set[trio.abc.Stream] = set()
+        # (reason, host) -> (when a refusal was last logged, refusals not logged since)
+        self._refusals_logged: dict[tuple[str, str], tuple[float, int]] = {}
         # While a reader forwards one read's frames: the destinations it holds (see _reader).
         self._held: list[WebSocket] | None = None
         self.frames_forwarded = 0
@@ -417,8 +422,20 @@ class Relay:
         await ws.aclose(code, _close_reason(text), timeout=self.config.close_timeout)
 
     def _count_refused(self, why: str, remote: str, text: str) -> None:
+        """Count a refusal; log it once a minute per reason and host (anyone can make
+        refusals as fast as it connects, and must not fill the log with them)."""
         self.refused[why] = self.refused.get(why, 0) + 1
-        log.warning("relay: refused %s: %s", remote, text)
+        key = (why, remote.rpartition(":")[0])
+        now = trio.current_time()
+        last, quiet = self._refusals_logged.pop(key, (-REFUSAL_LOG_INTERVAL, 0))
+        if now - last < REFUSAL_LOG_INTERVAL:
+            self._refusals_logged[key] = (last, quiet + 1)
+            return
+        self._refusals_logged[key] = (now, 0)
+        while len(self._refusals_logged) > MAX_REFUSAL_LOG_KEYS:
+            del self._refusals_logged[next(iter(self._refusals_logged))]
+        more = f" ({quiet} more refused as {why} from {key[1]} since, not logged)" if quiet else ""
+        log.warning("relay: refused %s: %s%s", remote, text, more)
 
     # --- per-client tasks ---
 
