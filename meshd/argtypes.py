@@ -84,3 +84,14 @@ def path(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError("an empty path")
     return text
+
+
+def utf8_text(text: str) -> str:
+    """Text that is valid UTF-8 as the command line held it: bytes that are not reach Python as
+    lone surrogates (surrogateescape), which no tokenizer, JSON body or file can carry."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        byte = len(text[:exc.start].encode("utf-8", "surrogateescape"))  # the bytes before the first bad one
+        raise argparse.ArgumentTypeError(f"not valid UTF-8 (byte {byte})") from None
+    return text

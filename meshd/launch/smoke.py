@@ -25,7 +25,7 @@ from types import FrameType
 from typing import Any
 
 from .. import ctrl_c
-from ..argtypes import int_up_to, positive_float, positive_int
+from ..argtypes import int_up_to, positive_float, positive_int, utf8_text
 from ..keyring import generate_file
 from ..net.faults import Faults
 from . import checks
@@ -264,7 +264,8 @@ def add_parser(sub: Any) -> None:
     model.add_argument("--model", metavar="DIR",
                        help="checkpoint (default: a `small` one in a temp dir, `deep` past 6 stages)")
     model.add_argument("--stub", action="store_true", help="the tiny built-in model")
-    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="the text to continue (default %(default)r)")
+    p.add_argument("--prompt", type=utf8_text, default=DEFAULT_PROMPT,
+                   help="the text to continue (default %(default)r)")
     p.add_argument("--max-tokens", type=positive_int, default=32, metavar="K",
                    help="tokens to generate, each checked against `meshd generate` (default %(default)s)")
     p.add_argument("--streams", type=_streams, default=1, metavar="S",
