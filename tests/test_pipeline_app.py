@@ -22,6 +22,9 @@ class _DeadPeerMesh:
     def describe(self, node: bytes) -> str:
         return "stage-1 (02020202)"
 
+    def peer_down(self, node: bytes) -> bool:
+        return True  # its stream ended and its port refuses a dial
+
     async def post(self, node, data, timeout, on_error=None):
         gone = f"could not deliver message to {self.describe(node)}: its process went away"
         await on_error(RuntimeError(gone))

@@ -31,6 +31,12 @@ PREFILL_ROWS = 8  # more rows than this run in a thread, from a task of their ow
 UNDELIVERED_QUIET_S = 5.0
 
 
+class Undelivered(PipelineError):
+    """A message found no path to a peer whose process was not seen to go (its stream did
+    not end with its port refusing a dial): no direct path answered and no relay took it
+    within SEND_TIMEOUT_S.  A peer that went away fails its messages with a PipelineError."""
+
+
 async def resolve(mesh: Mesh, name: str, timeout: float = RESOLVE_TIMEOUT_S) -> bytes:
     """A live owner of ``name``, waiting for one up to ``timeout`` seconds."""
     owner = mesh.resolve(name)
@@ -123,7 +129,7 @@ class App:
         async def undelivered(exc: Exception) -> None:
             self._log_undelivered(dst, exc)
             # The channel's error names the peer and every path tried: it is the request's error.
-            failure = PipelineError(str(exc))
+            failure = (PipelineError if self.mesh.peer_down(dst) else Undelivered)(str(exc))
             for msg in per_request(msgs):
                 await self.failed(msg, failure, dst)
 

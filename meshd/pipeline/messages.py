@@ -136,6 +136,9 @@ HANDING_OVER = "is draining: handing the request over"
 HANDED_OVER = "handed-over"  # ``peer`` is the sender, draining: go on elsewhere, never back to it
 TOO_LARGE = "too-large"  # the request could never run at this stage (its KV cache): a client's error
 NO_ROOM = "no-room"  # the stage's KV budget had no room for it in time: try again later
+# ``peer`` runs, as far as the stage saw, yet no path carried a message to it within the send
+# timeout (no direct path answered, no relay took it): a direction with no path.
+UNDELIVERED = "undelivered"
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +153,7 @@ class StageError(Message):
     # handing the request over): the orchestrator moves the request to a replica.
     # Empty when the stage itself failed.
     peer: bytes = b""
-    kind: str = ""  # HANDED_OVER, TOO_LARGE, NO_ROOM, or "" (as is a kind this version does not know)
+    kind: str = ""  # HANDED_OVER, TOO_LARGE, NO_ROOM, UNDELIVERED, or "" (as is a kind not known here)
     _fields_ = (check_str, check_str, check_str, check_peer, check_str)
 
 

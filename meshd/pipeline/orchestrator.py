@@ -36,16 +36,28 @@ import numpy as np
 import trio
 
 from ..mesh import MemberInfo, Mesh
+from ..readiness import path as path_between
 from ..readiness import serves_other
 from ..wire import Message
 from .admission import Admission, TooLarge, kv_bytes
 from .api import Busy, NotReady, PipelineError, StageLost
-from .app import App, arrived, resolve, route_neighbours
+from .app import App, Undelivered, arrived, resolve, route_neighbours
 from .chat import ChatTemplate
 from .checkpoint import fingerprint
 from .config import LlamaConfig
 from .generate import check_context, prompt_ids
-from .messages import HANDED_OVER, NO_ROOM, TOO_LARGE, Activation, Hop, Release, Sampling, StageError, Token
+from .messages import (
+    HANDED_OVER,
+    NO_ROOM,
+    TOO_LARGE,
+    UNDELIVERED,
+    Activation,
+    Hop,
+    Release,
+    Sampling,
+    StageError,
+    Token,
+)
 from .metrics import OrchestratorMetrics, measured
 from .model import split_layers
 from .stops import find_stop
@@ -107,6 +119,9 @@ class _Request:
     text_end: int | None = None  # where the decoded text ends, when a stop string ended it
     decoded: IncrementalText | None = None  # the text so far, while stop strings are looked for
     trouble: Trouble | None = None  # reported by a stage, or by a failed send
+    # The last node of the route that a message found no path to, and who said so (a stage's
+    # name, or "orchestrator") with the channel's words: a direction with no path.
+    no_path: tuple[bytes, str, str] | None = None
     failovers: list[dict[str, Any]] = field(default_factory=list)
     failover_started: float | None = None  # perf_counter when the last failover began
     stall_probed: bool = False  # its route was probed for this stall
@@ -321,7 +336,8 @@ class Orchestrator(App):
                             self.mesh.probe_soon(node)
                     if waited >= token_timeout:
                         raise PipelineError(f"no token {len(req.tokens)} for request {req.req_id} within "
-                                            f"{token_timeout:g}s; route: {self._describe_route(req)}")
+                                            f"{token_timeout:g}s; route: {self._describe_route(req)}"
+                                            + "".join(f"; {hop}" for hop in self._hops_without_path(req)))
                     continue
                 looked = req.news_at
                 req.stall_probed = False
@@ -455,6 +471,12 @@ class Orchestrator(App):
                     if m.id not in req.excluded and not (gone and m.id == node)]
         if not replicas:
             m = self.mesh.member_by_id(node)
+            if (req.no_path is not None and req.no_path[0] == node and m is not None and m.state == "alive"
+                    and m.epoch == req.epochs[stage] and not self.mesh.peer_down(node)):
+                # It runs, and the mesh will keep it alive (others reach it), but this direction
+                # has no path: waiting would not bring one, and no replica can take over.
+                raise StageLost(f"stage-{stage} (peer {node.hex()[:8]} alive, but no path from "
+                                f"{req.no_path[1]} to it), and no replica to take over ({req.no_path[2]})")
             if why == "suspect" or (" " in why and m is not None and m.state == "alive"):
                 # It may refute, or what a stage saw may be its old process (a restart under
                 # the same key): with no replica, the mesh's verdict decides.  Look again.
@@ -521,6 +543,26 @@ class Orchestrator(App):
                     self.mesh.describe(node), why, self.mesh.describe(req.route[stage]), len(req.tokens))
         for other in set(old_route) - {node}:  # the old route's caches are no use now
             await self.send(other, Release(old_id))
+
+    def _hops_without_path(self, req: _Request) -> list[str]:
+        """The hops of ``req``'s route that have no path, as this node knows them: its own
+        directions from its path table, the stages' from the summaries they gossip, and a
+        direction a message found no path on; each ``stage-0 (ab12cd34)→stage-1 (…): why``."""
+        route, me = req.route, self.mesh.node_id
+        hops = [(me, route[0]), *itertools.pairwise(route)]
+        if len(route) > 1:
+            hops.append((route[-1], route[0]))  # the next token, and the head's share
+        hops.append((route[-1], me))
+        snap = self.mesh.snapshot()
+        out = []
+        for a, b in dict.fromkeys(hops):
+            if a != b and (p := path_between(snap, a.hex(), b.hex()))["path"] == "none":
+                out.append(f"{self.mesh.describe(a)}→{self.mesh.describe(b)}: no path "
+                           f"({p.get('reason') or 'unanswered'})")
+        if req.no_path is not None and not out:
+            node, sender, report = req.no_path
+            out.append(f"{sender}→{self.mesh.describe(node)}: no path ({report})")
+        return out
 
     def _describe_route(self, req: _Request) -> str:
         out = []
@@ -591,6 +633,8 @@ class Orchestrator(App):
                     # Its leave may reach us by gossip only later: for this request it is gone.
                     req.excluded.add(src)
                 req.trouble = (req.route.index(msg.peer), msg.peer, msg.message, msg.peer != src)
+                if msg.kind == UNDELIVERED and msg.peer != src:
+                    req.no_path = (msg.peer, msg.stage, msg.message)
                 if msg.peer != src:  # about the process the request was routed to
                     self.mesh.report_down(msg.peer, req.epochs[req.route.index(msg.peer)])
             else:
@@ -612,6 +656,8 @@ class Orchestrator(App):
         req = self.requests.get(getattr(msg, "req_id", ""))
         if req is not None and peer in req.route:
             req.trouble = (req.route.index(peer), peer, str(exc), True)
+            if isinstance(exc, Undelivered):
+                req.no_path = (peer, "orchestrator", str(exc))
             req.tell()
 
 

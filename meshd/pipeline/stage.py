@@ -32,7 +32,7 @@ from ..mesh import Mesh
 from ..wire import MAX_BATCH_ROWS, Message
 from .admission import DEFAULT_KV_BUDGET_MB
 from .api import PipelineError
-from .app import PREFILL_ROWS, App, arrived, route_neighbours
+from .app import PREFILL_ROWS, App, Undelivered, arrived, route_neighbours
 from .checkpoint import LoadProgress, fingerprint
 from .config import LlamaConfig
 from .messages import (
@@ -40,6 +40,7 @@ from .messages import (
     HANDING_OVER,
     NO_ROOM,
     TOO_LARGE,
+    UNDELIVERED,
     Activation,
     Batch,
     HeadInput,
@@ -869,7 +870,8 @@ class StageService(App):
                 return  # said once: every later step of it fails the same way
             _keep(self._lost, req_id, MAX_CACHED_REQUESTS)
             peer = self.mesh.node_id  # we lost it: the orchestrator replays it, here or on a replica
-        kind = TOO_LARGE if isinstance(exc, TooLargeHere) else NO_ROOM if isinstance(exc, NoRoomHere) else ""
+        kind = (TOO_LARGE if isinstance(exc, TooLargeHere) else NO_ROOM if isinstance(exc, NoRoomHere)
+                else UNDELIVERED if isinstance(exc, Undelivered) and peer else "")
         await self._tell(origin, StageError(req_id, self.name, text[:500], peer, kind))
 
     async def _tell(self, origin: bytes, error: StageError) -> None:

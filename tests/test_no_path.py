@@ -1,0 +1,72 @@
+"""A direction of a route with no path at all (its direct path dropped, no relay for the
+sender) while the mesh rightly keeps both ends alive: the request fails naming that
+direction and why, not as a bare timeout with every stage "alive"."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from meshd.pipeline import app
+from meshd.pipeline.api import PipelineError, StageLost
+from meshd.pipeline.checkpoint import init_checkpoint
+from meshd.readiness import path as path_between
+from meshd.testing.inprocess import start_pipeline
+
+PROMPT = "the quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny3")
+    init_checkpoint(path, "tiny", seed=0, num_hidden_layers=3)
+    return path
+
+
+async def _cut_stage0_to_stage1(checkpoint, nursery, lines):
+    """A pipeline whose stage-0 has no relay and whose direct packets to stage-1 are lost:
+    stage-0 -> stage-1 has no path, every other direction works, and others vouch for
+    stage-1, so it stays alive.  Returns the nodes once the orchestrator sees that path as
+    ``none`` in stage-0's gossiped summary."""
+    nodes = await start_pipeline(nursery, checkpoint, 3, lines, stage_options={0: {"relay": None}})
+    orch, s0, s1, _ = nodes
+    s0.options.faults.drop_to.add(s1.addr)
+    with trio.fail_after(30):
+        while path_between(orch.app.mesh.snapshot(), s0.node_id.hex(), s1.node_id.hex())["path"] != "none":
+            await trio.sleep(0.1)
+    assert all(m.state == "alive" for m in orch.app.mesh.members())
+    return nodes
+
+
+async def test_a_send_with_no_path_fails_its_request_at_once_naming_the_direction(checkpoint, monkeypatch):
+    monkeypatch.setattr(app, "SEND_TIMEOUT_S", 2.0)
+    lines: list[str] = []
+    with trio.fail_after(90):
+        async with trio.open_nursery() as nursery:
+            orch, s0, s1, _ = await _cut_stage0_to_stage1(checkpoint, nursery, lines)
+            t0 = trio.current_time()
+            with pytest.raises(StageLost) as caught:
+                await orch.app.generate(PROMPT, 4, token_timeout=60)
+            # Stage-0's report of the undelivered step ends the request: no wait for the token timeout.
+            assert trio.current_time() - t0 < 30
+            text = str(caught.value)
+            assert f"stage-1 (peer {s1.node_id.hex()[:8]} alive, but no path from stage-0 to it)" in text
+            assert "no replica to take over" in text
+            assert "could not deliver" in text and "stage-1" in text
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_request_that_times_out_names_the_hop_of_its_route_with_no_path(checkpoint, monkeypatch):
+    monkeypatch.setattr(app, "SEND_TIMEOUT_S", 60.0)  # the stage's own report comes after the timeout
+    lines: list[str] = []
+    with trio.fail_after(90):
+        async with trio.open_nursery() as nursery:
+            orch, s0, s1, _ = await _cut_stage0_to_stage1(checkpoint, nursery, lines)
+            with pytest.raises(PipelineError) as caught:
+                await orch.app.generate(PROMPT, 4, token_timeout=3)
+            text = str(caught.value)
+            assert "no token 0" in text
+            hop = f"stage-0 ({s0.node_id.hex()[:8]})→stage-1 ({s1.node_id.hex()[:8]}): no path"
+            assert hop in text
+            assert text.count("no path") == 1  # the other directions of the route work
+            nursery.cancel_scope.cancel()
