@@ -69,3 +69,20 @@ def test_smoke_run_refuses_a_truncated_weights_file_before_any_job_starts(tmp_pa
     assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
     assert f"{model}/model.safetensors: not a safetensors file" in lines[0]
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("command", [
+    ["run", "--stage", "0", "--stages", "1", "--dashboard", "off", "--model"],
+    ["smoke-run", "--stages", "1", "--model"],
+    ["generate", "--prompt", "a", "--max-tokens", "2", "--model"],
+    ["model", "inspect"],
+])
+def test_a_file_given_for_the_checkpoint_folder_is_named_as_not_a_folder(tmp_path, command):
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"\0" * 16)
+    r = meshd(*command, str(weights))
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert f"{weights}: not a directory (a checkpoint is a folder holding config.json and the weights)" \
+        in lines[0]
+    assert "Errno" not in lines[0]

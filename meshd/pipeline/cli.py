@@ -161,9 +161,11 @@ def _cmd_model_init(args: argparse.Namespace, parser: argparse.ArgumentParser) -
 
 def _cmd_model_inspect(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from .checkpoint import CheckpointError, check_headers
-    from .config import LlamaConfig
+    from .config import LlamaConfig, not_a_checkpoint_dir
     from .inspection import InspectError, describe, render
 
+    if (wrong := not_a_checkpoint_dir(args.model_dir)) is not None:
+        return _error(f"model inspect: {wrong}")
     try:
         report = describe(args.model_dir, args.stages)
         # describe counts the stored bytes; a tensor whose shape config.json contradicts is
@@ -176,10 +178,8 @@ def _cmd_model_inspect(args: argparse.Namespace, parser: argparse.ArgumentParser
 
 
 def _cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from pathlib import Path
-
     from .checkpoint import CheckpointError, LoadProgress
-    from .config import ConfigError
+    from .config import ConfigError, not_a_checkpoint_dir
     from .generate import generate
     from .model import StageModel
     from .tokenizer import TokenizerError
@@ -187,8 +187,8 @@ def _cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     wrong = check_generate_options(args)
     if wrong is not None:
         return _error(f"generate: {wrong}")
-    if not Path(args.model).is_dir():
-        return _error(f"generate: --model {args.model}: no such directory")
+    if (wrong := not_a_checkpoint_dir(args.model)) is not None:
+        return _error(f"generate: --model {wrong}")
     try:
         model = StageModel.load(args.model, progress=LoadProgress(
             args.model, lambda line: print(line, file=sys.stderr, flush=True)))

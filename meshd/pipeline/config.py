@@ -237,12 +237,16 @@ class LlamaConfig:
 
     @classmethod
     def load(cls, model_dir: str | Path) -> LlamaConfig:
+        if (wrong := not_a_checkpoint_dir(model_dir)) is not None:
+            raise ConfigError(wrong)
         path = Path(model_dir) / "config.json"
         try:
             text = path.read_text(encoding="utf-8")
         except FileNotFoundError:
             raise ConfigError(f"{path}: no such file") from None
-        except (OSError, UnicodeDecodeError) as exc:
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+        except UnicodeDecodeError as exc:
             raise ConfigError(f"{path}: cannot read: {exc}") from exc
         try:
             raw = json.loads(text)
@@ -374,3 +378,14 @@ def _sliding_layers(raw: dict[str, Any], layers: Any, max_window_layers: Any) ->
         raise ConfigError(f"config field layer_types: expected {layers} of full_attention or "
                           f"sliding_attention, got {_brief(types)}")
     return tuple(n for n, t in enumerate(types) if t == "sliding_attention")
+
+
+def not_a_checkpoint_dir(model_dir: str | Path) -> str | None:
+    """What is wrong with ``model_dir`` as a checkpoint folder before any file in it is read
+    (it is missing, or a file); None when it is a directory."""
+    root = Path(model_dir)
+    if root.is_dir():
+        return None
+    if root.exists():
+        return f"{root}: not a directory (a checkpoint is a folder holding config.json and the weights)"
+    return f"{root}: no such directory"
