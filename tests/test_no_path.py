@@ -7,11 +7,14 @@ from __future__ import annotations
 import pytest
 import trio
 
+from meshd.net.faults import Faults
+from meshd.node import NodeOptions
 from meshd.pipeline import app
 from meshd.pipeline.api import PipelineError, StageLost
 from meshd.pipeline.checkpoint import init_checkpoint
 from meshd.readiness import path as path_between
-from meshd.testing.inprocess import start_pipeline
+from meshd.relay.server import serve_relay
+from meshd.testing.inprocess import start_node, start_pipeline, wait_converged
 
 PROMPT = "the quick brown fox"
 
@@ -69,4 +72,39 @@ async def test_a_request_that_times_out_names_the_hop_of_its_route_with_no_path(
             hop = f"stage-0 ({s0.node_id.hex()[:8]})→stage-1 ({s1.node_id.hex()[:8]}): no path"
             assert hop in text
             assert text.count("no path") == 1  # the other directions of the route work
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_new_request_takes_the_replica_its_stage_before_reaches(checkpoint):
+    """Stage-1 has two replicas and stage-0 reaches only one: every request goes through
+    that one from the start, with no failover, though the other ranks first by load, round
+    trip and node id."""
+    lines: list[str] = []
+    with trio.fail_after(90):
+        async with trio.open_nursery() as nursery:
+            host, port = await nursery.start(serve_relay, "127.0.0.1", 0)
+            opts = dict(profile="local", relay=f"ws://{host}:{port}", stages=3, model=str(checkpoint))
+            orch = await start_node(nursery, NodeOptions(role="orchestrator", **opts), lines)
+            seeds = [orch.addr]
+            s0 = await start_node(nursery, NodeOptions(stage=0, seeds=seeds, **{**opts, "relay": None},
+                                                       faults=Faults()), lines)
+            replicas = [await start_node(nursery, NodeOptions(stage=1, seeds=seeds, **opts), lines)
+                        for _ in range(2)]
+            s2 = await start_node(nursery, NodeOptions(stage=2, seeds=seeds, **opts), lines)
+            await wait_converged([orch, s0, *replicas, s2])
+            await orch.app.wait_ready(10)
+            cut, reached = replicas
+            # The cut replica measures the lower round trip: it ranks first on everything but the path.
+            orch.app.mesh.rtt = lambda node: 0.001 if node == cut.node_id else 0.002
+            s0.options.faults.drop_to.add(cut.addr)
+            snap = orch.app.mesh.snapshot
+            with trio.fail_after(30):
+                while path_between(snap(), s0.node_id.hex(), cut.node_id.hex())["path"] != "none":
+                    await trio.sleep(0.1)
+            assert orch.app.candidates(1)[0].id == cut.node_id
+            for _ in range(4):
+                result = await orch.app.generate(PROMPT, 3, token_timeout=20)
+                assert result["failovers"] == []
+            assert reached.app.counters["activations"] > 0
+            assert cut.app.counters["activations"] == 0
             nursery.cancel_scope.cancel()

@@ -2,10 +2,12 @@
 replica when a node of its route fails.
 
 Each request gets a route when it starts: one live owner of each ``pp-stage-K``
-(replicas when a name has several).  The pick: alive before suspect, then the
-fewest of our running requests, then the lowest measured round trip, then the
-node id; a node that serves another checkpoint than ours, or is draining, is
-never picked.  The route travels with every activation, so a request stays
+(replicas when a name has several).  The pick: a replica every hop reaches (the
+mesh knows a path for each: from the stage before, and for the last stage to
+stage 0 and to us) before one some hop does not, then alive before suspect,
+then the fewest of our running requests, then the lowest measured round trip,
+then the node id; a node that serves another checkpoint than ours, or is
+draining, is never picked.  The route travels with every activation, so a request stays
 on the nodes it started on.
 
 When a node of the route fails (a stage reports that a send to it failed or
@@ -399,16 +401,21 @@ class Orchestrator(App):
 
         A request with tokens already replays them (the prompt as one prefill, then each
         token alone), so the new route's KV caches hold what the old one's did."""
-        route = []
+        # Each stage's node, as far as known: the kept ones from the start, each pick as made.
+        plan: list[bytes | None] = [keep[k] if keep and keep[k] not in req.excluded and k != replace else None
+                                    for k in range(self.stages)]
+        snap: dict[str, Any] = {}
         for k in range(self.stages):
-            node = keep[k] if keep and keep[k] not in req.excluded and k != replace else None
-            if node is None:
+            if plan[k] is None:
                 picks = [m for m in self.candidates(k) if m.id not in req.excluded]
                 if not picks:
                     name = f"pp-stage-{k}"
                     raise NotReady([name], reasons={name: self._why_unserved(name)})
-                node = picks[0].id
-            route.append(node)
+                if len(picks) > 1:
+                    snap = snap or self.mesh.snapshot()
+                    picks.sort(key=lambda m: self._no_path_count(snap, plan, k, m.id))
+                plan[k] = picks[0].id
+        route = [node for node in plan if node is not None]
         req.route = tuple(route)
         req.epochs = tuple(self._epoch(n) for n in route)
         req.wire_id = wire_id(req.req_id, req.attempt)
@@ -543,6 +550,22 @@ class Orchestrator(App):
                     self.mesh.describe(node), why, self.mesh.describe(req.route[stage]), len(req.tokens))
         for other in set(old_route) - {node}:  # the old route's caches are no use now
             await self.send(other, Release(old_id))
+
+    def _no_path_count(self, snap: dict[str, Any], plan: list[bytes | None], k: int, node: bytes) -> int:
+        """How many of the hops ``node`` would take part in as stage ``k`` the mesh knows have no
+        path, with the other stages' nodes as far as ``plan`` knows them: from the stage before
+        (from us, for stage 0), to the stage after; from the last stage to stage 0 and to us.
+        A replica every hop reaches goes before one some hop does not, whatever else ranks it."""
+        me, last = self.mesh.node_id, self.stages - 1
+        hops: list[tuple[bytes | None, bytes | None]] = [(plan[k - 1] if k else me, node)]
+        if k < last:
+            hops.append((node, plan[k + 1]))
+        else:
+            hops += [(node, plan[0]), (node, me)]
+        if k == 0 and last:
+            hops.append((plan[last], node))  # the next token comes back to stage 0
+        return sum(a is not None and b is not None and a != b
+                   and path_between(snap, a.hex(), b.hex())["path"] == "none" for a, b in hops)
 
     def _hops_without_path(self, req: _Request) -> list[str]:
         """The hops of ``req``'s route that have no path, as this node knows them: its own
