@@ -86,3 +86,11 @@ def test_a_file_given_for_the_checkpoint_folder_is_named_as_not_a_folder(tmp_pat
     assert f"{weights}: not a directory (a checkpoint is a folder holding config.json and the weights)" \
         in lines[0]
     assert "Errno" not in lines[0]
+
+
+def test_model_init_into_a_path_under_a_file_says_what_it_cannot_write(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    out = tmp_path / "afile" / "model"
+    r = meshd("model", "init", "--out", str(out))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip() == f"meshd: error: model init: cannot write {out}: Not a directory"

@@ -150,8 +150,10 @@ def _cmd_model_init(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     try:
         config = init_checkpoint(args.out, args.preset, args.seed, dtype=args.dtype, force=args.force,
                                  shards=args.shards)
-    except (CheckpointError, OSError) as exc:
+    except CheckpointError as exc:
         return _error(str(exc))
+    except OSError as exc:
+        return _error(f"model init: cannot write {exc.filename or args.out}: {exc.strerror or exc}")
     shards = f", {args.shards} shards" if args.shards > 1 else ""
     print(f"wrote {args.out}: preset {args.preset}, seed {args.seed}, {args.dtype}{shards}, "
           f"{checkpoint_params(config) / 1e6:.2f}M parameters, {config.num_hidden_layers} layers, "
