@@ -56,6 +56,7 @@ async def test_a_send_with_no_path_fails_its_request_at_once_naming_the_directio
             assert f"stage-1 (peer {s1.node_id.hex()[:8]} alive, but no path from stage-0 to it)" in text
             assert "no replica to take over" in text
             assert "could not deliver" in text and "stage-1" in text
+            assert "relay: none configured" in text  # why the relay carried nothing
             nursery.cancel_scope.cancel()
 
 
@@ -108,3 +109,15 @@ async def test_a_new_request_takes_the_replica_its_stage_before_reaches(checkpoi
             assert reached.app.counters["activations"] > 0
             assert cut.app.counters["activations"] == 0
             nursery.cancel_scope.cancel()
+
+
+def test_an_undelivered_message_lists_each_failed_attempt_once_with_its_count():
+    from meshd.net.sender import _counted
+
+    dial = "direct: connect to 127.0.0.1:4 timed out after 1s"
+    ack = "relay: no ack within 2s"
+    assert _counted([dial] * 6 + ["relay: none of ours reaches it now"]) == (
+        f"{dial} (x6); relay: none of ours reaches it now")
+    assert _counted([dial, ack, dial, dial]) == f"{dial}; {ack}; {dial} (x2)"
+    assert _counted([f"direct: attempt {i}" for i in range(9)]).startswith("direct: attempt 3;")
+    assert _counted([]) == ""

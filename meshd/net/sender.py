@@ -336,13 +336,18 @@ class Sender:
         failure = peer.link.direct_failure
         if failure and not any(t.startswith("direct") for t in tried):
             tried.append(f"direct: {failure}")  # the dial that ran in the background meanwhile
+        if not any(t.startswith("relay") for t in tried):
+            if self._ch.relay_send is None:
+                tried.append("relay: none configured")
+            elif not self._ch.relay_reaches(node):
+                tried.append("relay: none of ours reaches it now")
         down = self._ch.down_since(node)
         if down is not None:  # what it waited for: a new process of the peer, which never came
             tried.append(f"no process of it since one went away {trio.current_time() - down:.0f}s before "
                          "(its stream ended and its port refused a dial)")
         raise DeliveryError(
             f"could not deliver message {item.msg_id} ({len(item.data)} bytes) to {self._ch.describe(node)} "
-            f"within {item.timeout:g}s; tried: {'; '.join(tried[-6:]) or 'nothing (no path available)'}"
+            f"within {item.timeout:g}s; tried: {_counted(tried) or 'nothing (no path available)'}"
         )
 
     async def _send_unwritten(self, node: bytes, peer: _Peer, path: str) -> None:
@@ -536,3 +541,15 @@ class Sender:
     def _framed(self, node: bytes, item: Outgoing) -> Iterator[bytes]:
         """``_frames`` as stream frames (raises NoPeerKey as it does, before any frame)."""
         return map(prefixed, self._frames(node, item))
+
+
+def _counted(tried: list[str], most: int = 6) -> str:
+    """The attempts in order, each different one once with how often it failed in a row
+    (``direct: connect to … timed out after 1s (x6)``); the last ``most`` of those."""
+    runs: list[list] = []
+    for attempt in tried:
+        if runs and runs[-1][0] == attempt:
+            runs[-1][1] += 1
+        else:
+            runs.append([attempt, 1])
+    return "; ".join(text if n == 1 else f"{text} (x{n})" for text, n in runs[-most:])
