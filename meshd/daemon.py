@@ -20,6 +20,7 @@ import trio
 
 from . import ctrl_c
 from .identity import Identity
+from .limits import raise_open_files_limit
 from .node import Node, NodeOptions
 
 if TYPE_CHECKING:
@@ -107,6 +108,7 @@ async def run_daemon(identity: Identity, options: NodeOptions) -> int:
     """``meshd run``: serve until SIGINT/SIGTERM, then leave and exit 0."""
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         ctrl_c.raise_if_lost()  # a Ctrl-C while the modules loaded: exit 130, nothing started
+        raise_open_files_limit()
         node = Node(identity, options)
         await node.bind()  # fail here, with a plain error (BindError), before any task starts
         async with trio.open_nursery() as nursery:

@@ -66,6 +66,7 @@ def _cmd_relay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 async def _serve_until_signal(bind: tuple[str, int], relay) -> int:
     import trio
 
+    from ..limits import raise_open_files_limit
     from ..logs import event, set_node
     from .server import RelayBindError, serve_relay
 
@@ -73,6 +74,7 @@ async def _serve_until_signal(bind: tuple[str, int], relay) -> int:
 
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         ctrl_c.raise_if_lost()
+        raise_open_files_limit()
         async with trio.open_nursery() as nursery:
             try:
                 host, port = await nursery.start(partial(serve_relay, bind[0], bind[1], relay=relay))
