@@ -56,7 +56,9 @@ async def json_body(request: Request) -> dict:
     """The body as a JSON object, read as UTF-8 text."""
     raw = await request.body()
     try:
-        body = json.loads(raw.decode("utf-8") or "null")
+        body = json.loads(raw.decode("utf-8") or "null", parse_int=_integer)
+    except BadRequest:
+        raise
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadRequest(f"body is not JSON: {exc}") from None
     if not isinstance(body, dict):
@@ -67,6 +69,18 @@ async def json_body(request: Request) -> dict:
         raise BadRequest(f"body holds a lone surrogate (\\u{ord(exc.object[exc.start]):04x}), "
                          "which is not text: send UTF-8, or escape whole surrogate pairs") from None
     return body
+
+
+MAX_INT_DIGITS = 64  # far past any count, seed or limit a request holds
+
+
+def _integer(digits: str) -> int:
+    """A JSON integer, refused past MAX_INT_DIGITS digits before Python converts it (which
+    takes time quadratic in its length, and past 4300 digits fails in Python's own words)."""
+    if len(digits.lstrip("-")) > MAX_INT_DIGITS:
+        raise BadRequest(f"body holds an integer of {len(digits.lstrip('-'))} digits; at most "
+                         f"{MAX_INT_DIGITS} are taken")
+    return int(digits)
 
 
 _KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}

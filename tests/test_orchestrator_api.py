@@ -83,6 +83,9 @@ async def test_generate_and_completions_match_the_reference(checkpoint):
         # "surrogates not allowed" from deep in the tokenizer.
         (b'{"prompt": "a\\udcffb"}', "lone surrogate (\\udcff)"),
         (b'{"prompt": "x", "stop": ["\\ud800"]}', "lone surrogate (\\ud800)"),
+        # Past 4300 digits Python refuses to convert an integer in words about its own settings.
+        (b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b'}', "an integer of 5000 digits; at most 64"),
+        (b'{"prompt": "x", "seed": -' + b"1" * 65 + b'}', "an integer of 65 digits"),
         # A client that meant JSON and wrote "yes" must not get a stream of events.
         (json.dumps({"prompt": "x", "stream": "yes"}).encode(), "'stream' must be true or false"),
     ],
