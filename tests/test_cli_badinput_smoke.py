@@ -18,3 +18,29 @@ def test_a_prompt_that_is_not_utf8_is_named_as_the_prompt(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.splitlines()[-1] == "meshd smoke-run: error: argument --prompt: not valid UTF-8 (byte 2)"
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_node_that_died_while_its_dashboard_is_read_fails_the_run_naming_it():
+    """A stage crashing while smoke-run converges: its dashboard refuses, and the run fails as
+    that job exited (name, peer prefix, exit code), not with the HTTP client's traceback."""
+    import socket
+    from types import SimpleNamespace
+
+    import httpx
+    import pytest
+
+    from meshd.launch.drive import Dashboard, job_snapshot
+    from meshd.launch.failure import RunFailed
+
+    with socket.socket() as s:  # a port nothing listens on once closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dead = subprocess.Popen([sys.executable, "-c", "import os; os.kill(os.getpid(), 9)"])
+    dead.wait()
+    proc = SimpleNamespace(name="stage-1", proc=dead, boot=SimpleNamespace(prefix="2b91108e"),
+                           lines=["meshd stage-map 2b91108e=stage-1"])
+    with httpx.Client(timeout=5) as client, pytest.raises(RunFailed) as failed:
+        job_snapshot(client, Dashboard(f"http://127.0.0.1:{port}", {}), proc)  # type: ignore[arg-type]
+    failure = failed.value.failure
+    assert failure.status == "exited (-9)" and failure.job == "stage-1"
+    assert failure.reason.startswith("stage-1 (2b91108e) exited")

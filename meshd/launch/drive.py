@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -31,6 +32,7 @@ from .jobs import JobDriver
 from .local import LocalProcess, free_ports
 from .netns import NetnsError, NetnsProvider
 from .plan import FaultPlan, RunPlan, plan_faults
+from .process import MeshProcess
 from .report import Progress
 
 if TYPE_CHECKING:
@@ -272,6 +274,26 @@ def snapshot(client: httpx.Client, board: Dashboard) -> Snapshot:
     return r.json()
 
 
+def job_snapshot(client: httpx.Client, board: Dashboard, proc: MeshProcess) -> Snapshot:
+    """The job's :func:`snapshot`; a dashboard that does not answer fails the run naming the
+    job and its peer prefix: as exited when the process has ended (a crashed or killed node's
+    port refuses), else with what the request met."""
+    import httpx
+
+    try:
+        return snapshot(client, board)
+    except (httpx.HTTPError, ValueError) as exc:  # ValueError: an answer that is not JSON
+        try:
+            code = proc.proc.wait(timeout=1)  # a refused port: most often a process going down
+        except subprocess.TimeoutExpired:
+            code = None
+        who = f"{proc.name} ({proc.boot.prefix})" if proc.boot is not None else proc.name
+        if code is not None:
+            raise RunFailed(Failure.exited(proc.name, code, f"{who} exited: {proc.lines[-3:]}")) from None
+        raise RunFailed(Failure.error(f"{who}: its dashboard {board.url} did not answer: "
+                                      f"{type(exc).__name__}: {exc}")) from None
+
+
 def converge(client: httpx.Client, driver: JobDriver, boards: dict[str, Dashboard],
              prefixes: dict[str, str], needed: dict[str, int], timeout: float,
              progress: Progress | None = None) -> float:
@@ -281,7 +303,7 @@ def converge(client: httpx.Client, driver: JobDriver, boards: dict[str, Dashboar
     deadline = t_conv + timeout
     peer_of = {job: peer for peer, job in prefixes.items()}
     while True:
-        snaps = {n: snapshot(client, board) for n, board in boards.items()}
+        snaps = {n: job_snapshot(client, board, driver.procs[n]) for n, board in boards.items()}
         seeing = [n for n, snap in snaps.items() if sees_all(snap, {peer_of[o] for o in boards if o != n})]
         short = names_short(snaps["orchestrator"]["names"], needed)
         if len(seeing) == len(snaps) and not short:
@@ -357,7 +379,8 @@ def settled(client: httpx.Client, driver: JobDriver, boards: dict[str, Dashboard
     for up to SETTLE_S, and reported only if it still is: a drop that lasts stays
     asymmetric, and its direct failures count in the paths either way."""
     def read() -> dict[str, Snapshot]:
-        return {n: snapshot(client, board) for n, board in boards.items() if driver.procs[n].alive()}
+        return {n: job_snapshot(client, board, driver.procs[n]) for n, board in boards.items()
+                if driver.procs[n].alive()}
 
     final = read()
     deadline = time.monotonic() + SETTLE_S
