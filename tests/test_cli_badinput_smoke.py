@@ -20,6 +20,23 @@ def test_a_prompt_that_is_not_utf8_is_named_as_the_prompt(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_relay_killed_during_the_run_fails_it_as_meshd_ps_records_it(tmp_path):
+    """The generation passes over direct paths, but the relay job died on its own: the report,
+    its exit code and `meshd ps` all say the run failed, naming the relay."""
+    import json
+
+    runs = tmp_path / "runs"
+    r = meshd("smoke-run", "--stages", "1", "--stub", "--max-tokens", "4", "--fault", "kill:relay@token-1",
+              "--json", "--run-dir", str(runs), timeout=120)
+    assert "Traceback" not in r.stderr, r.stderr
+    report = json.loads(r.stdout.splitlines()[-1])
+    assert r.returncode == 1 and report["ok"] is False, report
+    assert report["status"] == "exited (-9)" and report["reason"] == "relay exited (-9) during the run"
+    assert report["run_status"] == "failed" and report["leftovers"] == 0
+    ps = json.loads(meshd("ps", "--run-dir", str(runs), "--json").stdout)
+    assert [run["status"] for run in ps["runs"]] == ["failed"]
+
+
 def test_a_node_that_died_while_its_dashboard_is_read_fails_the_run_naming_it():
     """A stage crashing while smoke-run converges: its dashboard refuses, and the run fails as
     that job exited (name, peer prefix, exit code), not with the HTTP client's traceback."""

@@ -47,7 +47,7 @@ from .env import prepare_env
 from .failure import Failure, Interrupted, RunFailed
 from .jobs import JobDriver
 from .local import LocalProcess
-from .model import job_status_message, new_run, relay_job_names
+from .model import JobStatus, Run, RunStatus, job_status_message, new_run, relay_job_names
 from .netns import NetnsProvider
 from .plan import RunPlan, job_argvs, node_names, plan_faults
 from .report import Generated, Outcome, Progress, print_report, summary
@@ -124,6 +124,8 @@ def run_smoke(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace, session: _Session, outcome: Outcome, t_start: float) -> int:
     """Print the run's outcome (JSON, a summary or the full report); returns its exit code."""
     if session.driver is not None:
+        if outcome.failure is None and session.driver.run.status is RunStatus.FAILED:
+            outcome.failure = _failed_job(session.driver.run)  # the run's record and the report agree
         outcome.run_status = str(session.driver.run.status)
         outcome.jobs = {j.name: job_status_message(j) for j in session.driver.run.jobs}
         outcome.relay_moves = _relay_moves(session.driver, outcome.relays or {})
@@ -137,6 +139,15 @@ def _report(args: argparse.Namespace, session: _Session, outcome: Outcome, t_sta
     else:
         print_report(result)
     return outcome.exit_code
+
+
+def _failed_job(run: Run) -> Failure:
+    """Why a run whose generation passed was recorded failed: a job that failed on its own (a
+    relay or a node that crashed), found as the run was torn down."""
+    job = next((j for j in run.jobs if j.status is JobStatus.FAILED), None)
+    if job is None:
+        return Failure.error(run.message or "the run was recorded failed")
+    return Failure.exited(job.name, job.exit_code, f"{job.name} {job_status_message(job)} during the run")
 
 
 def _run(args: argparse.Namespace, session: _Session, outcome: Outcome, progress: Progress) -> None:
