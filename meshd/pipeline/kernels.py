@@ -13,8 +13,8 @@ blocked product is the faster.
 
 Each output element is one dot product over the weight row, in an order that
 depends only on the input's row count, the row's place in it and whether the
-weight row is among a group of four: a weight cut into row blocks at a
-multiple of four rows (the LM head split between two stages, at a multiple of
+weight row is among a pair: a weight cut into row blocks at a multiple of
+two rows (the LM head split between two stages, at a multiple of
 ``model.HEAD_CUT_ALIGN``) gives the very bits the whole weight gives, and the
 same rows give the same bits every time.
 The sums may be reassociated (vectorised) and fused, not otherwise relaxed:
@@ -66,13 +66,16 @@ _kernels: dict[str, Any] = {}
 def _dot_rows(x, w, out):  # numba compiles it (``_compiled``)
     """out[t, n] = x[t] . w[n], over tiles of TILE weight rows.
 
-    Input rows go four at a time, and each four meet four weight rows at once:
-    sixteen sums in registers, so each value loaded serves four products, where
-    one weight row at a time loads an input value for every product.  A tile's
-    last weight rows (fewer than four) and the last input rows (fewer than four)
-    go one weight row at a time.  Which body computes an element depends only on
-    T and the element's place in its tile, so a weight cut at a multiple of four
-    rows gives the whole weight's bits.
+    Input rows go four at a time, and each four meet two weight rows at once:
+    eight sums in registers, so each weight value loaded serves four products
+    and each input value two, where one weight row at a time loads an input
+    value for every product.  Sixteen sums (four weight rows) do not fit in
+    AVX2's sixteen vector registers beside the values they take, and spill to
+    memory on every step: 10-25 % slower at 8 and 16 rows.  A tile's last
+    weight row (when it has an odd number) and the last input rows (fewer
+    than four) go one weight row at a time.  Which body computes an element
+    depends only on T and the element's place in its tile, so a weight cut at
+    a multiple of two rows gives the whole weight's bits.
     """
     T, K = x.shape
     N = w.shape[0]
@@ -80,9 +83,9 @@ def _dot_rows(x, w, out):  # numba compiles it (``_compiled``)
     t2 = T - T % 2
     for n0 in range(0, N, TILE):
         n1 = min(N, n0 + TILE)
-        q1 = n0 + (n1 - n0) // 4 * 4
+        q1 = n0 + (n1 - n0) // 2 * 2
         for t in range(0, t4, 4):
-            for n in range(n0, q1, 4):
+            for n in range(n0, q1, 2):
                 a0 = np.float32(0.0)
                 a1 = np.float32(0.0)
                 a2 = np.float32(0.0)
@@ -91,14 +94,6 @@ def _dot_rows(x, w, out):  # numba compiles it (``_compiled``)
                 b1 = np.float32(0.0)
                 b2 = np.float32(0.0)
                 b3 = np.float32(0.0)
-                c0 = np.float32(0.0)
-                c1 = np.float32(0.0)
-                c2 = np.float32(0.0)
-                c3 = np.float32(0.0)
-                d0 = np.float32(0.0)
-                d1 = np.float32(0.0)
-                d2 = np.float32(0.0)
-                d3 = np.float32(0.0)
                 for k in range(K):
                     x0 = x[t, k]
                     x1 = x[t + 1, k]
@@ -106,8 +101,6 @@ def _dot_rows(x, w, out):  # numba compiles it (``_compiled``)
                     x3 = x[t + 3, k]
                     wa = w[n, k]
                     wb = w[n + 1, k]
-                    wc = w[n + 2, k]
-                    wd = w[n + 3, k]
                     a0 += x0 * wa
                     a1 += x1 * wa
                     a2 += x2 * wa
@@ -116,14 +109,6 @@ def _dot_rows(x, w, out):  # numba compiles it (``_compiled``)
                     b1 += x1 * wb
                     b2 += x2 * wb
                     b3 += x3 * wb
-                    c0 += x0 * wc
-                    c1 += x1 * wc
-                    c2 += x2 * wc
-                    c3 += x3 * wc
-                    d0 += x0 * wd
-                    d1 += x1 * wd
-                    d2 += x2 * wd
-                    d3 += x3 * wd
                 out[t, n] = a0
                 out[t + 1, n] = a1
                 out[t + 2, n] = a2
@@ -132,14 +117,6 @@ def _dot_rows(x, w, out):  # numba compiles it (``_compiled``)
                 out[t + 1, n + 1] = b1
                 out[t + 2, n + 1] = b2
                 out[t + 3, n + 1] = b3
-                out[t, n + 2] = c0
-                out[t + 1, n + 2] = c1
-                out[t + 2, n + 2] = c2
-                out[t + 3, n + 2] = c3
-                out[t, n + 3] = d0
-                out[t + 1, n + 3] = d1
-                out[t + 2, n + 3] = d2
-                out[t + 3, n + 3] = d3
             for n in range(q1, n1):
                 s0 = np.float32(0.0)
                 s1 = np.float32(0.0)
