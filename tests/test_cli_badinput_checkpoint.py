@@ -94,3 +94,33 @@ def test_model_init_into_a_path_under_a_file_says_what_it_cannot_write(tmp_path)
     r = meshd("model", "init", "--out", str(out))
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.strip() == f"meshd: error: model init: cannot write {out}: Not a directory"
+
+
+@pytest.mark.parametrize("fifo", ["config.json", "model.safetensors", "byte_tokenizer.json"])
+@pytest.mark.parametrize("command", [
+    ["run", "--stage", "0", "--stages", "1", "--dashboard", "off", "--model"],
+    ["generate", "--prompt", "a", "--max-tokens", "2", "--model"],
+    ["model", "inspect"],
+])
+def test_a_pipe_in_place_of_a_checkpoint_file_is_refused_not_waited_on(tmp_path, fifo, command):
+    """Opening a FIFO blocks until a writer comes: the command names it and exits instead."""
+    model = tmp_path / "model"
+    init_checkpoint(model, "tiny")
+    (model / fifo).unlink()
+    os.mkfifo(model / fifo)
+    r = meshd(*command, str(model), timeout=30)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert lines[0].endswith(f"{model / fifo}: not a regular file (a pipe or a device)"), lines[0]
+
+
+def test_a_pipe_named_as_a_shard_is_refused_not_waited_on(tmp_path):
+    model = tmp_path / "model"
+    init_checkpoint(model, "tiny", shards=2)
+    index = json.loads((model / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.embed_tokens.weight"] = "weights-pipe"
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    os.mkfifo(model / "weights-pipe")
+    r = meshd("generate", "--prompt", "a", "--max-tokens", "2", "--model", str(model), timeout=30)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().endswith(f"{model / 'weights-pipe'}: not a regular file (a pipe or a device)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import struct
 import time
 from collections.abc import Callable, Iterable
@@ -125,7 +126,10 @@ class _SafetensorsFile:
     def __init__(self, path: Path):
         self.path = path
         try:
-            size = path.stat().st_size
+            info = path.stat()
+            if not stat.S_ISREG(info.st_mode) and not stat.S_ISDIR(info.st_mode):
+                raise CheckpointError(f"{path}: not a regular file (a pipe or a device)")
+            size = info.st_size
             with path.open("rb") as f:
                 head = f.read(8)
                 if len(head) < 8:

@@ -385,7 +385,21 @@ def not_a_checkpoint_dir(model_dir: str | Path) -> str | None:
     (it is missing, or a file); None when it is a directory."""
     root = Path(model_dir)
     if root.is_dir():
-        return None
+        return _special_file(root)
     if root.exists():
         return f"{root}: not a directory (a checkpoint is a folder holding config.json and the weights)"
     return f"{root}: no such directory"
+
+
+def _special_file(root: Path) -> str | None:
+    """A file meshd may read from the checkpoint (its JSON, weights and template) that is a
+    pipe, a socket or a device: opening one would wait forever, or read without end."""
+    try:
+        entries = sorted(root.iterdir())
+    except OSError:
+        return None  # an unreadable folder: the read of config.json says why
+    for entry in entries:
+        if entry.suffix in (".json", ".safetensors", ".jinja") and entry.exists() \
+                and not (entry.is_file() or entry.is_dir()):
+            return f"{entry}: not a regular file (a pipe or a device)"
+    return None
