@@ -7,7 +7,9 @@ prefix to a stage.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import stat
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -65,11 +67,25 @@ def verify(node_id: bytes, signature: bytes, data: bytes) -> bool:
     return True
 
 
+def read_small_file(path: str | os.PathLike, limit: int = 1 << 20) -> bytes:
+    """The bytes of ``path``, a regular file of at most ``limit`` bytes, for the key files and
+    lists meshd reads whole.  A pipe would block the read until a writer came and a device
+    such as /dev/zero never ends, so both raise OSError, as a file past ``limit`` does; its
+    strerror says which."""
+    with open(path, "rb", opener=lambda name, flags: os.open(name, flags | os.O_NONBLOCK)) as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file (a pipe or a device)", str(path))
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise OSError(errno.EFBIG, f"larger than {limit} bytes", str(path))
+    return data
+
+
 def load_or_create(path: str | os.PathLike) -> Identity:
     """Load the node key at ``path``, creating it (mode 0600) if it is missing."""
     path = Path(path)
     try:
-        data = path.read_bytes()
+        data = read_small_file(path)
     except FileNotFoundError:
         return _create(path)
     except OSError as exc:
@@ -147,8 +163,10 @@ def load_node_ids(path: str | os.PathLike) -> frozenset[bytes]:
     boot line prints it) per line; ``#`` starts a comment.  IdentityError says what is wrong."""
     path = Path(path)
     try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as exc:
+        text = read_small_file(path, 64 << 20).decode()
+    except OSError as exc:
+        raise IdentityError(f"cannot read node id list {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
         raise IdentityError(f"cannot read node id list {path}: {exc}") from None
     ids = set()
     for n, line in enumerate(text.splitlines(), 1):

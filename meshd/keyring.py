@@ -33,6 +33,8 @@ from pathlib import Path
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from .identity import read_small_file
+
 KEY_BYTES = 32
 KEY_ID_BYTES = 4
 NONCE_BYTES = 12
@@ -264,11 +266,13 @@ def load(path: str | os.PathLike) -> Keyring:
     """The keyring in ``path``; KeyringError names the file and what is wrong with it."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = read_small_file(path).decode()
     except FileNotFoundError:
         raise KeyringError(f"mesh key file {path} does not exist (make one with: meshd keys generate "
                            f"--out {path})") from None
-    except (OSError, UnicodeDecodeError) as exc:
+    except OSError as exc:
+        raise KeyringError(f"cannot read mesh key file {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
         raise KeyringError(f"cannot read mesh key file {path}: {exc}") from None
     keys = []
     for n, line in enumerate(text.splitlines(), 1):
