@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..identity import read_small_file
 from .model import Run, run_from_dict, run_to_dict
 
 FORMAT_VERSION = 1
@@ -106,7 +107,7 @@ def read_run_dict(path: Path | str) -> dict[str, Any]:
     """The file's dict, checked to describe a run; raises StateFileError, one line."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_small_file(path, 64 << 20).decode("utf-8")  # not a pipe or a device: ps never waits
     except (OSError, UnicodeDecodeError) as exc:
         raise StateFileError(path, f"cannot read: {getattr(exc, 'strerror', None) or exc}") from exc
     try:
