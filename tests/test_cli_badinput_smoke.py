@@ -61,3 +61,17 @@ def test_a_node_that_died_while_its_dashboard_is_read_fails_the_run_naming_it():
     failure = failed.value.failure
     assert failure.status == "exited (-9)" and failure.job == "stage-1"
     assert failure.reason.startswith("stage-1 (2b91108e) exited")
+
+
+def test_a_default_run_dir_that_cannot_be_made_is_refused_before_anything_starts(tmp_path):
+    """$XDG_STATE_HOME under a file (a read-only or odd home): one line naming the run dir and
+    the way out, exit 2, before a checkpoint is written or a job starts."""
+    (tmp_path / "afile").write_text("x")
+    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "afile" / "state")}
+    r = subprocess.run([sys.executable, "-m", "meshd", "smoke-run", "--stages", "1", "--stub"],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip() == (f"meshd: error: smoke-run: cannot make the run dir "
+                                f"{tmp_path / 'afile' / 'state' / 'meshd' / 'runs'}: Not a directory "
+                                "(give --run-dir DIR)")
+    assert r.stdout == ""

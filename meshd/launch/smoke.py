@@ -357,6 +357,13 @@ def _cmd_smoke(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     except (CheckpointError, ConfigError, TokenizerError, ValueError) as exc:
         print(f"meshd: error: smoke-run: {what}: {exc}", file=sys.stderr)
         return 2
+    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir()
+    try:  # the default one too ($XDG_STATE_HOME or ~/.local/state), which no argument type checked
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        print(f"meshd: error: smoke-run: cannot make the run dir {run_dir}: {exc.strerror or exc} "
+              "(give --run-dir DIR)", file=sys.stderr)
+        return 2
     return run_smoke(args)
 
 
