@@ -75,3 +75,33 @@ def test_a_default_run_dir_that_cannot_be_made_is_refused_before_anything_starts
                                 f"{tmp_path / 'afile' / 'state' / 'meshd' / 'runs'}: Not a directory "
                                 "(give --run-dir DIR)")
     assert r.stdout == ""
+
+
+def test_a_hangup_tears_the_run_down_as_ctrl_c_does(tmp_path):
+    """SIGHUP (the terminal closed, an ssh session dropped) while the run converges: every job
+    stopped, the temp dir gone, the run recorded as interrupted, not left running."""
+    import json
+    import signal
+    import time
+
+    runs, tmp = tmp_path / "runs", tmp_path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "meshd", "smoke-run", "--stages", "2", "--stub",
+                             "--max-tokens", "200", "--run-dir", str(runs)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TMPDIR": str(tmp)})
+    try:
+        deadline = time.monotonic() + 60
+        while not list(tmp.glob("meshd-smoke-*/snapshots/*")) and time.monotonic() < deadline:
+            time.sleep(0.05)  # nodes are up once they write snapshots
+        proc.send_signal(signal.SIGHUP)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert "Traceback" not in err, err
+    assert proc.returncode == 130, (out, err)
+    assert "smoke-run: stopped (interrupted by SIGHUP)" in out and "leftovers: 0" in out
+    assert list(tmp.iterdir()) == []
+    ps = json.loads(subprocess.run([sys.executable, "-m", "meshd", "ps", "--run-dir", str(runs), "--json"],
+                                   capture_output=True, text=True, timeout=30).stdout)
+    assert [run["status"] for run in ps["runs"]] == ["terminated"]

@@ -12,6 +12,7 @@ convergence, the generation, kills, restarts and relays going down), ``checks``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -54,7 +55,8 @@ from .report import Generated, Outcome, Progress, print_report, summary
 from .state import default_run_dir, next_run_name, save_logs
 
 DEFAULT_PROMPT = "Once upon a time"
-_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# SIGHUP: the terminal closed (an ssh session dropped); the run is torn down as for Ctrl-C.
+_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 @dataclass
@@ -92,9 +94,11 @@ def run_smoke(args: argparse.Namespace) -> int:
         raise Interrupted(signal.Signals(signum).name)
 
     def noted(signum: int, frame: FrameType | None) -> None:
-        # The run's outcome is settled; what is left is undoing it, which must not stop halfway.
-        print(f"smoke-run: {signal.Signals(signum).name} while tearing down: finishing the teardown",
-              file=sys.stderr, flush=True)
+        # The run's outcome is settled; what is left is undoing it, which must not stop halfway
+        # (not even on a terminal gone with a SIGHUP, which a write answers with EIO).
+        with contextlib.suppress(OSError):
+            print(f"smoke-run: {signal.Signals(signum).name} while tearing down: finishing the teardown",
+                  file=sys.stderr, flush=True)
 
     handlers = {sig: signal.signal(sig, interrupted) for sig in _SIGNALS}
     try:
@@ -112,7 +116,8 @@ def run_smoke(args: argparse.Namespace) -> int:
             # Teardown runs to its end whatever comes now, and the report is still printed.
             for sig in _SIGNALS:
                 signal.signal(sig, noted)
-            progress.update("tearing down")
+            with contextlib.suppress(OSError):  # a terminal gone (SIGHUP): tear down all the same
+                progress.update("tearing down")
             outcome.leftovers = session.tear_down()
             progress.stop()
         return _report(args, session, outcome, t_start)
