@@ -240,3 +240,13 @@ def test_the_report_prints_one_line_per_failover_and_the_json_lists_them():
 def test_a_failover_line_leaves_out_what_is_not_known():
     line = failover_line({"request": "r", "stage": "stage-0", "from": "2b91108e", "to": "11bb2222"})
     assert line == "failover: request r stage-0 2b91108e -> 11bb2222"
+
+
+def test_a_failover_line_says_what_became_of_the_node_left_when_it_is_one_word():
+    same = {"request": "r", "stage": "stage-1", "from": "b68ab03d", "from_job": "stage-1", "to": "b68ab03d",
+            "to_job": "stage-1", "ms": 401.2, "why": "restarted"}
+    assert failover_line(same) == ("failover: request r stage-1 b68ab03d (stage-1) restarted -> b68ab03d "
+                                   "(stage-1) in 401 ms")
+    long = dict(same, why="could not deliver message 26 (19952 bytes) to stage-1 (b68ab03d) within 30s")
+    assert failover_line(long) == ("failover: request r stage-1 b68ab03d (stage-1) -> b68ab03d (stage-1) "
+                                   "in 401 ms")

@@ -318,11 +318,15 @@ def _ties(result: dict) -> str:
 
 
 def failover_line(f: dict[str, Any]) -> str:
-    """``failover: request ab12cd34ef56 stage-1 77aa0011 (stage-1) -> 5c3e9a10 (stage-1.2) in 412 ms``."""
+    """``failover: request ab12cd34ef56 stage-1 77aa0011 (stage-1.2) dead -> 5c3e9a10 (stage-1)
+    in 412 ms``: what became of the node left, when the orchestrator said it in one word
+    (``restarted``: the same node, as a new process, took the replay)."""
     def end(side: str) -> str:
         job = f.get(f"{side}_job")
         return f"{f.get(side)}" + (f" ({job})" if job else "")
 
     ms = f.get("ms")
     took = f" in {ms:.0f} ms" if isinstance(ms, int | float) else ""
-    return f"failover: request {f.get('request')} {f.get('stage')} {end('from')} -> {end('to')}{took}"
+    why = f.get("why")
+    became = f" {why}" if isinstance(why, str) and why and " " not in why else ""
+    return f"failover: request {f.get('request')} {f.get('stage')} {end('from')}{became} -> {end('to')}{took}"
