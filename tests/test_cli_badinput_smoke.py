@@ -105,3 +105,19 @@ def test_a_hangup_tears_the_run_down_as_ctrl_c_does(tmp_path):
     ps = json.loads(subprocess.run([sys.executable, "-m", "meshd", "ps", "--run-dir", str(runs), "--json"],
                                    capture_output=True, text=True, timeout=30).stdout)
     assert [run["status"] for run in ps["runs"]] == ["terminated"]
+
+
+def test_a_node_cut_off_from_the_mesh_is_named_with_its_peer_prefix(tmp_path):
+    """The prefix is what every node's log calls it: the report gives both names."""
+    import json
+    import re
+
+    r = meshd("smoke-run", "--stages", "2", "--stub", "--fault", "isolate:stage-1", "--timeout", "20",
+              "--json", "--run-dir", str(tmp_path / "runs"), timeout=120)
+    assert "Traceback" not in r.stderr, r.stderr
+    report = json.loads(r.stdout.splitlines()[-1])
+    assert r.returncode == 1 and report["status"] == "unreachable: stage-1", report
+    cut = re.search(r"; cut off: stage-1 \(([0-9a-f]{8})\)$", report["reason"])
+    assert cut, report["reason"]
+    with open(os.path.join(report["logs"], "stage-1.log")) as log:  # its boot line
+        assert f"prefix={cut.group(1)} role=stage stage=1 " in log.read()

@@ -320,6 +320,9 @@ def converge(client: httpx.Client, driver: JobDriver, boards: dict[str, Dashboar
         if time.monotonic() > deadline:
             why = f"not converged within {timeout:g}s; unresolved: {', '.join(short) or 'none'}"
             cut = cut_off(snaps, prefixes)
+            if cut:  # by run name and peer prefix, as the nodes' logs name them
+                why += "; cut off: " + ", ".join(f"{job} ({peer_of[job]})" if job in peer_of else job
+                                                 for job in cut)
             raise RunFailed(Failure.unreachable(cut, why) if cut else Failure.timeout(why))
         time.sleep(0.2)
 
