@@ -121,3 +121,10 @@ def test_a_node_cut_off_from_the_mesh_is_named_with_its_peer_prefix(tmp_path):
     assert cut, report["reason"]
     with open(os.path.join(report["logs"], "stage-1.log")) as log:  # its boot line
         assert f"prefix={cut.group(1)} role=stage stage=1 " in log.read()
+
+
+def test_the_timeout_help_says_it_bounds_the_start_too():
+    """A short --timeout on a loaded host fails as "not started within S": the help says so."""
+    r = meshd("smoke-run", "--help")
+    assert "--timeout S" in r.stdout
+    assert "the jobs starting, convergence, the generation" in " ".join(r.stdout.split())

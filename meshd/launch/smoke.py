@@ -305,7 +305,8 @@ def add_parser(sub: Any) -> None:
                    help="when the run ends, as dstack's stop_criteria: once the orchestrator is done "
                         "(master-done), or every job (all-done) (default %(default)s)")
     p.add_argument("--timeout", type=positive_float, default=60.0, metavar="S",
-                   help="for convergence and generation (default %(default)s)")
+                   help="how long each wait may take: the jobs starting, convergence, the generation "
+                        "(default %(default)s)")
     p.add_argument("--run-dir", type=_run_dir, metavar="DIR",
                    help="where run state is kept (default $XDG_STATE_HOME/meshd/runs, else "
                         "~/.local/state/meshd/runs, as for meshd ps)")
