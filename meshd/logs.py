@@ -85,14 +85,19 @@ def set_node(name: str, prefix: str) -> None:
 
 
 def event(line: str) -> None:
-    """An event line on stdout: as the contract writes it, or as a JSON line."""
-    if not _json:
+    """An event line on stdout: as the contract writes it, or as a JSON line.  A stdout that
+    is gone (its terminal closed: EIO; its reader left: EPIPE) loses the line, never the
+    node, which goes on serving or leaving."""
+    if _json:
+        words = line.split()
+        out: dict[str, Any] = {"ts": _utc(time.time()), "event": words[1] if len(words) > 1 else "",
+                               "line": line}
+        for word in words[2:]:
+            key, sep, value = word.partition("=")
+            if sep and key not in out:
+                out[key] = value
+        line = json.dumps(out)
+    try:
         print(line, flush=True)
-        return
-    words = line.split()
-    out: dict[str, Any] = {"ts": _utc(time.time()), "event": words[1] if len(words) > 1 else "", "line": line}
-    for word in words[2:]:
-        key, sep, value = word.partition("=")
-        if sep and key not in out:
-            out[key] = value
-    print(json.dumps(out), flush=True)
+    except OSError:
+        pass

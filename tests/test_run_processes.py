@@ -99,6 +99,62 @@ def test_sigterm_leaves_gracefully_and_exits_zero_within_two_seconds(mesh, tmp_p
     assert not any("Traceback" in line for p in mesh for line in p.lines)
 
 
+def test_sighup_leaves_gracefully_unless_started_under_nohup(mesh):
+    """A closed terminal (SIGHUP) is a leave, as SIGTERM is; a node started ignoring SIGHUP
+    (``nohup meshd run``) keeps running through one."""
+    wait_converged(mesh)
+    orch = mesh[0]
+    kept = MeshProcess("stage-1", ["run", "--role", "stage", "--stage", "1", "--stages", "2", "--bind",
+                                   "127.0.0.1:0", "--seed", orch.boot.addr, "--profile", "local"],
+                       preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    try:
+        kept.wait_boot()
+        leaver = mesh[1]
+        leaver.signal(signal.SIGHUP)
+        assert leaver.proc.wait(5.0) == 0
+        orch.wait_for(lambda line: line.startswith(f"meshd member left prefix={leaver.boot.prefix}"), 5,
+                      "left announcement of stage-0")
+        kept.signal(signal.SIGHUP)
+        time.sleep(1.0)
+        assert kept.proc.poll() is None, "a node started under nohup must outlive a SIGHUP"
+    finally:
+        kept.stop(timeout=2)
+    assert not any("Traceback" in line for p in (*mesh, kept) for line in p.lines)
+
+
+def test_a_node_whose_stdout_is_gone_goes_on_serving_and_leaves_cleanly(mesh):
+    """Event lines to a stdout whose reader left (EPIPE; a closed terminal gives EIO) are
+    lost, not fatal: the node sees the next member join, then leaves on SIGTERM, exit 0."""
+    wait_converged(mesh)
+    orch = mesh[0]
+    proc = subprocess.Popen([sys.executable, "-m", "meshd", "run", "--role", "stage", "--stage", "1",
+                             "--stages", "2", "--bind", "127.0.0.1:0", "--seed", orch.boot.addr,
+                             "--profile", "local"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        for line in proc.stdout:  # its boot line, then it reads no more
+            if BOOT_RE.match(line.rstrip("\n")):
+                break
+        proc.stdout.close()  # its reader is gone: every event line from now on meets EPIPE
+        late = MeshProcess("stage-0.2", ["run", "--role", "stage", "--stage", "0", "--stages", "2", "--bind",
+                                         "127.0.0.1:0", "--seed", orch.boot.addr, "--profile", "local"])
+        try:
+            late.wait_boot()
+            late.wait_for(lambda line: line.startswith("meshd member join") and "name=stage-1" in line, 10,
+                          "the stage-1 whose stdout is gone, seen joined")
+            time.sleep(1.0)  # stage-1 prints the join of stage-0.2 into the closed pipe meanwhile
+            assert proc.poll() is None, "a node must outlive the loss of its stdout"
+        finally:
+            late.stop(timeout=2)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(5.0) == 0
+        assert "Traceback" not in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def _meshd(*args: str, timeout: float = 15) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "meshd", *args], capture_output=True, text=True,
                           timeout=timeout)
