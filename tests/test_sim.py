@@ -138,3 +138,16 @@ def test_with_a_relay_a_lossy_probe_gets_a_second_chance():
     assert "relay_pings" not in without.counters
     assert with_relay.counters["relay_pings"] > 0
     assert with_relay.false_suspicions * 2 < without.false_suspicions
+
+
+def test_a_run_into_a_log_says_how_far_it_is_every_few_seconds(capsys, monkeypatch):
+    """Without a terminal (a log, a pipe) a long run prints a progress line now and then,
+    on stderr, so stdout stays the result (or the JSON object) alone."""
+    from meshd.sim import cli as sim_cli
+
+    monkeypatch.setattr(sim_cli, "PROGRESS_EVERY_S", 0.0)
+    main(["sim", "--nodes", "5", "--periods", "4", "--json"])
+    out, err = capsys.readouterr()
+    assert json.loads(out)["params"]["periods"] == 4
+    lines = [line for line in err.splitlines() if line.startswith("meshd sim: 5 nodes, period")]
+    assert lines and lines[0].startswith("meshd sim: 5 nodes, period 1 of 4 (25%), ")
