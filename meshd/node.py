@@ -318,6 +318,11 @@ class Node:
             # Our names go out with the join's push-pull.  A service that serves them was
             # built before this (the daemon loads the model first); anything a peer sends it
             # before its handler runs waits in the data channel's queue.
+            refused = [name for name in opts.names() if not swim.may_hold(name)]
+            if refused:
+                log.warning("this node (id %s) is not in its --allow-nodes list: every node that "
+                            "reads that list ignores its claim on %s, so it serves nothing; add the "
+                            "id to the list of every node", self.identity.node_id.hex(), ", ".join(refused))
             for name in opts.names():
                 swim.register_name(name, now)
             if opts.seeds:

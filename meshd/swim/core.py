@@ -89,6 +89,11 @@ RECONNECT_ASKERS = 3
 # Names only the nodes of an allow list may claim (``--allow-nodes``): the pipeline's.
 STAGE_NAME_PREFIXES = ("pp-stage-", "pp-entry", "pp-exit")
 
+
+def _allowed(allow_nodes: frozenset[bytes] | None, owner: bytes, name: str) -> bool:
+    return allow_nodes is None or owner in allow_nodes or not name.startswith(STAGE_NAME_PREFIXES)
+
+
 # Keyring changes we remember having applied, per issuer: their highest clock.
 MAX_KEYRING_ISSUERS = 1024
 
@@ -325,6 +330,14 @@ class Swim:
         self._on_path_summary(self._sign_paths(summary), now)
 
     def register_name(self, name: str, now: float) -> None:
+        if not self.may_hold(name):
+            # Every member refuses this claim (``_on_name``, counted there), and so do we: held
+            # in our own registry alone, it would make our view (readiness, doctor) count us
+            # as serving the stage.
+            self.registry.own_clock = next_counter(self.registry.own_clock)
+            claim = NameClaim(name=name, owner=self.id, clock=self.registry.own_clock, tombstone=False)
+            self.broadcasts.queue(("name", name, self.id), self._sign_claim(claim))
+            return
         claim = self.registry.claim(name, self.id, self._sign_claim)
         self._my_names.add(name)
         self.broadcasts.queue(("name", name, self.id), claim)
@@ -1288,8 +1301,11 @@ class Swim:
 
     def _may_claim(self, claim: NameClaim) -> bool:
         """Whether ``claim.owner`` may hold ``claim.name``: stage names are for the allow list."""
-        return (self.allow_nodes is None or claim.owner in self.allow_nodes
-                or not claim.name.startswith(STAGE_NAME_PREFIXES))
+        return _allowed(self.allow_nodes, claim.owner, claim.name)
+
+    def may_hold(self, name: str) -> bool:
+        """Whether our allow list (``--allow-nodes``) lets us hold ``name``."""
+        return _allowed(self.allow_nodes, self.id, name)
 
     def keyring_change(self, change: KeyringChange, now: float) -> None:
         """Gossip our signed change of the mesh keyring to every member (the node applied it)."""
