@@ -46,11 +46,13 @@ def readiness(snap: dict) -> dict:
     warnings: list[str] = _stage_count_warnings(snap, expected)
     now = snap.get("time")  # wall clock, as the members' start times are
     lag = snap.get("suspicion_s")  # how long a death's verdict may trail it; None: not said
+    cut_off = _cut_off(snap, views, expected)
     orchestrator = _role_row("orchestrator", ORCHESTRATOR, names, views, run_checkpoint, now, lag, why,
-                             warnings)
+                             warnings, cut_off)
     rows = []
     for k in range(expected):
-        row = _role_row(f"stage-{k}", stage_name(k), names, views, run_checkpoint, now, lag, why, warnings)
+        row = _role_row(f"stage-{k}", stage_name(k), names, views, run_checkpoint, now, lag, why, warnings,
+                        cut_off)
         rows.append({"stage": k, **row})
     _check_edge_names(rows, names, why)
     _check_hops(snap, orchestrator, rows, why, warnings)
@@ -142,7 +144,7 @@ _REPLICA_KEYS = ("prefix", "state", "checkpoint", "draining", "serving", "id")
 
 
 def _replica(entry: dict, views: dict[str, dict], run_checkpoint: str, now: float | None,
-             lag: float | None) -> dict:
+             lag: float | None, cut_off: dict[str, str]) -> dict:
     """One owner's entry as readiness sees it; ``serving`` when it can take new work, ``up_s``
     how long ago its process started (``_up_for``), ``down_s`` how long ago, at the most, a
     process gone went down (``_down_for``)."""
@@ -157,7 +159,8 @@ def _replica(entry: dict, views: dict[str, dict], run_checkpoint: str, now: floa
     return {"prefix": entry["owner"], "state": view.get("state", "unknown"), "checkpoint": checkpoint or None,
             "draining": draining, "serving": live and not draining and not mismatch and not down,
             "live": live, "mismatch": mismatch, "tombstone": bool(entry.get("tombstone")),
-            "id": view.get("id"), "reported_down": down, "age_s": view.get("state_age_s"),
+            "id": view.get("id"), "reported_down": down, "cut_off": cut_off.get(entry["owner"]),
+            "age_s": view.get("state_age_s"),
             "up_s": _up_for(view, now), "down_s": _down_for(view, lag), "addr": view.get("addr")}
 
 
@@ -190,10 +193,11 @@ START_SLACK_S = 1.0
 
 
 def _role_row(label: str, name: str, names: dict, views: dict[str, dict], run_checkpoint: str,
-              now: float | None, lag: float | None, why: list[str], warnings: list[str]) -> dict:
+              now: float | None, lag: float | None, why: list[str], warnings: list[str],
+              cut_off: dict[str, str]) -> dict:
     """The replicas of ``name`` and how many serve; adds its reasons and warnings."""
     entries = (names.get(name) or {}).get("entries", [])
-    replicas = [_replica(e, views, run_checkpoint, now, lag) for e in entries]
+    replicas = [_replica(e, views, run_checkpoint, now, lag, cut_off) for e in entries]
     # A tombstone shows while its owner is known dead (a replica that went down), or while
     # its owner drains: draining withdraws a node's names, and it is still there, serving
     # no new work.
@@ -230,7 +234,7 @@ def _unserved(label: str, name: str, replicas: list[dict], run_checkpoint: str) 
     out = []
     for r in live:
         if r["reported_down"]:
-            out.append(f"{label}: {r['prefix']} {_REPORTED_DOWN}")
+            out.append(f"{label}: {r['prefix']} {_down(r)}")
         elif r["mismatch"]:
             out.append(f"{label}: {r['prefix']} {serves_other(r['checkpoint'], run_checkpoint)}")
         elif r["draining"]:
@@ -248,6 +252,49 @@ def _drains(r: dict) -> bool:
 
 _REPORTED_DOWN = ("looks down to a node that sends to it (its stream ended and a dial was refused, or "
                   "its sends failed); failure detection has not said so yet: is its process running?")
+
+
+def _down(r: dict) -> str:
+    """Why a replica a stage reported gone serves nothing: a node that hands it work has no
+    path to it while it is alive to the mesh (``_cut_off``), else its process may be gone."""
+    if r.get("cut_off"):
+        return f"is alive to the mesh, but a node that hands it work has no path to it: {r['cut_off']}"
+    return _REPORTED_DOWN
+
+
+def _cut_off(snap: dict, views: dict[str, dict], expected: int) -> dict[str, str]:
+    """Members alive to the mesh that a live node handing them work (``_hops``) has no path
+    to, by prefix: that direction, e.g. ``stage-0 (50505050)→stage-1 (51a51a51): no path (..)``.
+
+    A stage that cannot deliver to such a member reports it as down; the direction says why."""
+    out: dict[str, str] = {}
+    for y in views.values():
+        if y.get("state", "alive") != "alive" or not y.get("id"):
+            continue
+        for x in views.values():
+            if x is y or not x.get("id") or x.get("state", "alive") not in LIVE:
+                continue
+            if _label(x) not in _senders_to(_label(y), expected):
+                continue
+            p = path(snap, x["id"], y["id"])
+            if p["path"] == "none":
+                out[y["prefix"]] = (f"{_label(x)} ({x['prefix']})→{_label(y)} ({y['prefix']}): no path "
+                                    f"({p.get('reason') or 'unanswered'})")
+                break
+    return out
+
+
+def _senders_to(label: str, expected: int) -> set[str]:
+    """Who hands work to ``label`` (as ``_hops``): the stage before it; to stage-0 the
+    orchestrator and the last stage; to the orchestrator the last stage."""
+    last = f"stage-{expected - 1}" if expected else ""
+    if label == "orchestrator":
+        return {last}
+    if label == "stage-0":
+        return {"orchestrator", last}
+    if label.startswith("stage-") and label[6:].isdigit():
+        return {f"stage-{int(label[6:]) - 1}"}
+    return set()
 
 
 def _gone(state: str) -> str:
@@ -349,7 +396,7 @@ def _degraded(label: str, shown: list[dict], replaced: dict[str, dict | None], s
             out.append(f"{label}: {r['prefix']} {serves_other(r['checkpoint'], run_checkpoint)}; "
                        f"not used{rest}")
         elif r["reported_down"]:
-            out.append(f"{label}: {replica}{r['prefix']} {_REPORTED_DOWN}{rest}")
+            out.append(f"{label}: {replica}{r['prefix']} {_down(r)}{rest}")
         elif r["state"] == "suspect":
             out.append(f"{label}: {replica}{r['prefix']} is suspect" + (rest if others else ""))
     return out
