@@ -371,12 +371,14 @@ class Node:
             f"at {twin.addr}, started {_when(twin.started)}, before this one; it keeps the node id. "
             "Stop it first, or give this node a key file of its own (--key-file)")
 
-    def _rejoin_remembered(self, now: float) -> None:
-        """Without seeds, join through the members the state file remembers (a restarted seed)."""
-        addrs = self._memory.addrs(self.identity.node_id, self.core.me.addr)
+    def _rejoin_remembered(self, now: float, seeds: tuple[str, ...] = ()) -> bool:
+        """Join through the members the state file remembers (a restarted seed, or a node
+        whose ``seeds`` do not answer: kept, and asked on with them).  Whether any was."""
+        addrs = [a for a in self._memory.addrs(self.identity.node_id, self.core.me.addr) if a not in seeds]
         if addrs:
             self.out(f"meshd rejoin trying {len(addrs)} remembered members from {self.options.state_file}")
-            self.core.join(addrs, now)
+            self.core.join([*seeds, *addrs], now)
+        return bool(addrs)
 
     async def _stun(self) -> tuple[str | None, str]:
         """Our address as the relays' STUN sees this gossip socket (the first answer), and what
@@ -581,6 +583,7 @@ class Node:
         quiet = max(JOIN_QUIET_S, JOIN_QUIET_PROBES * swim.config.probe_timeout)
         say_at = started + quiet
         self._asked_via_relay.clear()
+        remembered = False  # asked the members the state file remembers, besides the seeds
         try:
             while swim.joining:
                 await trio.sleep(JOIN_POLL_S)
@@ -593,6 +596,11 @@ class Node:
                 tail = ", asking the relays for members to join through" if self.relays is not None else ""
                 self.out(f"meshd join: no answer from {seeds} after {waited:.0f} s, retrying{tail}")
                 say_at = started + 2 * (say_at - started)
+                if not remembered:
+                    # A seed restarted elsewhere (a rented host's new address) leaves our
+                    # command line naming nobody; the members we knew may still be there.
+                    remembered = True
+                    self._rejoin_remembered(now, swim.seeds)
                 if self.relays is not None:
                     await self.relays.list_peers()
             if self._join_said:
