@@ -79,8 +79,11 @@ def _views_by_prefix(snap: dict) -> dict[str, dict]:
 
 
 def _run_checkpoint(snap: dict, names: dict, views: dict[str, dict]) -> str:
-    """The orchestrator's checkpoint fingerprint when it says one, else ours, else the one
-    every live member with a model serves ("" when none: a mesh without models)."""
+    """Ours when we are an orchestrator (the one our requests need), else the orchestrator's
+    checkpoint fingerprint when it says one, else ours, else the one every live member with a
+    model serves ("" when none: a mesh without models)."""
+    if snap["self"].get("role") == "orchestrator" and snap["self"].get("checkpoint"):
+        return str(snap["self"]["checkpoint"])
     for owner in (names.get(ORCHESTRATOR) or {}).get("live", []):
         fingerprint = views.get(owner, {}).get("checkpoint")
         if fingerprint:

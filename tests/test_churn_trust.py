@@ -79,3 +79,31 @@ def test_a_node_left_out_of_the_shared_allow_list_says_so_and_its_doctor_is_not_
     finally:
         for p in procs:
             p.stop(timeout=3)
+
+
+def test_an_orchestrator_started_with_another_checkpoint_than_the_stages_is_not_ready_by_its_own_view():
+    """A second orchestrator of the mesh, given another checkpoint: every request it takes gets
+    a 503 (no stage serves its checkpoint), so its own readiness must say not ready, whatever
+    the first orchestrator serves."""
+    from meshd.readiness import readiness
+
+    run, other = "cd34" * 8, "ab12" * 8
+
+    def view(prefix: str, stage: int | None, checkpoint: str) -> dict:
+        role = "orchestrator" if stage is None else "stage"
+        return {"id": prefix * 8, "prefix": prefix, "name": role if stage is None else f"stage-{stage}",
+                "role": role, "stage": stage, "state": "alive", "stages": 1, "checkpoint": checkpoint,
+                "draining": False, "epoch": 7, "addr": f"127.0.0.1:{int(prefix[:4], 16)}",
+                "path_out": "direct"}
+
+    me, first, stage = view("0cc0cc02", None, other), view("0cc0cc01", None, run), view("50505050", 0, run)
+    names = {}
+    for name, owners in {"pp-orchestrator": [first, me], "pp-stage-0": [stage], "pp-entry": [stage],
+                         "pp-exit": [stage]}.items():
+        live = sorted(v["prefix"] for v in owners)
+        names[name] = {"entries": [{"owner": p, "clock": 1, "tombstone": False, "live": True} for p in live],
+                       "live": live, "resolves": True, "tombstone": False, "owner": live[0]}
+    r = readiness({"self": me, "members": [first, stage], "names": names, "path_summaries": {},
+                   "relay": None})
+    assert r["ready"] is False and r["checkpoint"] == other
+    assert any(w.startswith("stage-0: 50505050 serves checkpoint") for w in r["why"]), r["why"]
