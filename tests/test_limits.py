@@ -14,7 +14,8 @@ def _limits_after(soft: int, hard: int) -> str:
             f"resource.setrlimit(resource.RLIMIT_NOFILE, ({soft}, {hard}))\n"
             "from meshd.limits import raise_open_files_limit\n"
             "print(raise_open_files_limit(), resource.getrlimit(resource.RLIMIT_NOFILE))\n")
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return done.stdout.strip()
 
 
 def test_the_soft_open_files_limit_rises_to_the_hard_one():
