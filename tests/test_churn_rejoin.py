@@ -29,6 +29,14 @@ def _sees(p: MeshProcess, prefixes: set[str], timeout: float = 30) -> None:
     p.wait_for(lambda s: set(parse_stage_map(s) or {}) == prefixes, timeout, f"a stage map of {prefixes}")
 
 
+def _remembers(tmp_path, name: str, addr: str) -> None:
+    state = tmp_path / f"{name}.key.state.json"
+    deadline = time.monotonic() + 15  # written within a second of a change
+    while addr not in (state.read_text() if state.exists() else ""):
+        assert time.monotonic() < deadline, f"{name} never wrote {addr} into its state file"
+        time.sleep(0.2)
+
+
 def test_a_stage_whose_seed_moved_rejoins_through_the_members_it_remembers(tmp_path):
     procs: list[MeshProcess] = []
     try:
@@ -39,11 +47,10 @@ def test_a_stage_whose_seed_moved_rejoins_through_the_members_it_remembers(tmp_p
         other = _node(tmp_path, "stage-1", ["--role", "stage", "--stage", "1"], [stale_seed])
         procs += [stage, other]
         _sees(stage, {orch.boot.prefix, stage.boot.prefix, other.boot.prefix})
-        state = tmp_path / "stage-0.key.state.json"
-        deadline = time.monotonic() + 15  # written within a second of a change
-        while other.boot.addr not in (state.read_text() if state.exists() else ""):
-            assert time.monotonic() < deadline, "stage-0 never wrote its state file"
-            time.sleep(0.2)
+        # The restarted orchestrator finds stage-1 through its own state file, and stage-0
+        # through its own: both must have been written before the kills.
+        _remembers(tmp_path, "stage-0", other.boot.addr)
+        _remembers(tmp_path, "orchestrator", other.boot.addr)
         orch.signal(signal.SIGKILL)
         orch.proc.wait(5)
         orch = _node(tmp_path, "orchestrator", ["--role", "orchestrator"], [])  # a new port, its key
