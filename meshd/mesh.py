@@ -25,6 +25,7 @@ class MemberInfo:
     checkpoint: str = ""  # fingerprint of the checkpoint it serves
     draining: bool = False  # leaving: takes no new requests
     changed: float = 0.0  # when its state last changed (trio time)
+    stages: int | None = None  # the stage count it was started with (--stages); None: not said
 
     @property
     def live(self) -> bool:

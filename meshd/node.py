@@ -172,7 +172,7 @@ class NodeOptions:
 
 def _info(m: Member) -> MemberInfo:
     return MemberInfo(m.id, m.prefix, m.name, m.state.name.lower(), m.meta.epoch, m.meta.checkpoint,
-                      m.meta.draining, m.state_change)
+                      m.meta.draining, m.state_change, m.meta.stages)
 
 
 class _Infos:

@@ -48,11 +48,11 @@ def readiness(snap: dict) -> dict:
     lag = snap.get("suspicion_s")  # how long a death's verdict may trail it; None: not said
     cut_off = _cut_off(snap, views, expected)
     orchestrator = _role_row("orchestrator", ORCHESTRATOR, names, views, run_checkpoint, now, lag, why,
-                             warnings, cut_off)
+                             warnings, cut_off, expected)
     rows = []
     for k in range(expected):
         row = _role_row(f"stage-{k}", stage_name(k), names, views, run_checkpoint, now, lag, why, warnings,
-                        cut_off)
+                        cut_off, expected)
         rows.append({"stage": k, **row})
     _check_edge_names(rows, names, why)
     _check_hops(snap, orchestrator, rows, why, warnings)
@@ -110,9 +110,12 @@ def _check_models(snap: dict, warnings: list[str]) -> None:
 
 
 def _stage_count_warnings(snap: dict, expected: int) -> list[str]:
-    """A live member that expects another stage count was started for another run."""
+    """A live member that expects another stage count was started for another run.  (A stage
+    replica's own row says so for the stage it claims: see ``other_split``.)"""
     out = []
     for m in snap.get("members", []):
+        if m.get("role") == "stage":
+            continue
         if m.get("state") in LIVE and m.get("stages") and m["stages"] != expected:
             out.append(f"{_label(m)}: {m['prefix']} expects {m['stages']} stages, this run {expected}")
     return out
@@ -128,6 +131,13 @@ def _serves(checkpoint: str) -> str:
     if not checkpoint:
         return "serves no model (started without --model or --stub)"
     return f"serves checkpoint {_short(checkpoint)}"
+
+
+def other_split(stages: int, run_stages: int) -> str:
+    """What a stage started with ``--stages stages`` in a run of ``run_stages`` is, in words:
+    it holds another share of the layers than the run's stage of its number, so no request
+    goes through it."""
+    return f"runs a {stages}-stage split (--stages {stages}), but this run has {run_stages} stages"
 
 
 def serves_other(checkpoint: str, run_checkpoint: str) -> str:
@@ -147,7 +157,7 @@ _REPLICA_KEYS = ("prefix", "state", "checkpoint", "draining", "serving", "id")
 
 
 def _replica(entry: dict, views: dict[str, dict], run_checkpoint: str, now: float | None,
-             lag: float | None, cut_off: dict[str, str]) -> dict:
+             lag: float | None, cut_off: dict[str, str], expected: int) -> dict:
     """One owner's entry as readiness sees it; ``serving`` when it can take new work, ``up_s``
     how long ago its process started (``_up_for``), ``down_s`` how long ago, at the most, a
     process gone went down (``_down_for``)."""
@@ -155,13 +165,18 @@ def _replica(entry: dict, views: dict[str, dict], run_checkpoint: str, now: floa
     checkpoint = str(view.get("checkpoint") or "")
     draining = bool(view.get("draining"))
     mismatch = bool(run_checkpoint) and checkpoint != run_checkpoint  # no model at all, too
+    # A stage of another split holds other layers under the same stage number.
+    split = view.get("stages") if view.get("role") == "stage" else None
+    split = int(split) if split and int(split) != expected else None
     live = bool(entry.get("live"))
     # A stage reported its process gone before failure detection says so: the orchestrator
     # routes no new request to it meanwhile (``Mesh.report_down``), so it does not serve.
     down = bool(view.get("reported_down"))
     return {"prefix": entry["owner"], "state": view.get("state", "unknown"), "checkpoint": checkpoint or None,
-            "draining": draining, "serving": live and not draining and not mismatch and not down,
-            "live": live, "mismatch": mismatch, "tombstone": bool(entry.get("tombstone")),
+            "draining": draining,
+            "serving": live and not draining and not mismatch and not down and split is None,
+            "live": live, "mismatch": mismatch, "split": split, "expected": expected,
+            "tombstone": bool(entry.get("tombstone")),
             "id": view.get("id"), "reported_down": down, "cut_off": cut_off.get(entry["owner"]),
             "age_s": view.get("state_age_s"),
             "up_s": _up_for(view, now), "down_s": _down_for(view, lag), "addr": view.get("addr")}
@@ -197,10 +212,10 @@ START_SLACK_S = 1.0
 
 def _role_row(label: str, name: str, names: dict, views: dict[str, dict], run_checkpoint: str,
               now: float | None, lag: float | None, why: list[str], warnings: list[str],
-              cut_off: dict[str, str]) -> dict:
+              cut_off: dict[str, str], expected: int) -> dict:
     """The replicas of ``name`` and how many serve; adds its reasons and warnings."""
     entries = (names.get(name) or {}).get("entries", [])
-    replicas = [_replica(e, views, run_checkpoint, now, lag, cut_off) for e in entries]
+    replicas = [_replica(e, views, run_checkpoint, now, lag, cut_off, expected) for e in entries]
     # A tombstone shows while its owner is known dead (a replica that went down), or while
     # its owner drains: draining withdraws a node's names, and it is still there, serving
     # no new work.
@@ -240,6 +255,8 @@ def _unserved(label: str, name: str, replicas: list[dict], run_checkpoint: str) 
             out.append(f"{label}: {r['prefix']} {_down(r)}")
         elif r["mismatch"]:
             out.append(f"{label}: {r['prefix']} {serves_other(r['checkpoint'], run_checkpoint)}")
+        elif r["split"] is not None:
+            out.append(f"{label}: {r['prefix']} {other_split(r['split'], r['expected'])}")
         elif r["draining"]:
             out.append(f"{label}: {r['prefix']} {_DRAINING}")
     return out
@@ -398,6 +415,8 @@ def _degraded(label: str, shown: list[dict], replaced: dict[str, dict | None], s
         elif r["mismatch"]:
             out.append(f"{label}: {r['prefix']} {serves_other(r['checkpoint'], run_checkpoint)}; "
                        f"not used{rest}")
+        elif r["split"] is not None:
+            out.append(f"{label}: {r['prefix']} {other_split(r['split'], r['expected'])}; not used{rest}")
         elif r["reported_down"]:
             out.append(f"{label}: {replica}{r['prefix']} {_down(r)}{rest}")
         elif r["state"] == "suspect":

@@ -243,3 +243,23 @@ def test_a_twin_with_a_copy_of_the_key_stops_and_the_first_keeps_serving(run, tm
     assert doctor.returncode != 0, doctor.stdout
     assert "another process signs as stage-1" in doctor.stdout, doctor.stdout
     assert f"stop the one at {twin.boot.addr}" in doctor.stdout.replace("\n", " "), doctor.stdout
+
+
+def test_a_stage_started_for_another_split_is_not_routed_to_and_doctor_says_why(run):
+    r = run()
+    r.stage(0), r.stage(2)
+    r.stages = 2  # stage-1 of a 2-stage split: other layers under the same stage number
+    odd = r.node("stage-1-split", ["--role", "stage", "--stage", "1"])
+    r.stages = 3
+    split = "runs a 2-stage split (--stages 2), but this run has 3 stages"
+    why = f"{odd.boot.prefix} {split}"
+    deadline = time.monotonic() + 30
+    while not ((answer := r.generate()).status_code == 503 and f"({odd.boot.prefix}) {split}" in answer.text):
+        assert time.monotonic() < deadline, answer.text
+        time.sleep(0.3)
+    out = r.doctor()
+    assert out.returncode == 1 and f"stage-1: {why}" in out.stdout, out.stdout
+    r.stage(1)  # a replica of this run's split: it serves, the other stays unused
+    _ready(r)
+    out = r.doctor()
+    assert f"stage-1: {why}; not used" in out.stdout, out.stdout

@@ -139,6 +139,20 @@ def test_a_replica_on_another_checkpoint_does_not_count():
                              f"{RUN[:12]}..; not used; 1 other serves"]
 
 
+def test_a_stage_started_for_another_split_does_not_count():
+    # stage-1 of a 2-stage split holds layers 3-5 of 6, not stage-1's 2-3 of this 3-stage run.
+    me, others = healthy()
+    split = "runs a 2-stage split (--stages 2), but this run has 3 stages"
+    r = readiness(snap_of(me, [node(S0, 0), node(S1A, 1, stages=2), node(S2, 2)]))
+    assert r["ready"] is False and r["stages"][1]["live"] == 0
+    assert f"stage-1: {S1A} {split}" in r["why"]
+    assert [x["serving"] for x in r["stages"][1]["replicas"]] == [False]
+    # Beside a replica of the run's split it is only a warning, said once.
+    r = readiness(snap_of(me, [node(S0, 0), node(S1A, 1, stages=2), node(S1B, 1), node(S2, 2)]))
+    assert r["ready"] is True and r["stages"][1]["live"] == 1
+    assert r["warnings"] == [f"stage-1: {S1A} {split}; not used; 1 other serves"]
+
+
 def test_the_run_checkpoint_is_the_orchestrators():
     me, others = healthy()
     me = node(S0, 0, checkpoint=OTHER)  # we, stage-0, serve another checkpoint than the orchestrator
@@ -424,8 +438,11 @@ def test_the_stage_count_comes_from_us_else_from_the_members():
     assert r["ready"] is False and r["why"] == [STAGES_UNKNOWN]
     r = readiness(snap_of(node(ORCH, stages=None), others))
     assert r["ready"] is True and r["expected_stages"] == 3
+    # An orchestrator started with --stages 4 routes through none of these 3-stage stages.
     r = readiness(snap_of(node(ORCH, stages=4), others))
-    assert r["why"] == ["stage-3: no live owner of pp-stage-3"]
+    split = "runs a 3-stage split (--stages 3), but this run has 4 stages"
+    assert r["why"] == [f"stage-0: {S0} {split}", f"stage-1: {S1A} {split}", f"stage-1: {S1B} {split}",
+                        f"stage-2: {S2} {split}", "stage-3: no live owner of pp-stage-3"]
 
 
 def test_topology_peers_and_problems_carry_it():

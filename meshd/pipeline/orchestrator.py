@@ -38,8 +38,8 @@ import numpy as np
 import trio
 
 from ..mesh import MemberInfo, Mesh
+from ..readiness import other_split, serves_other
 from ..readiness import path as path_between
-from ..readiness import serves_other
 from ..wire import Message
 from .admission import Admission, TooLarge, kv_bytes
 from .api import Busy, NotReady, PipelineError, StageLost
@@ -206,6 +206,12 @@ class Orchestrator(App):
                 log.warning("refusing %s as a replica of stage-%d: it serves checkpoint %s, this run's is %s",
                             self.mesh.describe(m.id), stage, m.checkpoint or "(none)", self.checkpoint)
             return serves_other(m.checkpoint, self.checkpoint)
+        if m.stages is not None and m.stages != self.stages:
+            if (m.id, f"stages={m.stages}") not in self._refused:
+                self._refused.add((m.id, f"stages={m.stages}"))
+                log.warning("refusing %s as a replica of stage-%d: it %s", self.mesh.describe(m.id), stage,
+                            other_split(m.stages, self.stages))
+            return other_split(m.stages, self.stages)
         if self._seen_down(m):
             return "was reported gone by a stage"
         return None
