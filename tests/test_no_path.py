@@ -10,7 +10,7 @@ import trio
 from meshd.net.faults import Faults
 from meshd.node import NodeOptions
 from meshd.pipeline import app
-from meshd.pipeline.api import PipelineError, StageLost
+from meshd.pipeline.api import NotReady, PipelineError, StageLost
 from meshd.pipeline.checkpoint import init_checkpoint
 from meshd.readiness import path as path_between
 from meshd.relay.server import serve_relay
@@ -57,6 +57,13 @@ async def test_a_send_with_no_path_fails_its_request_at_once_naming_the_directio
             assert "no replica to take over" in text
             assert "could not deliver" in text and "stage-1" in text
             assert "relay: none configured" in text  # why the relay carried nothing
+            # The next request is refused naming that direction, not a stage that may be gone.
+            with pytest.raises(NotReady) as refused:
+                await orch.app.generate(PROMPT, 4, token_timeout=60)
+            text = str(refused.value)
+            assert (f"stage-1 ({s1.node_id.hex()[:8]}) is alive, but stage-0 ({s0.node_id.hex()[:8]}) "
+                    "has no path to it") in text, text
+            assert "reported gone" not in text
             nursery.cancel_scope.cancel()
 
 

@@ -70,6 +70,7 @@ log = logging.getLogger("meshd.pipeline")
 LOST_CHECK_S = 0.05  # how often a waiting request looks at the nodes of its route (``_tick``)
 MAX_FAILOVERS = 8  # per request: past this, it fails
 MAX_STRANGERS = 1024  # members logged once for messages off a request's route
+MAX_UNDELIVERED = 1024  # stages held with the sender that found no path to them
 # A node of a request's route whose process looks gone (its stream ended, a dial refused) while
 # the mesh still holds it alive, with no replica to take over: the request waits this long for
 # it to come back (a restart under its key takes a few seconds) or to be declared dead.
@@ -161,6 +162,10 @@ class Orchestrator(App):
         # Nodes a stage saw go down, with their process epoch then: not picked again until
         # the mesh says more (a new epoch), bounded.
         self._strangers: dict[bytes, None] = {}  # who sent for requests it does not serve (said once)
+        # Stages a node of a route could not deliver to, the mesh keeping them alive: node ->
+        # (that sender, the process epoch it failed to reach, when), so a 503 while the report
+        # holds names the direction, not a process that may be gone.
+        self._unreached: dict[bytes, tuple[bytes, int, float]] = {}
 
     def start_background(self, nursery: trio.Nursery) -> None:
         nursery.start_soon(self._tick)
@@ -213,8 +218,29 @@ class Orchestrator(App):
                             other_split(m.stages, self.stages))
             return other_split(m.stages, self.stages)
         if self._seen_down(m):
-            return "was reported gone by a stage"
+            return self._no_path_to(m) or "was reported gone by a stage"
         return None
+
+    def _no_path_to(self, m: MemberInfo) -> str:
+        """Why ``m``, reported down, is not used when the report was of a direction with no
+        path to its live process ("" when it was not): which node found no path, and the
+        path the mesh knows now."""
+        held = self._unreached.get(m.id)
+        if held is None or held[1] != m.epoch or not m.live:
+            return ""
+        sender, _, when = held
+        p = path_between(self.mesh.snapshot(), sender.hex(), m.id.hex())
+        if p["path"] == "none":
+            return (f"is alive, but {self.mesh.describe(sender)} has no path to it "
+                    f"({p.get('reason') or 'unanswered'})")
+        return (f"is alive, but {self.mesh.describe(sender)} found no path to it "
+                f"{trio.current_time() - when:.0f}s ago")
+
+    def _note_undelivered(self, node: bytes, sender: bytes, epoch: int) -> None:
+        self._unreached.pop(node, None)
+        self._unreached[node] = (sender, epoch, trio.current_time())
+        while len(self._unreached) > MAX_UNDELIVERED:
+            self._unreached.pop(next(iter(self._unreached)))
 
     def layer_split(self) -> dict[str, range]:
         split = split_layers(self.config.num_hidden_layers, self.stages)
@@ -664,6 +690,7 @@ class Orchestrator(App):
                 req.trouble = (req.route.index(msg.peer), msg.peer, msg.message, msg.peer != src)
                 if msg.kind == UNDELIVERED and msg.peer != src:
                     req.no_path = (msg.peer, msg.stage, msg.message)
+                    self._note_undelivered(msg.peer, src, req.epochs[req.route.index(msg.peer)])
                 if msg.peer != src:  # about the process the request was routed to
                     self.mesh.report_down(msg.peer, req.epochs[req.route.index(msg.peer)])
             else:
@@ -687,6 +714,7 @@ class Orchestrator(App):
             req.trouble = (req.route.index(peer), peer, str(exc), True)
             if isinstance(exc, Undelivered):
                 req.no_path = (peer, "orchestrator", str(exc))
+                self._note_undelivered(peer, self.mesh.node_id, req.epochs[req.route.index(peer)])
             req.tell()
 
 
