@@ -71,3 +71,12 @@ def pythons_own() -> Iterator[None]:
     finally:
         if previous is not None:  # None: a handler not set from Python, which cannot be put back
             signal.signal(signal.SIGINT, previous)
+
+
+def leave_signals() -> tuple[signal.Signals, ...]:
+    """The signals a long-running command (``meshd run``, ``meshd relay``) leaves on,
+    gracefully: SIGINT, SIGTERM, and SIGHUP (its terminal closed, an ssh session dropped)
+    unless the process was started ignoring it (``nohup``), which then keeps it running as
+    asked."""
+    hangup = () if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN else (signal.SIGHUP,)
+    return (signal.SIGINT, signal.SIGTERM, *hangup)

@@ -104,18 +104,10 @@ def settle_heap() -> int:
     return gc.get_freeze_count()
 
 
-def leave_signals() -> tuple[signal.Signals, ...]:
-    """The signals a node leaves on, gracefully: SIGINT, SIGTERM, and SIGHUP (its terminal
-    closed, an ssh session dropped) unless the process was started ignoring it (``nohup``),
-    which then keeps it running as asked."""
-    hangup = () if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN else (signal.SIGHUP,)
-    return (signal.SIGINT, signal.SIGTERM, *hangup)
-
-
 async def run_daemon(identity: Identity, options: NodeOptions) -> int:
     """``meshd run``: serve until SIGINT, SIGTERM or SIGHUP (see ``leave_signals``), then
     leave and exit 0."""
-    with trio.open_signal_receiver(*leave_signals()) as signals:
+    with trio.open_signal_receiver(*ctrl_c.leave_signals()) as signals:
         ctrl_c.raise_if_lost()  # a Ctrl-C while the modules loaded: exit 130, nothing started
         raise_open_files_limit()
         node = Node(identity, options)

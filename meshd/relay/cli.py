@@ -1,4 +1,5 @@
-"""``meshd relay --bind HOST:PORT [--mesh-key-file PATH]``: run a relay until SIGINT or SIGTERM."""
+"""``meshd relay --bind HOST:PORT [--mesh-key-file PATH]``: run a relay until SIGINT, SIGTERM or
+SIGHUP (unless started under ``nohup``: see ``ctrl_c.leave_signals``)."""
 
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ async def _serve_until_signal(bind: tuple[str, int], relay) -> int:
 
     set_node("relay", "-")
 
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+    with trio.open_signal_receiver(*ctrl_c.leave_signals()) as signals:
         ctrl_c.raise_if_lost()
         raise_open_files_limit()
         async with trio.open_nursery() as nursery:
@@ -83,7 +84,8 @@ async def _serve_until_signal(bind: tuple[str, int], relay) -> int:
                 return 2
             addr = format_addr(host, port)
             event(f"meshd relay url=ws://{addr} stun={addr}/udp")
-            async for _ in signals:
+            async for signum in signals:
+                event(f"meshd relay leaving ({signal.Signals(signum).name})")
                 break
             nursery.cancel_scope.cancel()
     return 0
