@@ -206,6 +206,36 @@ def test_a_stage_without_replicas_restarted_mid_generation_takes_its_request_bac
     assert failover["from_job"] == failover["to_job"] == stage
 
 
+def _ps(run_dir) -> dict:
+    r = subprocess.run([sys.executable, "-m", "meshd", "ps", "--json"], capture_output=True, text=True,
+                       timeout=30, env={**os.environ, "XDG_STATE_HOME": str(run_dir.parent.parent)})
+    [run] = json.loads(r.stdout)["runs"]
+    return run
+
+
+def test_the_orchestrator_restarted_mid_generation_serves_the_request_sent_again(run_dir):
+    """The orchestrator holds its clients' requests: restarted, it has none of them.  The run
+    waits for it to come back with its key, sends the request again, and checks it as ever."""
+    rc, out = smoke("--stages", "2", "--stub", "--fault", "restart:orchestrator@token-3",
+                    "--max-tokens", "24")
+    assert rc == 0, json.dumps(out)
+    assert out["matches_reference"] and out["leftovers"] == 0 and meshd_children(run_dir) == []
+    [restarted] = out["disruptions"]
+    assert (restarted["action"], restarted["job"], restarted["reissued"]) == ("restart", "orchestrator", True)
+    run = _ps(run_dir)
+    assert run["status"] == "done", run
+    assert {j["status_message"] for j in run["jobs"]} == {"exited (0)"}, run
+
+
+def test_a_failed_run_reads_failed_in_ps_not_stopped_by_its_user(run_dir):
+    rc, out = smoke("--stages", "2", "--stub", "--fault", "kill:orchestrator@token-3", "--max-tokens", "24")
+    assert rc == 1 and "the orchestrator was killed after token 3" in out["reason"], json.dumps(out)
+    assert out["run_status"] == "failed"
+    run = _ps(run_dir)
+    assert run["status"] == "failed", run
+    assert "terminated_by_user" not in json.dumps(run), run
+
+
 def test_sigterm_mid_generation_leaves_no_process_behind(run_dir):
     rc, stdout, _ = smoke_signalled_at("generating", timeout=30)
     assert rc == 130

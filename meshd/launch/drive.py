@@ -12,6 +12,7 @@ failovers the request went through.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import re
@@ -353,14 +354,38 @@ def converge_and_generate(driver: JobDriver, boards: dict[str, Dashboard], prefi
                               progress, disruptions)
         beside = Beside(boards["orchestrator"], other_requests(prompt, streams), max_tokens, timeout)
         beside.start()
-        generation = generate(client, boards["orchestrator"], prompt, max_tokens, timeout, disruptor,
-                              prefixes, progress)
+        rejoined = False
+        try:
+            generation = generate(client, boards["orchestrator"], prompt, max_tokens, timeout, disruptor,
+                                  prefixes, progress)
+        except RunFailed as exc:
+            master = _master_fault(disruptions)
+            if master is None:
+                raise
+            if master["action"] == "kill":
+                raise RunFailed(dataclasses.replace(exc.failure, reason=(
+                    f"the orchestrator was killed after token {master['token']} (--fault {master['fault']}): "
+                    f"the request went with it, and no orchestrator serves the run ({exc.failure.reason})")
+                )) from None
+            # The orchestrator holds its clients' requests: a new process of it has none of them.
+            # Once it is back, with its key, every request is sent again and checked as ever.
+            progress.log(f"the orchestrator restarted after token {master['token']}: the requests in flight "
+                         "went with its process; sending them again once it is back")
+            with contextlib.suppress(RunFailed):
+                beside.wait(progress)  # their streams broke with it
+            rejoin(client, driver, boards, prefixes, plan.stages, disruptor.restarted, timeout, progress)
+            rejoined = True
+            master["reissued"] = True
+            beside = Beside(boards["orchestrator"], other_requests(prompt, streams), max_tokens, timeout)
+            beside.start()
+            generation = generate_again(client, driver, boards, prefixes, plan.stages, prompt, max_tokens,
+                                        timeout, progress, "after the orchestrator's restart")
         progress.log(f"generated {len(generation.tokens)} tokens in {generation.gen_s:.1f}s, "
                      f"{len(generation.tokens) / max(generation.gen_s, 1e-9):.1f} tokens/s")
         others = beside.wait(progress)
         if others:
             progress.log(f"{len(others)} more streams at once: {sum(len(o.tokens) for o in others)} tokens")
-        if disruptor.restarted:
+        if disruptor.restarted and not rejoined:
             rejoin(client, driver, boards, prefixes, plan.stages, disruptor.restarted, timeout, progress)
         again, late = None, [d.spec for d in downs.pending]
         if late:
@@ -370,6 +395,12 @@ def converge_and_generate(driver: JobDriver, boards: dict[str, Dashboard], prefi
                                    progress, f"after {', '.join(late)}")
         final = settled(client, driver, boards, prefixes, progress)
     return Driven(converge_s, generation, final, again, late, others)
+
+
+def _master_fault(done: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The ``kill:`` or ``restart:`` fault carried out on the orchestrator, if one was."""
+    return next((d for d in done if d.get("job") == "orchestrator" and d["action"] in ("kill", "restart")),
+                None)
 
 
 def settled(client: httpx.Client, driver: JobDriver, boards: dict[str, Dashboard], prefixes: dict[str, str],

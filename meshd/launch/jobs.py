@@ -153,13 +153,15 @@ class JobDriver:
         """Tell the run model why the run failed, so statuses and ``meshd ps`` say it.
 
         A lost job fails the run even if a replica of its stage is up: the generation failed.
+        Any other failure but a signal to smoke-run fails the run too (its jobs are stopped by
+        the run, ``terminated_by_server``): only SIGINT, SIGTERM or SIGHUP to it is a user's stop.
         """
         if failure.kind is Kind.LOST and failure.job in self.procs and failure.detail is not None:
             self.observe(Lost(failure.job, failure.detail), StopRun(RunReason.JOB_FAILED, failure.status))
         elif failure.kind is Kind.STOPPED:
             self.observe(StopRun(RunReason.INTERRUPTED))
         else:
-            self.observe(StopRun(RunReason.STOPPED_BY_USER))
+            self.observe(StopRun(RunReason.JOB_FAILED, failure.status))
 
     def finish(self, timeout: float = 8.0) -> int:
         """Let every job end (per the stop criteria), then make sure; returns processes left alive."""

@@ -294,7 +294,9 @@ def _disruption_line(d: dict[str, Any]) -> str:
         return f"relay-down: stopped {d['job']}" + (f" ({d['url']})" if d.get("url") else "") + \
             f" after {d['after_s']:g}s"
     done = "restarted" if d["action"] == "restart" else "killed"
-    return f"{done} {d['job']}" + (f" ({d['peer']})" if d.get("peer") else "") + f" after token {d['token']}"
+    again = "; its requests were sent again" if d.get("reissued") else ""
+    return (f"{done} {d['job']}" + (f" ({d['peer']})" if d.get("peer") else "") + f" after token {d['token']}"
+            + again)
 
 
 def relay_move_line(m: dict[str, Any]) -> str:
