@@ -151,6 +151,10 @@ def test_a_stage_started_for_another_split_does_not_count():
     r = readiness(snap_of(me, [node(S0, 0), node(S1A, 1, stages=2), node(S1B, 1), node(S2, 2)]))
     assert r["ready"] is True and r["stages"][1]["live"] == 1
     assert r["warnings"] == [f"stage-1: {S1A} {split}; not used; 1 other serves"]
+    # A stage number past this run's stages has no row: a warning says it.
+    r = readiness(snap_of(me, [*others, node("53535353", 3, stages=4)]))
+    assert r["ready"] is True
+    assert r["warnings"] == ["stage-3: 53535353 expects 4 stages, this run 3"]
 
 
 def test_the_run_checkpoint_is_the_orchestrators():
