@@ -234,6 +234,8 @@ def test_a_failed_run_reads_failed_in_ps_not_stopped_by_its_user(run_dir):
     run = _ps(run_dir)
     assert run["status"] == "failed", run
     assert "terminated_by_user" not in json.dumps(run), run
+    jobs = {j["name"]: j["status_message"] for j in run["jobs"]}
+    assert jobs["orchestrator"] == "exited (-9)" and jobs["stage-0"] == "stopped", jobs
 
 
 def test_sigterm_mid_generation_leaves_no_process_behind(run_dir):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -52,6 +53,7 @@ class JobDriver:
         self._running: set[str] = set()
         self._relays = [job.name for job in run.aux_jobs]
         self._downed: set[str] = set()  # relays stopped by a relay-down fault
+        self._killed: set[str] = set()  # jobs a kill: fault ended
         self._timers: list[threading.Timer] = []  # relay-down faults still to come
 
     def observe(self, *observations: Observation) -> None:
@@ -102,6 +104,7 @@ class JobDriver:
 
     def kill(self, name: str) -> None:
         """The ``kill:`` fault: SIGKILL the job's process; the run model learns of it by its exit."""
+        self._killed.add(name)
         self.procs[name].signal(signal.SIGKILL)
 
     def down(self, name: str) -> None:
@@ -158,7 +161,14 @@ class JobDriver:
         """
         if failure.kind is Kind.LOST and failure.job in self.procs and failure.detail is not None:
             self.observe(Lost(failure.job, failure.detail), StopRun(RunReason.JOB_FAILED, failure.status))
-        elif failure.kind is Kind.STOPPED:
+            return
+        # A job a kill: fault ended reads as it ended (exited (-9)), not as stopped with the rest:
+        # the stream it broke may end a moment before its process is reaped.
+        for name in self._killed:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.procs[name].proc.wait(1.0)
+        self.poll()
+        if failure.kind is Kind.STOPPED:
             self.observe(StopRun(RunReason.INTERRUPTED))
         else:
             self.observe(StopRun(RunReason.JOB_FAILED, failure.status))
