@@ -118,10 +118,11 @@ def test_links_inside_a_linked_folder_are_followed_and_mounted_too(tmp_path):
     assert "\n" not in message
 
 
-def test_a_link_through_a_linked_folder_mounts_the_folders_the_kernel_reaches(tmp_path):
+def test_a_link_through_a_linked_folder_mounts_each_folder_where_the_container_reads_it(tmp_path):
     """model/w names /t/link/w, /t/link is a link to deep/real, and real/w is a link to
-    ../blobs/w: the kernel reads ../blobs from the folder the link is in, deep/real, so
-    deep/blobs is mounted, not a /t/blobs that is not there."""
+    ../blobs/w.  The container has /t/link as a plain folder (deep/real mounted there), so it
+    reads ../blobs from /t/link: deep/blobs, which the host's kernel reaches, is mounted at
+    /t/blobs, a path the host does not have."""
     tmp_path = tmp_path.resolve()
     model, t, deep = tmp_path / "model", tmp_path / "t", tmp_path / "far" / "deep"
     for folder in (model, t, deep / "real", deep / "blobs"):
@@ -131,8 +132,23 @@ def test_a_link_through_a_linked_folder_mounts_the_folders_the_kernel_reaches(tm
     (t / "link").symlink_to(deep / "real")
     (model / "w").symlink_to(t / "link" / "w")
     mounts = checkpoint_mounts(model)
-    assert mounts == [f"{d}:{d}:ro" for d in (model, deep / "blobs", t / "link")]
-    assert all(os.path.exists(m.split(":")[0]) for m in mounts)
+    assert mounts == [f"{model}:{model}:ro", f"{deep / 'blobs'}:{t / 'blobs'}:ro",
+                      f"{deep / 'real'}:{t / 'link'}:ro"]
+    assert all(os.path.isdir(m.split(":")[0]) and not os.path.islink(m.split(":")[0]) for m in mounts)
+    assert not (t / "blobs").exists()
+
+
+def test_a_link_to_a_link_to_a_folder_mounts_the_folder_holding_the_second_link(tmp_path):
+    """model/a is a link to /s/one, itself a link to real: the container follows /s/one as
+    the host does, so the folder holding that link is mounted as it is, and real beside it."""
+    tmp_path = tmp_path.resolve()
+    model, s, real = tmp_path / "model", tmp_path / "s", tmp_path / "real"
+    for folder in (model, s, real):
+        folder.mkdir()
+    (real / "w").write_bytes(b"w")
+    (s / "one").symlink_to(real)
+    (model / "a").symlink_to(s / "one")
+    assert checkpoint_mounts(model) == [f"{d}:{d}:ro" for d in (model, real, s)]
 
 
 @pytest.mark.parametrize("target", ["../../blobs/" + "f" * 40, "generation_config.json"],

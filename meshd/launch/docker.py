@@ -120,39 +120,50 @@ def ensure_image(say: Callable[[str], None]) -> str:
 def checkpoint_mounts(model: Path) -> list[str]:
     """The read-only ``--volume`` arguments that make checkpoint folder ``model`` (an absolute
     path without links in it) readable in a container at its host path: the folder, then each
-    folder outside it that a link in it leads through, sorted, none inside another.  A link to
-    a folder is walked into too (each folder once, so a cycle ends), and the links in it count.
+    folder outside it that a link in it leads through, sorted by where the container sees it,
+    none inside another that holds it already.  A link to a folder is walked into too (each
+    folder once, so a cycle ends), and the links in it count.
 
-    A container resolves a link as the host does, through the path the link names, so each
-    hop's target must be mounted at that path.  DockerError (one line) for a link that leads
-    to no file, named by its path through the checkpoint."""
-    dirs: set[str] = set()
-    walked: list[str] = []
-    todo = [(str(model), "")]  # a real folder to walk, and its path through the checkpoint
+    A mounted folder is a plain folder in the container, whatever links led to it on the
+    host, and a link in it is read from there: ``../x`` next to a file that the host reaches
+    through a linked folder leads, in the container, beside the path the link was reached
+    by, not beside the folder the host's kernel finds.  So each folder is mounted at the path
+    the container reaches it by, from the host folder the host's kernel reaches.  DockerError
+    (one line) for a link that leads to no file, named by its path through the checkpoint."""
+    mounts: dict[str, str] = {}  # container folder -> host folder (real)
+    walked: list[tuple[str, str]] = []
+    # A real host folder to walk, where the container sees it, and its path through the checkpoint.
+    todo = [(str(model), str(model), "")]
     while todo:
-        real, shown = todo.pop(0)
-        if any(_within(real, w) for w in walked):
+        real, seen, shown = todo.pop(0)
+        if any(_within(real, w) and _within(seen, c) for w, c in walked):
             continue
-        walked.append(real)
+        walked.append((real, seen))
         for root, subdirs, files in os.walk(real):  # links to folders are listed, not entered
             subdirs.sort()  # the first dangling link named is the same on every run
             for name in sorted([*subdirs, *files]):
                 path = os.path.join(root, name)
                 if os.path.islink(path):
-                    named = os.path.normpath(os.path.join(shown, os.path.relpath(path, real)))
-                    dirs.update(_link_dirs(named, path))
+                    rel = os.path.relpath(path, real)
+                    named = os.path.normpath(os.path.join(shown, rel))
+                    hops = _link_dirs(named, path, os.path.normpath(os.path.join(seen, rel)))
+                    for host, there in hops:
+                        mounts.setdefault(there, host)
                     if os.path.isdir(path):
-                        todo.append((os.path.realpath(path), named))
-    outside = sorted(d for d in dirs if not _within(d, str(model)))
-    kept = [d for d in outside if not any(_within(d, o) for o in outside if o != d)]
-    return [f"{d}:{d}:ro" for d in [str(model), *kept]]
+                        todo.append((os.path.realpath(path), hops[-1][1], named))
+    outside = {there: host for there, host in mounts.items() if not _within(there, str(model))}
+    kept = [there for there in sorted(outside) if not any(
+        _within(there, o) and outside[there] == os.path.join(outside[o], os.path.relpath(there, o))
+        for o in outside if o != there)]
+    return [f"{model}:{model}:ro", *(f"{outside[there]}:{there}:ro" for there in kept)]
 
 
-def _link_dirs(named: str, link: str) -> list[str]:
+def _link_dirs(named: str, link: str, seen: str) -> list[tuple[str, str]]:
     """The folders a container reads through to reach what ``link`` (``named`` in the
-    checkpoint) leads to: each hop's target's folder (the target itself where it is a folder),
-    as an absolute path.  A hop is read from the real folder its link is in, as the kernel
-    reads it: ``..`` in it leaves that folder, not the path it was reached by."""
+    checkpoint, ``seen`` where the container finds it) leads to, one per hop: the host folder
+    the host's kernel reaches (the target itself where it is a folder), and where the
+    container reaches it.  The kernel reads a hop from the real folder its link is in; the
+    container from the folder it found the link in, a plain folder there."""
     if not os.path.exists(link):  # follows every hop: false for a missing target and for a loop
         raise DockerError(f"--provider docker: the checkpoint's {named} is a link "
                           f"to {os.readlink(link)}, which leads to no file; a container could not read it")
@@ -160,9 +171,13 @@ def _link_dirs(named: str, link: str) -> list[str]:
     for _ in range(MAX_LINK_HOPS):
         if not os.path.islink(path):
             break
-        path = os.path.normpath(os.path.join(os.path.realpath(os.path.dirname(path)), os.readlink(path)))
-        is_folder = os.path.isdir(path) and not os.path.islink(path)
-        dirs.append(path if is_folder else os.path.dirname(path))
+        target = os.readlink(path)
+        path = os.path.normpath(os.path.join(os.path.realpath(os.path.dirname(path)), target))
+        seen = os.path.normpath(os.path.join(os.path.dirname(seen), target))
+        if os.path.isdir(path) and not os.path.islink(path):
+            dirs.append((os.path.realpath(path), seen))
+        else:
+            dirs.append((os.path.realpath(os.path.dirname(path)), os.path.dirname(seen)))
     return dirs
 
 
