@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import trio
 
+from meshd.net import sender
 from meshd.net.faults import Faults
 from meshd.node import NodeOptions
 from meshd.pipeline import app
@@ -64,6 +65,24 @@ async def test_a_send_with_no_path_fails_its_request_at_once_naming_the_directio
             assert (f"stage-1 ({s1.node_id.hex()[:8]}) is alive, but stage-0 ({s0.node_id.hex()[:8]}) "
                     "has no path to it") in text, text
             assert "reported gone" not in text
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_step_no_path_reaches_fails_before_its_send_timeout_naming_the_cut(checkpoint, monkeypatch):
+    """With the send timeout as deployed, the step stage-0 cannot deliver fails once no path
+    (no stream, every dial unanswered, no relay) has reached stage-1 for NO_PATH_GIVE_UP_S,
+    and the request fails naming that, not at the 30 s send timeout."""
+    monkeypatch.setattr(sender, "NO_PATH_GIVE_UP_S", 2.0)
+    lines: list[str] = []
+    with trio.fail_after(90):
+        async with trio.open_nursery() as nursery:
+            orch, s0, s1, _ = await _cut_stage0_to_stage1(checkpoint, nursery, lines)
+            with pytest.raises(StageLost) as caught:
+                await orch.app.generate(PROMPT, 4, token_timeout=60)
+            text = str(caught.value)
+            assert f"stage-1 (peer {s1.node_id.hex()[:8]} alive, but no path from stage-0 to it)" in text
+            assert "no path reaches it for 2s" in text and "within 30s" not in text, text
+            assert "relay: none configured" in text
             nursery.cancel_scope.cancel()
 
 

@@ -23,7 +23,7 @@ import trio
 
 from ..wire import MAX_FRAME_BYTES, DataAck, DataChunk, Packet, encode
 from .data_keys import PairKeys
-from .dialer import Dialer, Link, PathFailed
+from .dialer import Dialer, Link, PathFailed, Refused
 from .framing import prefixed, write_frame, write_some
 
 if TYPE_CHECKING:
@@ -39,6 +39,12 @@ PUNCHED_CHUNK_BYTES = 1024
 PUNCHED_MAX_BYTES = 1024 * 1024
 PUNCHED_RETRY_S = 10.0  # after a message over punched datagrams went unacked
 NO_KEY_WAIT_S = 0.2  # how often a message waits to learn the key of the peer's new process
+# A message with no path at all to its peer this long fails then, not at its deadline: no
+# stream, every dial since unanswered (not refused: a process gone or restarting is told
+# apart), and no relay or punched way that reaches it.  Whoever sent it can go another way
+# (a replica) at once.  A lossy link keeps its stream, or dials that get through; a dial is
+# one SYN and its resends, so several failing in a row say the way is cut.
+NO_PATH_GIVE_UP_S = 8.0
 
 
 class DeliveryError(Exception):
@@ -296,6 +302,7 @@ class Sender:
     async def _deliver(self, node: bytes, peer: _Peer, item: Outgoing) -> str:
         tried: list[str] = []
         path = None
+        cut_since: float | None = None  # since when no path at all reaches the peer
         with trio.move_on_at(item.deadline):
             while True:
                 if item.acked.is_set():
@@ -316,6 +323,16 @@ class Sender:
                     except PathFailed as exc:
                         tried.append(f"{path}: {exc}")
                         self._path_failed(peer, path, str(exc))
+                        if isinstance(exc, NoPeerKey | Refused) or not self._cut_off(node, peer):
+                            cut_since = None
+                        elif cut_since is None:
+                            cut_since = trio.current_time()
+                        elif trio.current_time() - cut_since >= NO_PATH_GIVE_UP_S:
+                            raise DeliveryError(
+                                f"could not deliver message {item.msg_id} ({len(item.data)} bytes) to "
+                                f"{self._ch.describe(node)}: no path reaches it for "
+                                f"{trio.current_time() - cut_since:.0f}s; tried: "
+                                f"{_counted([*tried, *self._no_relay(node)])}") from None
                         if isinstance(exc, NoPeerKey):
                             await trio.sleep(NO_KEY_WAIT_S)  # until membership or a handshake says it
                         elif path == "relay" and not peer.link.direct_due():
@@ -337,10 +354,7 @@ class Sender:
         if failure and not any(t.startswith("direct") for t in tried):
             tried.append(f"direct: {failure}")  # the dial that ran in the background meanwhile
         if not any(t.startswith("relay") for t in tried):
-            if self._ch.relay_send is None:
-                tried.append("relay: none configured")
-            elif not self._ch.relay_reaches(node):
-                tried.append("relay: none of ours reaches it now")
+            tried += self._no_relay(node)
         down = self._ch.down_since(node)
         if down is not None:  # what it waited for: a new process of the peer, which never came
             tried.append(f"no process of it since one went away {trio.current_time() - down:.0f}s before "
@@ -349,6 +363,20 @@ class Sender:
             f"could not deliver message {item.msg_id} ({len(item.data)} bytes) to {self._ch.describe(node)} "
             f"within {item.timeout:g}s; tried: {_counted(tried) or 'nothing (no path available)'}"
         )
+
+    def _no_relay(self, node: bytes) -> list[str]:
+        """Why no relay carries our data to ``node`` now, as an attempt's words (none: one does)."""
+        if self._ch.relay_send is None:
+            return ["relay: none configured"]
+        if not self._ch.relay_reaches(node):
+            return ["relay: none of ours reaches it now"]
+        return []
+
+    def _cut_off(self, node: bytes, peer: _Peer) -> bool:
+        """No path reaches ``node`` now: no stream, no punched way, no relay that reaches it."""
+        if peer.link.stream is not None or self._punched_ok(peer.link, node):
+            return False
+        return self._ch.relay_send is None or not self._ch.relay_reaches(node)
 
     async def _send_unwritten(self, node: bytes, peer: _Peer, path: str) -> None:
         """Write every message in the window that is not on the wire yet, over ``path``.
