@@ -137,6 +137,37 @@ async def test_a_new_request_takes_the_replica_its_stage_before_reaches(checkpoi
             nursery.cancel_scope.cancel()
 
 
+async def test_a_step_no_path_reaches_moves_its_request_to_a_replica(checkpoint, monkeypatch):
+    """Stage-0 is cut from the stage-1 replica its request was routed through before the mesh
+    has seen the cut: once no path has reached it for NO_PATH_GIVE_UP_S, the request moves to
+    the other replica and completes, with the tokens of a request that never met the cut."""
+    monkeypatch.setattr(sender, "NO_PATH_GIVE_UP_S", 2.0)
+    lines: list[str] = []
+    with trio.fail_after(90):
+        async with trio.open_nursery() as nursery:
+            opts = dict(profile="local", stages=3, model=str(checkpoint))
+            orch = await start_node(nursery, NodeOptions(role="orchestrator", **opts), lines)
+            seeds = [orch.addr]
+            s0 = await start_node(nursery, NodeOptions(stage=0, seeds=seeds, faults=Faults(), **opts), lines)
+            replicas = [await start_node(nursery, NodeOptions(stage=1, seeds=seeds, **opts), lines)
+                        for _ in range(2)]
+            s2 = await start_node(nursery, NodeOptions(stage=2, seeds=seeds, **opts), lines)
+            await wait_converged([orch, s0, *replicas, s2])
+            await orch.app.wait_ready(10)
+            want = (await orch.app.generate(PROMPT, 6, token_timeout=20))["tokens"]
+            cut, other = replicas
+            orch.app.mesh.rtt = lambda node: 0.001 if node == cut.node_id else 0.002
+            orch.app.requests.clear()  # no load from the first request tilts the pick
+            s0.options.faults.drop_to.add(cut.addr)
+            s0.app.mesh.data._sender.drop_stream(s0.app.mesh.data._sender._peer(cut.node_id))
+            result = await orch.app.generate(PROMPT, 6, token_timeout=60)
+            assert result["tokens"] == want
+            [failover] = result["failovers"]
+            assert (failover["from"], failover["to"]) == (cut.node_id.hex()[:8], other.node_id.hex()[:8])
+            assert "no path reaches it for 2s" in failover["why"], failover
+            nursery.cancel_scope.cancel()
+
+
 def test_an_undelivered_message_lists_each_failed_attempt_once_with_its_count():
     from meshd.net.sender import _counted
 
