@@ -227,9 +227,16 @@ def test_the_orchestrator_restarted_mid_generation_serves_the_request_sent_again
     assert {j["status_message"] for j in run["jobs"]} == {"exited (0)"}, run
 
 
-def test_a_failed_run_reads_failed_in_ps_not_stopped_by_its_user(run_dir):
-    rc, out = smoke("--stages", "2", "--stub", "--fault", "kill:orchestrator@token-3", "--max-tokens", "24")
-    assert rc == 1 and "the orchestrator was killed after token 3" in out["reason"], json.dumps(out)
+# Killed at its last token, the orchestrator may have sent the whole stream first: the run
+# fails all the same, as the same exit, since nothing serves the run after it.
+@pytest.mark.parametrize("token, max_tokens", [(3, 24), (6, 6)])
+def test_a_failed_run_reads_failed_in_ps_not_stopped_by_its_user(run_dir, token, max_tokens):
+    rc, out = smoke("--stages", "2", "--stub", "--fault", f"kill:orchestrator@token-{token}",
+                    "--max-tokens", str(max_tokens))
+    assert rc == 1 and out["status"] == "exited (-9)", json.dumps(out)
+    assert out["reason"].startswith(f"the orchestrator was killed after token {token} "
+                                    f"(--fault kill:orchestrator@token-{token}): ")
+    assert "and no orchestrator serves the run" in out["reason"]
     assert out["run_status"] == "failed"
     run = _ps(run_dir)
     assert run["status"] == "failed", run
@@ -245,6 +252,9 @@ def test_sigterm_mid_generation_leaves_no_process_behind(run_dir):
     assert out["status"] == "stopped" and out["leftovers"] == 0
     time.sleep(0.5)
     assert meshd_children(run_dir) == []
+    run = _ps(run_dir)  # stopped by its user: terminated, each job as interrupted
+    assert (run["status"], run["message"]) == ("terminated", "interrupted"), run
+    assert {j["status_message"] for j in run["jobs"]} == {"interrupted"}, run
 
 
 def test_sigterm_while_tearing_down_lets_the_teardown_finish_and_the_report_out(run_dir):

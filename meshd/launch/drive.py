@@ -297,9 +297,10 @@ def job_snapshot(client: httpx.Client, board: Dashboard, proc: MeshProcess) -> S
 
 def converge(client: httpx.Client, driver: JobDriver, boards: dict[str, Dashboard],
              prefixes: dict[str, str], needed: dict[str, int], timeout: float,
-             progress: Progress | None = None) -> float:
+             progress: Progress | None = None, ready: bool = False) -> float:
     """Wait until every node of ``boards`` sees every other alive over a measured path and the
-    orchestrator resolves every ``needed`` name to its live owners; returns the seconds it took."""
+    orchestrator resolves every ``needed`` name to its live owners (and, with ``ready``, says
+    the pipeline can serve: its readiness); returns the seconds it took."""
     t_conv = time.monotonic()
     deadline = t_conv + timeout
     peer_of = {job: peer for peer, job in prefixes.items()}
@@ -307,11 +308,13 @@ def converge(client: httpx.Client, driver: JobDriver, boards: dict[str, Dashboar
         snaps = {n: job_snapshot(client, board, driver.procs[n]) for n, board in boards.items()}
         seeing = [n for n, snap in snaps.items() if sees_all(snap, {peer_of[o] for o in boards if o != n})]
         short = names_short(snaps["orchestrator"]["names"], needed)
-        if len(seeing) == len(snaps) and not short:
+        not_ready = not_serving(snaps["orchestrator"]) if ready else []
+        if len(seeing) == len(snaps) and not short and not not_ready:
             return time.monotonic() - t_conv
         if progress is not None:
             progress.update(f"converging: {len(seeing)} of {len(snaps)} nodes see every other alive"
                             + (f"; unresolved: {', '.join(short)}" if short else "")
+                            + (f"; orchestrator not ready: {'; '.join(not_ready)}" if not_ready else "")
                             + f" ({time.monotonic() - t_conv:.0f}s)")
         for n in boards:
             p = driver.procs[n]
@@ -320,12 +323,25 @@ def converge(client: httpx.Client, driver: JobDriver, boards: dict[str, Dashboar
                                                f"{p.name} exited while converging: {p.lines[-3:]}"))
         if time.monotonic() > deadline:
             why = f"not converged within {timeout:g}s; unresolved: {', '.join(short) or 'none'}"
+            if not_ready:
+                why += f"; the orchestrator is not ready: {'; '.join(not_ready)}"
             cut = cut_off(snaps, prefixes)
             if cut:  # by run name and peer prefix, as the nodes' logs name them
                 why += "; cut off: " + ", ".join(f"{job} ({peer_of[job]})" if job in peer_of else job
                                                  for job in cut)
             raise RunFailed(Failure.unreachable(cut, why) if cut else Failure.timeout(why))
         time.sleep(0.2)
+
+
+def not_serving(snap: Snapshot) -> list[str]:
+    """Why the node's readiness says the pipeline cannot serve now; empty when it can."""
+    readiness = snap.get("readiness")
+    if not isinstance(readiness, dict):
+        return ["it reports no readiness"]
+    if readiness.get("ready") is True:
+        return []
+    why = readiness.get("why")
+    return [str(w) for w in why] if isinstance(why, list) and why else ["not ready"]
 
 
 def converge_and_generate(driver: JobDriver, boards: dict[str, Dashboard], prefixes: dict[str, str],
@@ -363,10 +379,8 @@ def converge_and_generate(driver: JobDriver, boards: dict[str, Dashboard], prefi
             if master is None:
                 raise
             if master["action"] == "kill":
-                raise RunFailed(dataclasses.replace(exc.failure, reason=(
-                    f"the orchestrator was killed after token {master['token']} (--fault {master['fault']}): "
-                    f"the request went with it, and no orchestrator serves the run ({exc.failure.reason})")
-                )) from None
+                raise RunFailed(_master_killed(driver, master, "the request went with it",
+                                               exc.failure.reason)) from None
             # The orchestrator holds its clients' requests: a new process of it has none of them.
             # Once it is back, with its key, every request is sent again and checked as ever.
             progress.log(f"the orchestrator restarted after token {master['token']}: the requests in flight "
@@ -380,6 +394,11 @@ def converge_and_generate(driver: JobDriver, boards: dict[str, Dashboard], prefi
             beside.start()
             generation = generate_again(client, driver, boards, prefixes, plan.stages, prompt, max_tokens,
                                         timeout, progress, "after the orchestrator's restart")
+        else:
+            master = _master_fault(disruptions)
+            if master is not None and master["action"] == "kill":
+                # Its last tokens were on their way as it was killed: the run still has no orchestrator.
+                raise RunFailed(_master_killed(driver, master, "its stream had ended as it was killed"))
         progress.log(f"generated {len(generation.tokens)} tokens in {generation.gen_s:.1f}s, "
                      f"{len(generation.tokens) / max(generation.gen_s, 1e-9):.1f} tokens/s")
         others = beside.wait(progress)
@@ -401,6 +420,18 @@ def _master_fault(done: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The ``kill:`` or ``restart:`` fault carried out on the orchestrator, if one was."""
     return next((d for d in done if d.get("job") == "orchestrator" and d["action"] in ("kill", "restart")),
                 None)
+
+
+def _master_killed(driver: JobDriver, master: dict[str, Any], what: str, seen: str | None = None) -> Failure:
+    """The failure of a run whose orchestrator a ``kill:`` fault ended: it exited as killed, and
+    nothing serves the run's clients after it.  ``seen``: what the request met, when it broke."""
+    proc = driver.procs["orchestrator"]
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.proc.wait(5)
+    reason = (f"the orchestrator was killed after token {master['token']} (--fault {master['fault']}): "
+              f"{what}, and no orchestrator serves the run" + (f" ({seen})" if seen else ""))
+    code = proc.proc.returncode
+    return Failure.error(reason) if code is None else Failure.exited("orchestrator", code, reason)
 
 
 def settled(client: httpx.Client, driver: JobDriver, boards: dict[str, Dashboard], prefixes: dict[str, str],
@@ -457,14 +488,22 @@ def rejoin(client: httpx.Client, driver: JobDriver, boards: dict[str, Dashboard]
         if job not in boards:
             continue  # the relay: no dashboard, nothing to rejoin
         proc = driver.procs[job]
-        boot = proc.wait_boot(timeout)
-        if boot.prefix != peer_of[job]:
-            raise RunFailed(Failure.error(f"{job} restarted as {boot.prefix}, not {peer_of[job]}: "
-                                          "it did not keep its key"))
-        boards[job] = dashboard(proc, timeout)
+        after = f"after restarting {job} ({peer_of[job]})"
+        try:
+            boot = proc.wait_boot(timeout)
+            if boot.prefix != peer_of[job]:
+                raise RunFailed(Failure.error(f"{job} restarted as {boot.prefix}, not {peer_of[job]}: "
+                                              "it did not keep its key"))
+            boards[job] = dashboard(proc, timeout)
+        except TimeoutError as exc:  # "orchestrator: no boot line within 60s; last lines: [..]"
+            raise RunFailed(Failure.timeout(f"{after}: {exc}")) from None
+        except RuntimeError as exc:  # it exited before printing it
+            raise RunFailed(Failure.exited(job, proc.proc.returncode, f"{after}: {exc}")) from None
     alive = {n: board for n, board in boards.items() if driver.procs[n].alive()}
     try:
-        took = converge(client, driver, alive, prefixes, owners_needed(stages, alive), timeout)
+        # A new orchestrator has no request of its own: it must say it can serve before one is sent.
+        took = converge(client, driver, alive, prefixes, owners_needed(stages, alive), timeout,
+                        ready="orchestrator" in restarted)
     except RunFailed as exc:
         reason = f"after restarting {', '.join(restarted)}: {exc.failure.reason}"
         raise RunFailed(dataclasses.replace(exc.failure, reason=reason)) from None
