@@ -487,3 +487,30 @@ def test_progress_piped_is_one_plain_line_per_phase():
     assert out.getvalue().splitlines() == ["smoke-run: starting relay", "smoke-run: converging",
                                            "smoke-run: generating",
                                            "smoke-run: generated 8 tokens in 0.2s, 40.0 tokens/s"]
+
+
+@pytest.mark.parametrize("failure", [
+    Failure.error("the orchestrator's stream broke after 3 tokens"),
+    Failure.timeout("not converged within 60s; unresolved: pp-stage-0"),
+    Failure.mismatch(),
+    Failure.exited("orchestrator", -9, "the orchestrator was killed after token 3"),
+    Failure.unreachable(["stage-0"], "not converged within 60s; cut off: stage-0 (00000007)"),
+])
+def test_a_run_that_failed_reads_failed_in_ps_and_its_jobs_stopped_by_the_run(tmp_path: Path, failure):
+    """Only a signal to smoke-run is its user's stop: any other failure is the run's own."""
+    run, driver = _two_relay_run(tmp_path)
+    driver.record(failure)
+    driver.finish(timeout=1)
+    saved = read_run(tmp_path / "smoke-1.json")  # what `meshd ps` shows
+    assert (saved.status.value, saved.message) == ("failed", failure.status)
+    assert {j.reason.value for j in saved.jobs if j.reason} == {"terminated_by_server"}
+    assert {j.status_message for j in saved.jobs} == {"stopped"}
+
+
+def test_a_run_its_user_stopped_reads_terminated_and_its_jobs_interrupted(tmp_path: Path):
+    run, driver = _two_relay_run(tmp_path)
+    driver.record(Failure.stopped("SIGINT"))
+    driver.finish(timeout=1)
+    saved = read_run(tmp_path / "smoke-1.json")
+    assert (saved.status.value, saved.message) == ("terminated", "interrupted")
+    assert {j.status_message for j in saved.jobs} == {"interrupted"}
