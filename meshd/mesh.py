@@ -81,12 +81,15 @@ class Mesh(Protocol):
         refused a dial since (known in a round trip, before failure detection says so)."""
         ...
 
-    def report_down(self, node: bytes, epoch: int, *, seen_here: bool = False) -> None:
+    def report_down(self, node: bytes, epoch: int, *, seen_here: bool = False,
+                    no_path_from: bytes | None = None) -> None:
         """``node``'s process ``epoch`` looks gone to a node that sends to it (a stage whose
         sends failed, or the orchestrator, which saw its stream end and a dial refused) before
         failure detection says so: no new request is routed to it, and the snapshot (so
         readiness) says why, for ``REPORTED_DOWN_S`` or until another process replaces it.
-        ``seen_here``: this node's own stream ended, so a stream it proves again clears it."""
+        ``seen_here``: this node's own stream ended, so a stream it proves again clears it.
+        ``no_path_from``: that node found no path to ``node``, alive: the report holds while
+        the mesh sees that direction with no path, and ends once a path carries it again."""
         ...
 
     def reported_down(self, node: bytes) -> bool:

@@ -25,7 +25,7 @@ from .mesh import Handler, MemberInfo
 from .net.amplification import AmplificationGuard
 from .net.channel import DataChannel
 from .net.faults import Faults
-from .net.path_table import RELAY, VOUCHED_ONLY, PathTable
+from .net.path_table import NONE, RELAY, VOUCHED_ONLY, PathTable
 from .net.udp import MAX_DATAGRAM, AddressError, format_addr, open_udp_and_tcp, parse_addr
 from .relay.client import RelayClient
 from .relay.pool import Move, RelayPool
@@ -63,6 +63,17 @@ LEAVE_LINGER_S = 0.3
 PATH_SUMMARY_CHECK_S = 0.5
 PATH_SUMMARY_REFRESH_S = 5.0
 
+@dataclass(frozen=True, slots=True)
+class _DownReport:
+    """A report that a member's process is down (``Node.report_down``)."""
+
+    epoch: int  # the process reported
+    when: float  # time.monotonic() then
+    seen_here: bool  # our own stream with it ended (not a stage's word)
+    no_path_from: bytes | None  # the node that found no path to it (it being alive), if that is the report
+    at: float  # trio time then (the clock paths are timed by)
+
+
 class TwinError(Exception):
     """Another process runs under our node id, started before us: it keeps the id."""
 
@@ -91,7 +102,9 @@ MAX_HELD_ANSWERS = 64
 # A handler's unexpected error is logged with its traceback this many times, then counted only.
 MAX_LOGGED_HANDLER_ERRORS = 20
 # A process a stage reported down is not routed to for this long, unless a new one replaces
-# it; past it failure detection has had its say, and the member is as it says.
+# it; past it failure detection has had its say, and the member is as it says.  A report of
+# a direction with no path (``report_down(no_path_from=...)``) holds instead as long as the
+# mesh sees that direction with no path, and ends when a path carries it again.
 REPORTED_DOWN_S = 30.0
 MAX_SEND_FAILURES = 64  # addresses whose last send failed, remembered to say why a join waits
 MAX_REPORTED_DOWN = 1024
@@ -219,7 +232,7 @@ class Node:
         # proves itself (answers our ping); oldest dropped first.
         self._held_answers: dict[str, bytes] = {}
         self._handler_errors_logged = 0
-        self._reported_down: dict[bytes, tuple[int, float, bool]] = {}  # node -> (epoch, when, seen here)
+        self._reported_down: dict[bytes, _DownReport] = {}
         self._memory = node_memory.NodeMemory()  # as loaded, then as last saved
         self._memory_error: str | None = None  # the last save error, logged once
         self._memory_lock = trio.Lock()  # the loop and leave() write the same file
@@ -502,15 +515,19 @@ class Node:
         m = self.swim.members.get(node) if self.swim is not None else None
         return m is not None and m.state.live
 
-    def report_down(self, node: bytes, epoch: int, *, seen_here: bool = False) -> None:
+    def report_down(self, node: bytes, epoch: int, *, seen_here: bool = False,
+                    no_path_from: bytes | None = None) -> None:
         """Take ``node``'s process ``epoch`` as down for ``REPORTED_DOWN_S``: a stage said so,
         or (``seen_here``) this node's own stream with it ended and its dial was refused, in
-        which case a stream it proves again clears it at once."""
+        which case a stream it proves again clears it at once.  ``no_path_from``: the report
+        is of that node finding no path to ``node``, which is alive; it holds while the mesh
+        sees that direction with no path, and ends once a path carries it again."""
         held = self._reported_down.get(node)
-        if (seen_here and held is not None and held[0] == epoch and not held[2]
-                and time.monotonic() - held[1] < REPORTED_DOWN_S):
+        if (seen_here and held is not None and held.epoch == epoch and not held.seen_here
+                and time.monotonic() - held.when < REPORTED_DOWN_S):
             return  # a stage's report stands: our own link proving itself says nothing of its link
-        self._reported_down[node] = (epoch, time.monotonic(), seen_here)
+        self._reported_down[node] = _DownReport(epoch, time.monotonic(), seen_here, no_path_from,
+                                                trio.current_time())
         while len(self._reported_down) > MAX_REPORTED_DOWN:
             self._reported_down.pop(next(iter(self._reported_down)))
 
@@ -518,13 +535,45 @@ class Node:
         seen = self._reported_down.get(node)
         if seen is None:
             return False
-        epoch, when, seen_here = seen
         m = self.swim.members.get(node) if self.swim is not None else None
-        if (m is None or epoch != m.meta.epoch or time.monotonic() - when >= REPORTED_DOWN_S
-                or (seen_here and not self.data.is_down(node))):
+        cut = self._still_cut(node, seen) if m is not None and seen.epoch == m.meta.epoch else None
+        if (m is None or seen.epoch != m.meta.epoch or cut is False
+                or (cut is None and time.monotonic() - seen.when >= REPORTED_DOWN_S)
+                or (seen.seen_here and not self.data.is_down(node))):
             del self._reported_down[node]
             return False
         return True
+
+    def _still_cut(self, node: bytes, report: _DownReport) -> bool | None:
+        """For a report of a direction with no path (``report_down(no_path_from=...)``): True
+        while the mesh sees that direction with no path, False once a path has carried it
+        since the report; None when the mesh cannot say (not such a report, its sender gone,
+        the direction not reported, or a path it shows from before the report)."""
+        sender = report.no_path_from
+        if sender is None or self.swim is None:
+            return None
+        if sender == self.swim.id:
+            peer = self.paths.peers.get(node)
+            if peer is None or peer.out.unprobed:
+                return None
+            way, since = peer.out.path, peer.out.since or None
+        else:
+            m = self.swim.members.get(sender)
+            held = self.swim.path_summaries.get(sender)
+            if m is None or not m.state.live or held is None:
+                return None
+            summary, at = held
+            entry = next((e for e in summary.entries if e.peer == node), None)
+            if entry is None:
+                return None
+            # When the path took this value, on our clock: as long ago as the summary said
+            # when it was made, before it came in.
+            way, since = entry.path, (at - entry.since_ms / 1000 if entry.since_ms else None)
+        if way == NONE:
+            return True
+        if since is not None and since > report.at:
+            return False  # a path has carried the direction since the report
+        return None
 
     def probe_soon(self, node: bytes) -> None:
         self.core.probe_soon(node, trio.current_time())

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import trio
 
+from meshd import node as node_module
 from meshd.net import sender
 from meshd.net.faults import Faults
 from meshd.node import NodeOptions
@@ -14,6 +15,7 @@ from meshd.pipeline import app
 from meshd.pipeline.api import NotReady, PipelineError, StageLost
 from meshd.pipeline.checkpoint import init_checkpoint
 from meshd.readiness import path as path_between
+from meshd.readiness import readiness
 from meshd.relay.server import serve_relay
 from meshd.testing.inprocess import start_node, start_pipeline, wait_converged
 
@@ -62,9 +64,41 @@ async def test_a_send_with_no_path_fails_its_request_at_once_naming_the_directio
             with pytest.raises(NotReady) as refused:
                 await orch.app.generate(PROMPT, 4, token_timeout=60)
             text = str(refused.value)
-            assert (f"stage-1 ({s1.node_id.hex()[:8]}) is alive, but stage-0 ({s0.node_id.hex()[:8]}) "
-                    "has no path to it") in text, text
+            assert (f"stage-1 ({s1.node_id.hex()[:8]}) is alive, but there is no path from "
+                    f"stage-0 ({s0.node_id.hex()[:8]}) to it") in text, text
             assert "reported gone" not in text
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_stage_no_path_reaches_is_refused_while_the_cut_lasts_and_serves_once_a_path_is_back(
+        checkpoint, monkeypatch):
+    """The stage a request could not reach stays out of routing as long as the mesh sees that
+    direction with no path, however long that is, and takes requests again as soon as a path
+    carries it, with nothing restarted."""
+    monkeypatch.setattr(app, "SEND_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(node_module, "REPORTED_DOWN_S", 0.0)  # no report holds by time alone
+    lines: list[str] = []
+    with trio.fail_after(90):
+        async with trio.open_nursery() as nursery:
+            orch, s0, s1, _ = await _cut_stage0_to_stage1(checkpoint, nursery, lines)
+            with pytest.raises(StageLost):
+                await orch.app.generate(PROMPT, 4, token_timeout=60)
+            cut = (f"stage-1 ({s1.node_id.hex()[:8]}) is alive, but there is no path from "
+                   f"stage-0 ({s0.node_id.hex()[:8]}) to it")
+            for _ in range(3):
+                with pytest.raises(NotReady) as refused:
+                    await orch.app.generate(PROMPT, 4, token_timeout=60)
+                assert cut in str(refused.value), refused.value
+                assert readiness(orch.app.mesh.snapshot())["ready"] is False
+                await trio.sleep(0.5)
+            # From here on only a path coming back ends the report.
+            monkeypatch.setattr(node_module, "REPORTED_DOWN_S", 3600.0)
+            s0.options.faults.drop_to.discard(s1.addr)
+            await orch.app.wait_ready(60)
+            assert readiness(orch.app.mesh.snapshot())["ready"] is True
+            result = await orch.app.generate(PROMPT, 4, token_timeout=60)
+            assert len(result["tokens"]) == 4 and result["failovers"] == []
+            assert s1.app.counters["activations"] > 0
             nursery.cancel_scope.cancel()
 
 

@@ -231,7 +231,7 @@ class Orchestrator(App):
         sender, _, when = held
         p = path_between(self.mesh.snapshot(), sender.hex(), m.id.hex())
         if p["path"] == "none":
-            return (f"is alive, but {self.mesh.describe(sender)} has no path to it "
+            return (f"is alive, but there is no path from {self.mesh.describe(sender)} to it "
                     f"({p.get('reason') or 'unanswered'})")
         return (f"is alive, but {self.mesh.describe(sender)} found no path to it "
                 f"{trio.current_time() - when:.0f}s ago")
@@ -688,11 +688,14 @@ class Orchestrator(App):
                     # Its leave may reach us by gossip only later: for this request it is gone.
                     req.excluded.add(src)
                 req.trouble = (req.route.index(msg.peer), msg.peer, msg.message, msg.peer != src)
-                if msg.kind == UNDELIVERED and msg.peer != src:
+                no_path = msg.kind == UNDELIVERED and msg.peer != src
+                if no_path:
                     req.no_path = (msg.peer, msg.stage, msg.message)
                     self._note_undelivered(msg.peer, src, req.epochs[req.route.index(msg.peer)])
                 if msg.peer != src:  # about the process the request was routed to
-                    self.mesh.report_down(msg.peer, req.epochs[req.route.index(msg.peer)])
+                    # Of a direction with no path: held while the mesh sees none that way.
+                    self.mesh.report_down(msg.peer, req.epochs[req.route.index(msg.peer)],
+                                          no_path_from=src if no_path else None)
             else:
                 # The caller's id, not the wire id: that one stays between the request's nodes.
                 req.error = f"{msg.stage}: {msg.message}".replace(req.wire_id, req.req_id)
