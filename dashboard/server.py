@@ -53,11 +53,20 @@ class DeadlineStream(trio.abc.HalfCloseableStream):
     async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
         return await self.stream.receive_some(max_bytes)
 
+    # Hypercorn closes a connection it must not keep (``Connection: close``, HTTP/1.0) from
+    # inside the app's last send, and then tells the app the client is gone.  An app that
+    # cancels its sending on that news (Starlette's static files, the event streams) cancels
+    # the close too, at its first checkpoint, and the socket stays open for as long as the
+    # client keeps it: a client that reads to the end never sees one.  Neither step waits (a
+    # shutdown, then a close), so both are shielded.
+
     async def send_eof(self) -> None:
-        await self.stream.send_eof()
+        with trio.CancelScope(shield=True):
+            await self.stream.send_eof()
 
     async def aclose(self) -> None:
-        await self.stream.aclose()
+        with trio.CancelScope(shield=True):
+            await self.stream.aclose()
 
 
 def _parts() -> tuple[Any, Any, Any, Any] | None:
