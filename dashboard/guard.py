@@ -25,6 +25,9 @@ every request is checked here, in one place, before a handler runs:
   ``read_timeout`` would be one on every read of the connection, cutting
   ``/api/live`` and long generations whose clients rightly send nothing.
 
+A request of another **HTTP version** (HTTP/2's preface, which the server reads as a
+request of version 2.0: it keeps connections to HTTP/1.1) gets 505 before anything else.
+
 A **WebSocket** (``/api/live``) passes the same Host and token checks, and its
 Origin is checked whatever it asks for: no CORS stands between a page and a
 WebSocket, so a foreign Origin (or ``Sec-Fetch-Site`` naming another site) is
@@ -54,6 +57,7 @@ from .requests import is_openai_path, openai_error_body
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+HTTP_VERSIONS = frozenset({"1.0", "1.1"})  # the server keeps every connection to HTTP/1.x
 HOSTS_ENV = "MESHD_DASHBOARD_HOSTS"
 TOKEN_ENV = "MESHD_DASHBOARD_TOKEN"  # the token, set by the operator or printed at boot
 # How long a state-changing request's whole body may take to arrive, from the end of its headers
@@ -166,10 +170,11 @@ class DashboardGuard:
             await self.app(scope, receive, send)
             return
 
+        version = scope.get("http_version", "1.1")
         # No route takes this method at this path: the app's 404 or 405 leaves the body unread,
         # so Hypercorn closes the connection after it, and the answer says so.
-        unserved = (scope["method"] not in SAFE_METHODS and self.serves is not None
-                    and not self.serves(scope))
+        unserved = (version in HTTP_VERSIONS and scope["method"] not in SAFE_METHODS
+                    and self.serves is not None and not self.serves(scope))
 
         async def send_secured(message) -> None:
             if message["type"] == "http.response.start":
@@ -180,6 +185,14 @@ class DashboardGuard:
                 message = {**message, "headers": [*message.get("headers", []), *extra]}
             await send(message)
 
+        if version not in HTTP_VERSIONS:
+            # HTTP/2's preface, read as a request of version 2.0 without a body.  The answer
+            # does not close the connection: closing with the rest of the preface unread would
+            # cut it short.  That rest is no request; the server answers it 400 and closes.
+            other = Refused(505, f"this dashboard speaks HTTP/1.1, not HTTP/{version}: ask over HTTP/1.1 "
+                                 "(without --http2-prior-knowledge or http2=True)")
+            await self._refuse(send_secured, other, scope["path"], close=False)
+            return
         try:
             receive = await self._admit(scope, receive, unserved)
         except Refused as refusal:
@@ -189,14 +202,14 @@ class DashboardGuard:
             return
         await self.app(scope, receive, send_secured)
 
-    async def _refuse(self, send, refusal: Refused, path: str) -> None:
+    async def _refuse(self, send, refusal: Refused, path: str, *, close: bool = True) -> None:
         answer = (openai_error_body(refusal.status, str(refusal)) if is_openai_path(path)
                   else {"error": str(refusal)})
         body = json.dumps(answer).encode()
         await send({"type": "http.response.start", "status": refusal.status,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})
+                                *([(b"connection", b"close")] if close else [])]})
         await send({"type": "http.response.body", "body": body})
 
     async def _refuse_websocket(self, scope, send, refusal: Refused) -> None:

@@ -32,7 +32,8 @@ def error(status: int, message: str, **extra: Any) -> JSONResponse:
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 405: "invalid_request_error", 408: "invalid_request_error",
                 413: "invalid_request_error", 415: "invalid_request_error",
-                421: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
+                421: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable",
+                505: "invalid_request_error"}
 
 
 def is_openai_path(path: str) -> bool:

@@ -70,16 +70,52 @@ class DeadlineStream(trio.abc.HalfCloseableStream):
 
 
 def _parts() -> tuple[Any, Any, Any, Any] | None:
-    """(TCPServer, WorkerContext, repr_socket_addr, wrap_app) if they are the expected ones."""
+    """(TCPServer kept to HTTP/1.1, WorkerContext, repr_socket_addr, wrap_app) if they are the
+    expected ones."""
     try:
+        from hypercorn.protocol.h11 import H11Protocol
         from hypercorn.trio.tcp_server import TCPServer
         from hypercorn.trio.worker_context import WorkerContext
         from hypercorn.utils import repr_socket_addr, wrap_app
     except ImportError:
         return None
-    if list(inspect.signature(TCPServer).parameters) != _TCP_SERVER_PARAMETERS:
+    if (list(inspect.signature(TCPServer).parameters) != _TCP_SERVER_PARAMETERS
+            or not inspect.iscoroutinefunction(getattr(H11Protocol, "_check_protocol", None))):
         return None
-    return TCPServer, WorkerContext, repr_socket_addr, wrap_app
+    return _http11_only(TCPServer, H11Protocol), WorkerContext, repr_socket_addr, wrap_app
+
+
+def _http11_only(tcp_server: Any, h11_protocol: Any) -> Any:
+    """Hypercorn's TCPServer whose connections stay HTTP/1.1.
+
+    Hypercorn turns a connection into HTTP/2 on an ``Upgrade: h2c`` request or on HTTP/2's
+    preface, and its HTTP/2 side breaks the whole connection (a KeyError inside it) when a
+    request's body goes on arriving after its answer: every refusal of the guard (a body too
+    large, of the wrong type, without the token) would reach the client as a dropped
+    connection, with every other request on it, instead of its 4xx.  Nothing here needs
+    HTTP/2 (OpenAI's clients, curl and browsers speak HTTP/1.1 to an ``http://`` URL), so
+    ``Upgrade: h2c`` is ignored, as HTTP/1.1 lets a server do, and the preface reaches the
+    guard as a request of version 2.0, which it answers 505.
+    """
+
+    class Http11Protocol(h11_protocol):
+        async def _check_protocol(self, event: Any) -> None:
+            return None
+
+    class Http11Server(tcp_server):
+        # TCPServer.run makes the connection's ProtocolWrapper and assigns it here; its HTTP/1.1
+        # protocol (the only one it starts with, without TLS) becomes ours before any byte is read.
+        @property
+        def protocol(self) -> Any:
+            return self._http11_wrapper
+
+        @protocol.setter
+        def protocol(self, wrapper: Any) -> None:
+            if type(getattr(wrapper, "protocol", None)) is h11_protocol:
+                wrapper.protocol.__class__ = Http11Protocol
+            self._http11_wrapper = wrapper
+
+    return Http11Server
 
 
 async def serve(app: Any, config: Any, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED

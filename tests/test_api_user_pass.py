@@ -79,6 +79,12 @@ async def _exchange(port: int, request: bytes) -> bytes:
     return data
 
 
+def _length(head: bytes) -> int:
+    """The Content-Length of a response whose head (status line and headers) is ``head``."""
+    return next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length:"))
+
+
 def _post(port: int, path: str, body: dict, version: str = "1.1", extra: str = "") -> bytes:
     raw = json.dumps(body).encode()
     return (f"POST {path} HTTP/{version}\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
@@ -97,9 +103,7 @@ async def test_a_static_file_asked_with_connection_close_ends_its_connection():
                                                    "Connection: close\r\n\r\n".encode())
                 head, _, body = answer.partition(b"\r\n\r\n")
                 assert head.startswith(b"HTTP/1.1 200"), answer[:200]
-                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                              if line.lower().startswith(b"content-length:"))
-                assert len(body) == length
+                assert len(body) == _length(head)
             nursery.cancel_scope.cancel()
 
 
@@ -119,4 +123,60 @@ async def test_a_stream_read_over_http_1_0_ends_after_its_last_event():
                 assert b"abc" == b"".join(json.loads(line[len(b"data: "):])["choices"][0]["text"].encode()
                                           for line in body.split(b"\n")
                                           if line.startswith(b"data: {"))
+            nursery.cancel_scope.cancel()
+
+
+# -- HTTP/1.1 only: an HTTP/2 client is answered in words, never with a dropped connection -------
+async def test_an_h2c_upgrade_is_answered_in_http_1_1_and_a_refusal_after_it_too():
+    """``curl --http2`` asks to upgrade; the dashboard answers in HTTP/1.1 on the same connection,
+    so a body it refuses next gets its 413, not a connection broken inside HTTP/2."""
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            port = await _serve(nursery)
+            big = b'{"prompt": "' + b"x" * (2 << 20) + b'"}'
+            upgrade = (f"GET /api/peers HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: h2c\r\n"
+                       "Connection: Upgrade, HTTP2-Settings\r\n"
+                       "HTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n\r\n")
+            post = (f"POST /api/generate HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+                    f"Content-Type: application/json\r\nContent-Length: {len(big)}\r\n\r\n")
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            async with stream:
+                await stream.send_all(upgrade.encode())
+                first = b""
+                while b"\r\n\r\n" not in first:
+                    first += await stream.receive_some(65536)
+                assert first.startswith(b"HTTP/1.1 200"), first[:100]
+                while len(first.partition(b"\r\n\r\n")[2]) < _length(first.partition(b"\r\n\r\n")[0]):
+                    first += await stream.receive_some(65536)
+                await stream.send_all(post.encode())  # the body is refused by its length, unsent
+                second = b""
+                while chunk := await stream.receive_some(65536):
+                    second += chunk
+            head, _, body = second.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 413"), second[:100]
+            assert "at most 1048576" in json.loads(body)["error"]
+            nursery.cancel_scope.cancel()
+
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+SETTINGS = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # an empty SETTINGS frame, as a client sends next
+
+
+async def test_http_2_prior_knowledge_gets_505_naming_the_version_the_dashboard_speaks():
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            port = await _serve(nursery)
+            with trio.fail_after(10):
+                answer = await _exchange(port, PREFACE + SETTINGS)
+            head, _, rest = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 505"), answer[:100]
+            body = rest[:_length(head)]
+            assert json.loads(body)["error"].startswith("this dashboard speaks HTTP/1.1, not HTTP/2.0")
+            # What follows the preface is no request: a 400, and the connection closed (read above).
+            assert rest[len(body):].startswith(b"HTTP/1.1 400")
+            # and the node goes on serving
+            with trio.fail_after(10):
+                answer = await _exchange(port, f"GET /api/peers HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+                                               "Connection: close\r\n\r\n".encode())
+            assert answer.startswith(b"HTTP/1.1 200")
             nursery.cancel_scope.cancel()
