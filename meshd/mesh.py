@@ -93,7 +93,14 @@ class Mesh(Protocol):
         ...
 
     def reported_down(self, node: bytes) -> bool:
-        """Whether ``node``'s current process was reported down lately (``report_down``)."""
+        """Whether ``node``'s current process was reported down lately (``report_down``), so no
+        new request goes to it.  A report of one direction with no path does not count while
+        another node of the sender's stage has a path to ``node``."""
+        ...
+
+    def no_path_report(self, node: bytes) -> tuple[bytes, float] | None:
+        """(the node that found no path to ``node``, when: trio time) while a report of such a
+        direction holds for ``node``'s current process; None otherwise."""
         ...
 
     def down_since(self, node: bytes) -> float | None:

@@ -25,7 +25,7 @@ from .mesh import Handler, MemberInfo
 from .net.amplification import AmplificationGuard
 from .net.channel import DataChannel
 from .net.faults import Faults
-from .net.path_table import NONE, RELAY, VOUCHED_ONLY, PathTable
+from .net.path_table import NONE, RELAY, UNKNOWN, VOUCHED_ONLY, PathTable
 from .net.udp import MAX_DATAGRAM, AddressError, format_addr, open_udp_and_tcp, parse_addr
 from .relay.client import RelayClient
 from .relay.pool import Move, RelayPool
@@ -526,23 +526,82 @@ class Node:
         if (seen_here and held is not None and held.epoch == epoch and not held.seen_here
                 and time.monotonic() - held.when < REPORTED_DOWN_S):
             return  # a stage's report stands: our own link proving itself says nothing of its link
+        self._reported_down.pop(node, None)  # the newest report goes last, evicted last
         self._reported_down[node] = _DownReport(epoch, time.monotonic(), seen_here, no_path_from,
                                                 trio.current_time())
         while len(self._reported_down) > MAX_REPORTED_DOWN:
             self._reported_down.pop(next(iter(self._reported_down)))
 
     def reported_down(self, node: bytes) -> bool:
+        """Whether a report holds ``node``'s current process out of new routes.  A report of
+        one direction with no path does not while another node of the sender's stage has a
+        path to it: a route through that one serves (``no_path_report`` keeps the pair)."""
+        seen = self._held_report(node)
+        return seen is not None and not (seen.no_path_from is not None
+                                         and self._reached_otherwise(seen.no_path_from, node))
+
+    def no_path_report(self, node: bytes) -> tuple[bytes, float] | None:
+        """(the node that found no path to ``node``, when: trio time) while such a report of
+        ``node``'s current process holds, whether or not another node reaches it."""
+        seen = self._held_report(node)
+        if seen is None or seen.no_path_from is None:
+            return None
+        return seen.no_path_from, seen.at
+
+    def _held_report(self, node: bytes) -> _DownReport | None:
+        """The report of ``node`` that still holds (see ``report_down``), dropping one that ended."""
         seen = self._reported_down.get(node)
         if seen is None:
-            return False
+            return None
         m = self.swim.members.get(node) if self.swim is not None else None
         cut = self._still_cut(node, seen) if m is not None and seen.epoch == m.meta.epoch else None
         if (m is None or seen.epoch != m.meta.epoch or cut is False
                 or (cut is None and time.monotonic() - seen.when >= REPORTED_DOWN_S)
                 or (seen.seen_here and not self.data.is_down(node))):
             del self._reported_down[node]
+            return None
+        return seen
+
+    def _reached_otherwise(self, sender: bytes, node: bytes) -> bool:
+        """Whether another live node of ``sender``'s stage, not draining, has a path to ``node``
+        as far as the mesh knows (a probe's verdict, not a guess)."""
+        if self.swim is None:
             return False
-        return True
+        m = self.swim.members.get(sender)
+        if m is None or m.meta.role != "stage" or m.meta.stage is None:
+            return False  # the orchestrator, or a node that says no stage: none stands in for it
+        me = self.swim.id
+        for other, o in [*self.swim.members.items(), (me, self.swim.members.get(me))]:
+            if (other in (sender, node) or o is None or o.meta.role != "stage"
+                    or o.meta.stage != m.meta.stage or o.meta.draining
+                    or (other != me and not o.state.live)):
+                continue
+            way = self._direction(other, node)
+            if way is not None and way[0] not in (NONE, UNKNOWN):
+                return True
+        return False
+
+    def _direction(self, sender: bytes, node: bytes) -> tuple[str, float | None] | None:
+        """The path the mesh knows from ``sender`` to ``node`` and since when (trio time, None
+        when not said): ours from our path table, another's from the summary it gossips; None
+        when nobody has a verdict on that direction."""
+        assert self.swim is not None
+        if sender == self.swim.id:
+            peer = self.paths.peers.get(node)
+            if peer is None or peer.out.unprobed:
+                return None
+            return peer.out.path, peer.out.since or None
+        m = self.swim.members.get(sender)
+        held = self.swim.path_summaries.get(sender)
+        if m is None or not m.state.live or held is None:
+            return None
+        summary, at = held
+        entry = next((e for e in summary.entries if e.peer == node), None)
+        if entry is None:
+            return None
+        # When the path took this value, on our clock: as long ago as the summary said
+        # when it was made, before it came in.
+        return entry.path, (at - entry.since_ms / 1000 if entry.since_ms else None)
 
     def _still_cut(self, node: bytes, report: _DownReport) -> bool | None:
         """For a report of a direction with no path (``report_down(no_path_from=...)``): True
@@ -552,23 +611,10 @@ class Node:
         sender = report.no_path_from
         if sender is None or self.swim is None:
             return None
-        if sender == self.swim.id:
-            peer = self.paths.peers.get(node)
-            if peer is None or peer.out.unprobed:
-                return None
-            way, since = peer.out.path, peer.out.since or None
-        else:
-            m = self.swim.members.get(sender)
-            held = self.swim.path_summaries.get(sender)
-            if m is None or not m.state.live or held is None:
-                return None
-            summary, at = held
-            entry = next((e for e in summary.entries if e.peer == node), None)
-            if entry is None:
-                return None
-            # When the path took this value, on our clock: as long ago as the summary said
-            # when it was made, before it came in.
-            way, since = entry.path, (at - entry.since_ms / 1000 if entry.since_ms else None)
+        known = self._direction(sender, node)
+        if known is None:
+            return None
+        way, since = known
         if way == NONE:
             return True
         if since is not None and since > report.at:

@@ -202,6 +202,75 @@ async def test_a_step_no_path_reaches_moves_its_request_to_a_replica(checkpoint,
             nursery.cancel_scope.cancel()
 
 
+async def _stage0_twins(checkpoint, nursery, lines):
+    """Two stage-0 replicas, the first (``cut``) with faults it can be given and the lower
+    round trip, so it ranks first on everything but the paths."""
+    opts = dict(profile="local", stages=3, model=str(checkpoint))
+    orch = await start_node(nursery, NodeOptions(role="orchestrator", **opts), lines)
+    seeds = [orch.addr]
+    cut = await start_node(nursery, NodeOptions(stage=0, seeds=seeds, faults=Faults(), **opts), lines)
+    other = await start_node(nursery, NodeOptions(stage=0, seeds=seeds, **opts), lines)
+    s1 = await start_node(nursery, NodeOptions(stage=1, seeds=seeds, **opts), lines)
+    s2 = await start_node(nursery, NodeOptions(stage=2, seeds=seeds, **opts), lines)
+    await wait_converged([orch, cut, other, s1, s2])
+    await orch.app.wait_ready(10)
+    orch.app.mesh.rtt = lambda node: 0.001 if node == cut.node_id else 0.002
+    return orch, cut, other, s1
+
+
+async def test_a_stage_one_replica_of_the_stage_before_cannot_reach_serves_through_the_other(
+        checkpoint, monkeypatch):
+    """Stage-0 has two replicas and only one has no path to stage-1: stage-1 stays in
+    routing, readiness says ready, and every request goes through the stage-0 that reaches
+    it, with no failover, for as long as the cut lasts (past the report's own hold)."""
+    monkeypatch.setattr(sender, "NO_PATH_GIVE_UP_S", 2.0)
+    monkeypatch.setattr(node_module, "REPORTED_DOWN_S", 1.0)
+    lines: list[str] = []
+    with trio.fail_after(90):
+        async with trio.open_nursery() as nursery:
+            orch, cut, other, s1 = await _stage0_twins(checkpoint, nursery, lines)
+            cut.options.faults.drop_to.add(s1.addr)
+            cut.app.mesh.data._sender.drop_stream(cut.app.mesh.data._sender._peer(s1.node_id))
+            snap = orch.app.mesh.snapshot
+            with trio.fail_after(30):
+                while path_between(snap(), cut.node_id.hex(), s1.node_id.hex())["path"] != "none":
+                    await trio.sleep(0.1)
+            assert orch.app.candidates(0)[0].id == cut.node_id  # first on all but the path
+            for _ in range(4):
+                result = await orch.app.generate(PROMPT, 3, token_timeout=20)
+                assert result["failovers"] == []
+                assert readiness(orch.app.mesh.snapshot())["ready"] is True
+                await trio.sleep(0.5)
+            assert cut.app.counters["activations"] == 0
+            assert other.app.counters["activations"] > 0
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_step_the_stage_before_cannot_deliver_moves_to_the_replica_that_can(checkpoint, monkeypatch):
+    """The stage-0 a request went through finds no path to stage-1, which has no replica,
+    before the mesh has seen the cut: the request moves to the other stage-0, which reaches
+    stage-1, and completes with the tokens of a request that never met the cut; the next
+    requests go that way from the start."""
+    monkeypatch.setattr(sender, "NO_PATH_GIVE_UP_S", 2.0)
+    lines: list[str] = []
+    with trio.fail_after(90):
+        async with trio.open_nursery() as nursery:
+            orch, cut, other, s1 = await _stage0_twins(checkpoint, nursery, lines)
+            want = (await orch.app.generate(PROMPT, 6, token_timeout=20))["tokens"]
+            orch.app.requests.clear()
+            cut.options.faults.drop_to.add(s1.addr)
+            cut.app.mesh.data._sender.drop_stream(cut.app.mesh.data._sender._peer(s1.node_id))
+            result = await orch.app.generate(PROMPT, 6, token_timeout=60)
+            assert result["tokens"] == want
+            [failover] = result["failovers"]
+            assert failover["stage"] == "stage-0"
+            assert (failover["from"], failover["to"]) == (cut.node_id.hex()[:8], other.node_id.hex()[:8])
+            assert "has no path to stage-1" in failover["why"], failover
+            again = await orch.app.generate(PROMPT, 6, token_timeout=20)
+            assert again["tokens"] == want and again["failovers"] == []
+            nursery.cancel_scope.cancel()
+
+
 def test_an_undelivered_message_lists_each_failed_attempt_once_with_its_count():
     from meshd.net.sender import _counted
 

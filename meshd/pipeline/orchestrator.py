@@ -29,7 +29,7 @@ import secrets
 import time
 import uuid
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,7 +70,6 @@ log = logging.getLogger("meshd.pipeline")
 LOST_CHECK_S = 0.05  # how often a waiting request looks at the nodes of its route (``_tick``)
 MAX_FAILOVERS = 8  # per request: past this, it fails
 MAX_STRANGERS = 1024  # members logged once for messages off a request's route
-MAX_UNDELIVERED = 1024  # stages held with the sender that found no path to them
 # A node of a request's route whose process looks gone (its stream ended, a dial refused) while
 # the mesh still holds it alive, with no replica to take over: the request waits this long for
 # it to come back (a restart under its key takes a few seconds) or to be declared dead.
@@ -122,9 +121,9 @@ class _Request:
     text_end: int | None = None  # where the decoded text ends, when a stop string ended it
     decoded: IncrementalText | None = None  # the text so far, while stop strings are looked for
     trouble: Trouble | None = None  # reported by a stage, or by a failed send
-    # The last node of the route that a message found no path to, and who said so (a stage's
-    # name, or "orchestrator") with the channel's words: a direction with no path.
-    no_path: tuple[bytes, str, str] | None = None
+    # The last node of the route that a message found no path to, who said so (a stage's
+    # name, or "orchestrator"), the channel's words, and the sender's id: a direction with no path.
+    no_path: tuple[bytes, str, str, bytes] | None = None
     failovers: list[dict[str, Any]] = field(default_factory=list)
     failover_started: float | None = None  # perf_counter when the last failover began
     stall_probed: bool = False  # its route was probed for this stall
@@ -158,14 +157,11 @@ class Orchestrator(App):
         self.recently_ended: deque[dict] = deque(maxlen=64)
         self.metrics = OrchestratorMetrics()
         self.metrics.admitted = lambda: (self.admission.running, len(self.admission.waiting))
-        self._refused: set[tuple[bytes, str]] = set()  # (node, checkpoint) already logged as refused
+        # (node, what it serves) already logged as refused, oldest first, bounded
+        self._refused: dict[tuple[bytes, str], None] = {}
         # Nodes a stage saw go down, with their process epoch then: not picked again until
         # the mesh says more (a new epoch), bounded.
         self._strangers: dict[bytes, None] = {}  # who sent for requests it does not serve (said once)
-        # Stages a node of a route could not deliver to, the mesh keeping them alive: node ->
-        # (that sender, the process epoch it failed to reach, when), so a 503 while the report
-        # holds names the direction, not a process that may be gone.
-        self._unreached: dict[bytes, tuple[bytes, int, float]] = {}
 
     def start_background(self, nursery: trio.Nursery) -> None:
         nursery.start_soon(self._tick)
@@ -206,14 +202,12 @@ class Orchestrator(App):
         if m.draining:
             return "is draining"
         if m.checkpoint != self.checkpoint:
-            if (m.id, m.checkpoint) not in self._refused:
-                self._refused.add((m.id, m.checkpoint))
+            if self._first_refusal(m.id, m.checkpoint):
                 log.warning("refusing %s as a replica of stage-%d: it serves checkpoint %s, this run's is %s",
                             self.mesh.describe(m.id), stage, m.checkpoint or "(none)", self.checkpoint)
             return serves_other(m.checkpoint, self.checkpoint)
         if m.stages is not None and m.stages != self.stages:
-            if (m.id, f"stages={m.stages}") not in self._refused:
-                self._refused.add((m.id, f"stages={m.stages}"))
+            if self._first_refusal(m.id, f"stages={m.stages}"):
                 log.warning("refusing %s as a replica of stage-%d: it %s", self.mesh.describe(m.id), stage,
                             other_split(m.stages, self.stages))
             return other_split(m.stages, self.stages)
@@ -221,26 +215,29 @@ class Orchestrator(App):
             return self._no_path_to(m) or "was reported gone by a stage"
         return None
 
+    def _first_refusal(self, node: bytes, what: str) -> bool:
+        """Whether ``node`` serving ``what`` is refused for the first time (then logged)."""
+        if (node, what) in self._refused:
+            return False
+        self._refused[(node, what)] = None
+        while len(self._refused) > MAX_STRANGERS:
+            self._refused.pop(next(iter(self._refused)))
+        return True
+
     def _no_path_to(self, m: MemberInfo) -> str:
-        """Why ``m``, reported down, is not used when the report was of a direction with no
-        path to its live process ("" when it was not): which node found no path, and the
+        """Why ``m``, reported down, is not used when the report held is of a direction with
+        no path to its live process ("" when it is not): which node found no path, and the
         path the mesh knows now."""
-        held = self._unreached.get(m.id)
-        if held is None or held[1] != m.epoch or not m.live:
+        held = self.mesh.no_path_report(m.id)
+        if held is None or not m.live:
             return ""
-        sender, _, when = held
+        sender, when = held
         p = path_between(self.mesh.snapshot(), sender.hex(), m.id.hex())
         if p["path"] == "none":
             return (f"is alive, but there is no path from {self.mesh.describe(sender)} to it "
                     f"({p.get('reason') or 'unanswered'})")
         return (f"is alive, but {self.mesh.describe(sender)} found no path to it "
                 f"{trio.current_time() - when:.0f}s ago")
-
-    def _note_undelivered(self, node: bytes, sender: bytes, epoch: int) -> None:
-        self._unreached.pop(node, None)
-        self._unreached[node] = (sender, epoch, trio.current_time())
-        while len(self._unreached) > MAX_UNDELIVERED:
-            self._unreached.pop(next(iter(self._unreached)))
 
     def layer_split(self) -> dict[str, range]:
         split = split_layers(self.config.num_hidden_layers, self.stages)
@@ -437,6 +434,13 @@ class Orchestrator(App):
         plan: list[bytes | None] = [keep[k] if keep and keep[k] not in req.excluded and k != replace else None
                                     for k in range(self.stages)]
         snap: dict[str, Any] = {}
+        usable: dict[int, list[bytes]] = {}  # each stage's candidates, as first asked
+
+        def later(j: int) -> list[bytes]:
+            if j not in usable:
+                usable[j] = [m.id for m in self.candidates(j) if m.id not in req.excluded]
+            return usable[j]
+
         for k in range(self.stages):
             if plan[k] is None:
                 picks = [m for m in self.candidates(k) if m.id not in req.excluded]
@@ -445,7 +449,7 @@ class Orchestrator(App):
                     raise NotReady([name], reasons={name: self._why_unserved(name)})
                 if len(picks) > 1:
                     snap = snap or self.mesh.snapshot()
-                    picks.sort(key=lambda m: self._no_path_count(snap, plan, k, m.id))
+                    picks.sort(key=lambda m: self._no_path_count(snap, plan, k, m.id, later))
                 plan[k] = picks[0].id
         route = [node for node in plan if node is not None]
         req.route = tuple(route)
@@ -513,7 +517,18 @@ class Orchestrator(App):
             if (req.no_path is not None and req.no_path[0] == node and m is not None and m.state == "alive"
                     and m.epoch == req.epochs[stage] and not self.mesh.peer_down(node)):
                 # It runs, and the mesh will keep it alive (others reach it), but this direction
-                # has no path: waiting would not bring one, and no replica can take over.
+                # has no path: waiting would not bring one, and no replica can take over.  A
+                # node of the sender's stage that has a path to it can take the sender's place.
+                sender = req.no_path[3]
+                if sender in req.route and sender != node:
+                    k = req.route.index(sender)
+                    snap = self.mesh.snapshot()
+                    if any(o.id not in req.excluded and o.id != sender and not self._cut(snap, o.id, node)
+                           for o in self.candidates(k)):
+                        req.excluded.add(sender)  # for this request: it cannot reach the next stage
+                        req.no_path = None
+                        await self._failover(req, k, sender, f"has no path to {self.mesh.describe(node)}")
+                        return
                 raise StageLost(f"stage-{stage} (peer {node.hex()[:8]} alive, but no path from "
                                 f"{req.no_path[1]} to it), and no replica to take over ({req.no_path[2]})")
             if why == "suspect" or (" " in why and m is not None and m.state == "alive"):
@@ -583,21 +598,39 @@ class Orchestrator(App):
         for other in set(old_route) - {node}:  # the old route's caches are no use now
             await self.send(other, Release(old_id))
 
-    def _no_path_count(self, snap: dict[str, Any], plan: list[bytes | None], k: int, node: bytes) -> int:
-        """How many of the hops ``node`` would take part in as stage ``k`` the mesh knows have no
-        path, with the other stages' nodes as far as ``plan`` knows them: from the stage before
-        (from us, for stage 0), to the stage after; from the last stage to stage 0 and to us.
-        A replica every hop reaches goes before one some hop does not, whatever else ranks it."""
+    def _no_path_count(self, snap: dict[str, Any], plan: list[bytes | None], k: int, node: bytes,
+                       later: Callable[[int], list[bytes]]) -> int:
+        """How many of the hops ``node`` would take part in as stage ``k`` have no path, with
+        the other stages' nodes as far as ``plan`` knows them: from the stage before (from
+        us, for stage 0), to the stage after; from the last stage to stage 0 and to us.  A
+        hop to or from a stage not picked yet counts when it has no path to or from any of
+        that stage's ``later(j)`` candidates.  A replica every hop reaches goes before one
+        some hop does not, whatever else ranks it."""
         me, last = self.mesh.node_id, self.stages - 1
-        hops: list[tuple[bytes | None, bytes | None]] = [(plan[k - 1] if k else me, node)]
+        hops: list[tuple[bytes | int, bytes | int]] = [(plan[k - 1] or k - 1 if k else me, node)]
         if k < last:
-            hops.append((node, plan[k + 1]))
+            hops.append((node, plan[k + 1] or k + 1))
         else:
-            hops += [(node, plan[0]), (node, me)]
+            hops += [(node, plan[0] or 0), (node, me)]
         if k == 0 and last:
-            hops.append((plan[last], node))  # the next token comes back to stage 0
-        return sum(a is not None and b is not None and a != b
-                   and path_between(snap, a.hex(), b.hex())["path"] == "none" for a, b in hops)
+            hops.append((plan[last] or last, node))  # the next token comes back to stage 0
+
+        def cut(a: bytes, b: bytes) -> bool:
+            return a != b and self._cut(snap, a, b)
+
+        count = 0
+        for a, b in hops:
+            froms = later(a) if isinstance(a, int) else [a]
+            tos = later(b) if isinstance(b, int) else [b]
+            count += bool(froms and tos) and all(cut(x, y) for x in froms for y in tos)
+        return count
+
+    def _cut(self, snap: dict[str, Any], a: bytes, b: bytes) -> bool:
+        """Whether the direction ``a``→``b`` has no path: the mesh's paths say so, or ``a``
+        found none to ``b`` and the report of it holds."""
+        held = self.mesh.no_path_report(b)
+        return ((held is not None and held[0] == a)
+                or path_between(snap, a.hex(), b.hex())["path"] == "none")
 
     def _hops_without_path(self, req: _Request) -> list[str]:
         """The hops of ``req``'s route that have no path, as this node knows them: its own
@@ -615,7 +648,7 @@ class Orchestrator(App):
                 out.append(f"{self.mesh.describe(a)}→{self.mesh.describe(b)}: no path "
                            f"({p.get('reason') or 'unanswered'})")
         if req.no_path is not None and not out:
-            node, sender, report = req.no_path
+            node, sender, report, _ = req.no_path
             out.append(f"{sender}→{self.mesh.describe(node)}: no path ({report})")
         return out
 
@@ -690,8 +723,7 @@ class Orchestrator(App):
                 req.trouble = (req.route.index(msg.peer), msg.peer, msg.message, msg.peer != src)
                 no_path = msg.kind == UNDELIVERED and msg.peer != src
                 if no_path:
-                    req.no_path = (msg.peer, msg.stage, msg.message)
-                    self._note_undelivered(msg.peer, src, req.epochs[req.route.index(msg.peer)])
+                    req.no_path = (msg.peer, msg.stage, msg.message, src)
                 if msg.peer != src:  # about the process the request was routed to
                     # Of a direction with no path: held while the mesh sees none that way.
                     self.mesh.report_down(msg.peer, req.epochs[req.route.index(msg.peer)],
@@ -716,8 +748,7 @@ class Orchestrator(App):
         if req is not None and peer in req.route:
             req.trouble = (req.route.index(peer), peer, str(exc), True)
             if isinstance(exc, Undelivered):
-                req.no_path = (peer, "orchestrator", str(exc))
-                self._note_undelivered(peer, self.mesh.node_id, req.epochs[req.route.index(peer)])
+                req.no_path = (peer, "orchestrator", str(exc), self.mesh.node_id)
             req.tell()
 
 
