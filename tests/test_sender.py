@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from functools import partial
 
 import pytest
 import trio
 
 from meshd.identity import Identity
+from meshd.net import sender as sender_module
 from meshd.net.channel import ChannelConfig, DataChannel, DeliveryError
 from meshd.testing.tcp_proxy import TcpProxy
 
@@ -167,4 +169,34 @@ async def test_what_a_gone_process_took_along_fails_when_it_is_found_gone_and_th
             assert await b2.received.receive() == (a.id, b"for its next process")
             await later.done.wait()
             assert later.error is None and later.path == "direct"
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_peer_whose_address_answers_but_fails_the_handshake_is_not_taken_as_cut_off(monkeypatch):
+    """The peer's address accepts every dial and closes it before the handshake: a path
+    reaches the host, so the message fails at its send timeout with what each dial met, not
+    early as "no path reaches it" (which would tell the orchestrator the direction is cut),
+    and the dials, each failing at once, are tried again after a pause, not in a spin."""
+    monkeypatch.setattr(sender_module, "NO_PATH_GIVE_UP_S", 0.3)
+    quick = ChannelConfig(ack_timeout=0.5, handshake_timeout=0.5, dial_timeout=0.5)
+    a_key, b_key = Identity.generate(), Identity.generate()
+    addrs: dict[bytes, str] = {}
+
+    async def hang_up(stream: trio.SocketStream) -> None:
+        await stream.aclose()
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            [listener] = await nursery.start(partial(trio.serve_tcp, hang_up, 0, host="127.0.0.1"))
+            a, _, _ = await nursery.start(_channel, a_key, 10, addrs, None, quick)
+            b, _, _ = await nursery.start(_channel, b_key, 20, addrs, None, quick)
+            _introduce(a, b)  # its key is known: only the address answers wrongly
+            addrs[b_key.node_id] = f"127.0.0.1:{listener.socket.getsockname()[1]}"
+            with pytest.raises(DeliveryError) as caught:
+                await a.send(b_key.node_id, b"hello", timeout=2.0)
+            text = str(caught.value)
+            assert "within 2s" in text and "no path reaches it" not in text, text
+            assert "handshake with" in text, text
+            # Each dial comes back at once: they are paced, not spun (thousands in 2 s).
+            assert a.counters["dials"] <= 2.0 / sender_module.RETRY_PAUSE_S + 1
             nursery.cancel_scope.cancel()

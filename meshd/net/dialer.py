@@ -35,6 +35,10 @@ class Refused(PathFailed):
     """The peer's host answered the dial with a refusal: nothing listens there now."""
 
 
+class Unproven(PathFailed):
+    """The dial was answered, and the handshake over it failed: the address is reached."""
+
+
 @dataclass
 class Link:
     """How we reach one peer: the stream we dialled, the path in use, the direct path's backoff."""
@@ -104,7 +108,7 @@ class Dialer:
                 reason = str(exc) if isinstance(exc, HandshakeError) else (
                     f"no handshake within {timeout:g}s"
                     if isinstance(exc, trio.TooSlowError) else "the stream broke")
-                raise PathFailed(f"handshake with {addr} failed: {reason}") from None
+                raise Unproven(f"handshake with {addr} failed: {reason}") from None
             ch._proven(proven)  # a restarted peer's sessions start again before this stream carries any
             link.stream = stream
             link.backoff, link.direct_failure = 0.0, None

@@ -23,7 +23,7 @@ import trio
 
 from ..wire import MAX_FRAME_BYTES, DataAck, DataChunk, Packet, encode
 from .data_keys import PairKeys
-from .dialer import Dialer, Link, PathFailed, Refused
+from .dialer import Dialer, Link, PathFailed, Refused, Unproven
 from .framing import prefixed, write_frame, write_some
 
 if TYPE_CHECKING:
@@ -45,6 +45,8 @@ NO_KEY_WAIT_S = 0.2  # how often a message waits to learn the key of the peer's 
 # (a replica) at once.  A lossy link keeps its stream, or dials that get through; a dial is
 # one SYN and its resends, so several failing in a row say the way is cut.
 NO_PATH_GIVE_UP_S = 8.0
+# Between two tries of a path that failed at once, when no other path is left to try.
+RETRY_PAUSE_S = 0.2
 
 
 class DeliveryError(Exception):
@@ -322,8 +324,12 @@ class Sender:
                         await self._send_unwritten(node, peer, path)
                     except PathFailed as exc:
                         tried.append(f"{path}: {exc}")
+                        # Cut off: nothing answered (a stream that broke, a dial refused or
+                        # answered and a handshake failed each show a path to the host).
+                        cut = (not isinstance(exc, NoPeerKey | Refused | Unproven)
+                               and self._cut_off(node, peer))
                         self._path_failed(peer, path, str(exc))
-                        if isinstance(exc, NoPeerKey | Refused) or not self._cut_off(node, peer):
+                        if not cut:
                             cut_since = None
                         elif cut_since is None:
                             cut_since = trio.current_time()
@@ -336,8 +342,14 @@ class Sender:
                         if isinstance(exc, NoPeerKey):
                             await trio.sleep(NO_KEY_WAIT_S)  # until membership or a handshake says it
                         elif path == "relay" and not peer.link.direct_due():
-                            await trio.sleep(0.2)  # both down: don't spin
+                            await trio.sleep(RETRY_PAUSE_S)  # both down: don't spin
+                        elif path == "direct" and (self._ch.relay_send is None
+                                                   or not self._ch.relay_reaches(node)):
+                            # The dial is all there is: one refused or hung up on comes back at
+                            # once, so it is tried again after a pause, not in a spin.
+                            await trio.sleep(RETRY_PAUSE_S)
                         continue
+                    cut_since = None  # written: a path reached it
                 acked = item.acked
                 with trio.move_on_after(self._ch.config.ack_timeout):
                     await acked.wait()
