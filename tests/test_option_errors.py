@@ -106,6 +106,15 @@ def test_smoke_run_refuses_a_bad_fault_as_a_usage_error_before_any_job_starts(tm
     assert "starting" not in r.stderr and not (tmp_path / "runs").exists()
 
 
+def test_smoke_run_refuses_a_fault_due_after_the_orchestrators_restart_before_any_job_starts(tmp_path):
+    r = meshd("smoke-run", "--stub", "--stages", "2", "--max-tokens", "16",
+              "--fault", "restart:orchestrator@token-4", "--fault", "kill:stage-1@token-12",
+              "--run-dir", str(tmp_path / "runs"),
+              env={"XDG_CACHE_HOME": str(tmp_path)})
+    assert r.returncode == 2 and "a fault after token 4 would never be carried out" in r.stderr, r.stderr
+    assert "starting" not in r.stderr and not (tmp_path / "runs").exists()
+
+
 @pytest.mark.parametrize("timeout", ["nan", "-1", "0", "inf"])
 def test_smoke_run_refuses_a_timeout_that_is_no_wait(tmp_path, timeout):
     r = meshd("smoke-run", "--stub", "--stages", "1", "--timeout", timeout,

@@ -54,6 +54,25 @@ def test_a_bad_fault_spec_is_refused_with_a_message_naming_it(spec, words):
         plan_faults([spec], ADDRS)
 
 
+@pytest.mark.parametrize("specs, words", [
+    (["restart:orchestrator@token-4", "kill:stage-1@token-12"],
+     "kill:stage-1@token-12: after --fault restart:orchestrator@token-4 the requests start again"),
+    (["kill:stage-0@token-9", "restart:orchestrator@token-8"], "give it a token up to 8"),
+    (["restart:orchestrator@token-4", "kill:orchestrator@token-4"],
+     "one kill: or restart: of the orchestrator"),
+])
+def test_a_fault_a_restarted_orchestrator_would_never_reach_is_refused(specs, words):
+    with pytest.raises(ValueError, match=words):
+        plan_faults(specs, ADDRS)
+
+
+def test_faults_up_to_the_orchestrators_restart_are_taken():
+    plan = plan_faults(["kill:stage-1@token-3", "restart:orchestrator@token-4", "restart:stage-0@token-4"],
+                       ADDRS)
+    assert [d.spec for d in plan.kills] == ["kill:stage-1@token-3", "restart:orchestrator@token-4",
+                                            "restart:stage-0@token-4"]
+
+
 def test_every_node_is_seeded_through_all_the_others_and_carries_only_its_faults():
     names = node_names(2)
     addrs = {n: ADDRS[n] for n in names}
@@ -502,7 +521,8 @@ def test_a_run_that_failed_reads_failed_in_ps_and_its_jobs_stopped_by_the_run(tm
     driver.record(failure)
     driver.finish(timeout=1)
     saved = read_run(tmp_path / "smoke-1.json")  # what `meshd ps` shows
-    assert (saved.status.value, saved.message) == ("failed", failure.status)
+    assert (saved.status.value, saved.message) == ("failed", failure.summary)
+    assert failure.reason in saved.message or failure.kind is Kind.UNREACHABLE  # why, not just "timeout"
     assert {j.reason.value for j in saved.jobs if j.reason} == {"terminated_by_server"}
     assert {j.status_message for j in saved.jobs} == {"stopped"}
 

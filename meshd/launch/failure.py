@@ -32,6 +32,14 @@ class Failure:
     peer: str | None = None  # that job's node id prefix, 8 hex, when known
     detail: str | None = None  # what happened to that job, as its own status says: "peer 2b91108e dead"
 
+    @property
+    def summary(self) -> str:
+        """What ``meshd ps`` says of the run: the status, with why where the status alone
+        does not say it (a lost or unreachable job is named by its status already)."""
+        if self.kind in (Kind.LOST, Kind.UNREACHABLE) or not self.reason:
+            return self.status
+        return f"{self.status}: {self.reason}"
+
     @classmethod
     def error(cls, reason: str) -> Failure:
         return cls(Kind.ERROR, "error", reason)

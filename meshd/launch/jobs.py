@@ -171,7 +171,7 @@ class JobDriver:
         if failure.kind is Kind.STOPPED:
             self.observe(StopRun(RunReason.INTERRUPTED))
         else:
-            self.observe(StopRun(RunReason.JOB_FAILED, failure.status))
+            self.observe(StopRun(RunReason.JOB_FAILED, failure.summary))
 
     def finish(self, timeout: float = 8.0) -> int:
         """Let every job end (per the stop criteria), then make sure; returns processes left alive."""

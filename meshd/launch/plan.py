@@ -105,7 +105,25 @@ def plan_faults(specs: list[str], addrs: dict[str, str], max_tokens: int | None 
             raise ValueError(f"--fault {spec}: {spec.split(':')[0]} needs --provider netns")
         else:
             raise ValueError(f"--fault {spec!r}: expected {_EXPECTED}")
+    _check_after_master(plan.kills)
     return plan
+
+
+def _check_after_master(kills: list[Disruption]) -> None:
+    """A restarted orchestrator holds none of its requests: the run sends them again, from the
+    first token, and a ``kill:``/``restart:`` due later in the first stream would never come.
+    Refused here rather than left out unsaid."""
+    master = next((d for d in kills if d.who == "orchestrator" and d.restart), None)
+    if master is None:
+        return
+    for d in kills:
+        if d is not master and d.token > master.token:
+            raise ValueError(f"--fault {d.spec}: after --fault {master.spec} the requests start again "
+                             f"from their first token, so a fault after token {master.token} would never "
+                             f"be carried out; give it a token up to {master.token}")
+        if d is not master and d.who == "orchestrator":
+            raise ValueError(f"--fault {d.spec}: the run takes one kill: or restart: of the orchestrator "
+                             f"(--fault {master.spec} is one)")
 
 
 def _disruption(spec: str, node: Callable[[str, str], str], names: set[str],

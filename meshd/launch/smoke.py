@@ -325,6 +325,7 @@ def check_faults(args: argparse.Namespace) -> None:
     names = node_names(args.stages, args.replicas)
     jobs = relay_job_names(args.relays) + names
     addrs = {name: f"127.0.0.1:{port}" for port, name in enumerate(jobs, start=1)}
+    planned = []
     for spec in args.fault:
         if args.provider == "netns" and spec.startswith(("nat:", "nat-symmetric:")):
             if (who := spec.partition(":")[2]) not in names:
@@ -332,6 +333,8 @@ def check_faults(args: argparse.Namespace) -> None:
             continue
         for flags in plan_faults([spec], addrs, args.max_tokens).node_faults.values():
             Faults.parse(flags)
+        planned.append(spec)
+    plan_faults(planned, addrs, args.max_tokens)  # and together (a fault no run would reach)
 
 
 def _cmd_smoke(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
