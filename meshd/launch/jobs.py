@@ -162,16 +162,17 @@ class JobDriver:
         if failure.kind is Kind.LOST and failure.job in self.procs and failure.detail is not None:
             self.observe(Lost(failure.job, failure.detail), StopRun(RunReason.JOB_FAILED, failure.status))
             return
+        if failure.kind is Kind.STOPPED:
+            # A user's stop: the jobs the same signal reached read interrupted, not their exits.
+            self.observe(StopRun(RunReason.INTERRUPTED))
+            return
         # A job a kill: fault ended reads as it ended (exited (-9)), not as stopped with the rest:
         # the stream it broke may end a moment before its process is reaped.
         for name in self._killed:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.procs[name].proc.wait(1.0)
         self.poll()
-        if failure.kind is Kind.STOPPED:
-            self.observe(StopRun(RunReason.INTERRUPTED))
-        else:
-            self.observe(StopRun(RunReason.JOB_FAILED, failure.summary))
+        self.observe(StopRun(RunReason.JOB_FAILED, failure.summary))
 
     def finish(self, timeout: float = 8.0) -> int:
         """Let every job end (per the stop criteria), then make sure; returns processes left alive."""
