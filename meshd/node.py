@@ -563,8 +563,9 @@ class Node:
         return seen
 
     def _reached_otherwise(self, sender: bytes, node: bytes) -> bool:
-        """Whether another live node of ``sender``'s stage, not draining, has a path to ``node``
-        as far as the mesh knows (a probe's verdict, not a guess)."""
+        """Whether another live node of ``sender``'s stage (its checkpoint and split), not
+        draining, has a path to ``node`` as far as the mesh knows (a probe's verdict, not a
+        guess)."""
         if self.swim is None:
             return False
         m = self.swim.members.get(sender)
@@ -574,6 +575,7 @@ class Node:
         for other, o in [*self.swim.members.items(), (me, self.swim.members.get(me))]:
             if (other in (sender, node) or o is None or o.meta.role != "stage"
                     or o.meta.stage != m.meta.stage or o.meta.draining
+                    or (o.meta.checkpoint, o.meta.stages) != (m.meta.checkpoint, m.meta.stages)
                     or (other != me and not o.state.live)):
                 continue
             way = self._direction(other, node)
