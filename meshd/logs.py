@@ -101,3 +101,27 @@ def event(line: str) -> None:
         print(line, flush=True)
     except OSError:
         pass
+
+
+class Quieted:
+    """A log line per key (a sender, a source address) at most once per ``interval`` seconds;
+    the ones held back in between are counted and said with the next.  For what anyone on
+    the network can cause as fast as it sends: one line per packet would fill the disk.
+    Remembers at most ``keys`` keys, the oldest dropped first."""
+
+    def __init__(self, interval: float = 60.0, keys: int = 1024) -> None:
+        self.interval = interval
+        self.keys = keys
+        self._seen: dict[Any, tuple[float, int]] = {}  # key -> (last logged, held back since)
+
+    def due(self, key: Any, now: float) -> int | None:
+        """None when a line for ``key`` was logged within the interval (this one is counted);
+        else how many were held back since that line, and this one is to be logged."""
+        last, held = self._seen.pop(key, (-self.interval, 0))
+        if now - last < self.interval:
+            self._seen[key] = (last, held + 1)
+            return None
+        self._seen[key] = (now, 0)  # last: the oldest key goes first
+        while len(self._seen) > self.keys:
+            del self._seen[next(iter(self._seen))]
+        return held

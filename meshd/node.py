@@ -21,6 +21,7 @@ from . import __version__
 from . import memory as node_memory
 from .identity import Identity
 from .keyring import Keyring
+from .logs import Quieted
 from .mesh import Handler, MemberInfo
 from .net.amplification import AmplificationGuard
 from .net.channel import DataChannel
@@ -238,7 +239,7 @@ class Node:
         self._memory_lock = trio.Lock()  # the loop and leave() write the same file
         # Changed in place by a rotation, so every holder (the relay client) sees the change.
         self.mesh_key = options.mesh_key
-        self._unsealed: dict[str, tuple[float, int]] = {}  # source -> (last logged, dropped since)
+        self._unsealed = Quieted(UNSEALED_LOG_INTERVAL_S, MAX_UNSEALED_SOURCES)  # logged per source
         self._join_watched = False  # a task watches the join under way
         self._join_said = False  # the log said no seed answers: our status says so too
         self._send_failed: dict[str, str] = {}  # address -> why our last datagram there was not sent
@@ -1150,15 +1151,10 @@ class Node:
         if opened is not None:
             return opened
         self.core.counters["rx_unsealed_dropped"] += 1
-        logged, dropped = self._unsealed.pop(source, (-UNSEALED_LOG_INTERVAL_S, 0))
-        dropped += 1
-        if now - logged >= UNSEALED_LOG_INTERVAL_S:
+        held = self._unsealed.due(source, now)
+        if held is not None:
             log.warning("dropped packets from %s: not sealed with our mesh key (%d since the last line)",
-                        source, dropped)
-            logged, dropped = now, 0
-        self._unsealed[source] = (logged, dropped)  # last: the oldest source goes first
-        if len(self._unsealed) > MAX_UNSEALED_SOURCES:
-            del self._unsealed[next(iter(self._unsealed))]
+                        source, held + 1)
         return None
 
     async def _relay_send(self, node: bytes, data: bytes) -> None:

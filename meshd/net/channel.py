@@ -40,6 +40,7 @@ from typing import Any
 import trio
 
 from ..keyring import Keyring
+from .bounded import evict_one
 from .data_keys import BadPeerKey, PairKeys, ProcessKeys
 from .dialer import Dialer, PathFailed, Refused
 from .faults import Faults
@@ -145,13 +146,14 @@ class DataChannel:
         self.faults = faults or Faults()
         self.config = config or ChannelConfig()
         self.epoch = random.getrandbits(63) if epoch is None else epoch
-        self.keys = ProcessKeys(node_id, self.epoch, encrypt=encrypt)  # drawn per process, as the epoch
-        self.keyring = keyring
         self.member = member or (lambda node: True)
+        self.keys = ProcessKeys(node_id, self.epoch, encrypt=encrypt,  # drawn per process, as the epoch
+                                member=lambda node: self.member(node))
+        self.keyring = keyring
         self._inbound: dict[trio.SocketStream, bytes] = {}  # inbound streams -> peer, oldest first
         self._evicted: set[trio.SocketStream] = set()  # closed by _make_room, their readers not yet out
         self._pending: dict[trio.SocketStream, str] = {}  # inbound, in their handshake -> peer host
-        self.reassembler = Reassembler()
+        self.reassembler = Reassembler(member=lambda node: self.member(node))
         self.counters: dict[str, int] = {
             "sent": 0, "delivered": 0, "resent": 0, "bad_frames": 0, "streams_in": 0,
             "streams_refused": 0, "handshake_failures": 0, "dials": 0, "dial_failures": 0,
@@ -370,7 +372,7 @@ class DataChannel:
         known = self._epochs.pop(node, None)
         self._epochs[node] = epoch
         if len(self._epochs) > MAX_EPOCHS:
-            self._epochs.popitem(last=False)
+            evict_one(self._epochs, self.member)  # a stranger's before a member's
         if known == epoch:
             return
         self._down.pop(node, None)  # whatever looked down was another process

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import struct
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from cryptography.exceptions import InvalidTag
@@ -28,6 +29,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from ..wire import DH_KEY_BYTES, DataChunk
+from .bounded import evict_one
 
 NONCE_BYTES = 12
 TAG_BYTES = 16
@@ -86,8 +88,12 @@ class ProcessKeys:
     that ``bench/`` can measure what encryption costs; every channel that carries data encrypts.
     """
 
-    def __init__(self, node_id: bytes, epoch: int, *, encrypt: bool = True) -> None:
+    def __init__(self, node_id: bytes, epoch: int, *, encrypt: bool = True,
+                 member: Callable[[bytes], bool] | None = None) -> None:
+        """``member``: whether a node id is a live member, whose keys go last when the table
+        is at its bound (``bounded.evict_one``)."""
         self.node_id = node_id
+        self._member = member or (lambda node: True)
         self.epoch = epoch
         self._private = X25519PrivateKey.generate()
         self.public = self._private.public_key().public_bytes_raw()
@@ -109,7 +115,7 @@ class ProcessKeys:
         self._pairs.pop(peer, None)
         self._pairs[peer] = pair
         if len(self._pairs) > MAX_PEERS:
-            self._pairs.popitem(last=False)
+            evict_one(self._pairs, self._member)
         return pair
 
     def current(self, peer: bytes, epoch: int | None) -> PairKeys | None:

@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import bisect
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..wire import MAX_DATA_MESSAGE_BYTES, DataChunk
+from .bounded import victim
 
 
 class ChunkError(ValueError):
@@ -98,13 +100,18 @@ class Reassembler:
         total_budget: int = TOTAL_BUDGET,
         idle_expiry: float = IDLE_EXPIRY_S,
         max_sessions: int = MAX_SESSIONS,
+        member: Callable[[bytes], bool] | None = None,
     ) -> None:
+        """``member``: whether a sender is a live member, whose sessions go last when the
+        sessions are at ``max_sessions`` (``bounded.evict_one``)."""
+        self.member = member or (lambda sender: True)
         self.peer_budget = peer_budget
         self.total_budget = total_budget
         self.idle_expiry = idle_expiry
         self.max_sessions = max_sessions
         # Least recently active first.
         self._senders: OrderedDict[tuple[bytes, int], _FromSender] = OrderedDict()
+        self._sessions: dict[bytes, OrderedDict[int, None]] = {}  # per sender, least recently active first
         self._claimed: dict[bytes, int] = {}  # per peer, over all its sessions
         self.claimed_total = 0
         self.duplicates = 0
@@ -210,14 +217,18 @@ class Reassembler:
         if state is not None:
             state.active_at = now
             self._senders.move_to_end(key)
+            self._sessions[sender].move_to_end(session)
             return state
         # Keyed by the sender's session too: a restarted peer numbers from 1 again.
-        mine = [k for k in self._senders if k[0] == sender]
+        mine = self._sessions.setdefault(sender, OrderedDict())
         if len(mine) >= MAX_SESSIONS_PER_PEER:
-            self._forget_session(mine[0])  # its least recently used
+            self._forget_session((sender, next(iter(mine))))  # its least recently used
         if len(self._senders) >= self.max_sessions:
-            self._forget_session(next(iter(self._senders)))
+            # A stranger's before a member's: forgetting a live session loses its next id, and
+            # its next message would wait, acknowledged, for ids it already delivered.
+            self._forget_session(victim(self._senders, lambda k: self.member(k[0])))
         state = self._senders[key] = _FromSender(active_at=now)
+        self._sessions.setdefault(sender, OrderedDict())[session] = None
         return state
 
     def _over_budget(self, sender: bytes, total: int) -> str | None:
@@ -255,6 +266,10 @@ class Reassembler:
 
     def _forget_session(self, key: tuple[bytes, int]) -> None:
         state = self._senders.pop(key)
+        mine = self._sessions[key[0]]
+        del mine[key[1]]
+        if not mine:
+            del self._sessions[key[0]]
         if state.claimed:
             self._release(key[0], state, state.claimed)
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from ..logs import Quieted
 from ..wire import (
     MAX_FRAME_BYTES,
     MAX_PACKET_BYTES,
@@ -61,6 +62,7 @@ class Receiver:
         self._backlogs: dict[bytes, deque[bytes]] = {}  # per sender: delivered, not yet handled
         self._running: dict[bytes, trio.Event] = {}  # senders whose backlog a task is running
         self._owed: dict[_AckRoute, list[DataAck]] = {}
+        self._refusals = Quieted()  # chunks refused, logged per sender
 
     # ------------------------------------------------------------- reading
 
@@ -186,7 +188,10 @@ class Receiver:
                     ack, whole = self._ch.reassembler.accept(sender, msg, trio.current_time(), plain)
                 except ChunkError as exc:
                     self._ch.counters["bad_frames"] += 1
-                    log.warning("data from %s refused: %s", self._ch.describe(sender), exc)
+                    held = self._refusals.due(sender, trio.current_time())
+                    if held is not None:
+                        more = f" ({held} more refused since, not logged)" if held else ""
+                        log.warning("data from %s refused: %s%s", self._ch.describe(sender), exc, more)
                     return urgent
                 if ack:
                     acks.append(DataAck(msg.session, msg.msg_id))

@@ -16,6 +16,7 @@ from collections.abc import Awaitable
 
 import trio
 
+from ..logs import Quieted
 from ..mesh import Mesh
 from ..wire import Message, WireError
 from .api import PipelineError
@@ -65,6 +66,7 @@ class App:
         self.mesh = mesh
         self._nursery: trio.Nursery | None = None
         self._undelivered: dict[bytes, int] = {}  # per peer in its quiet time: failures not logged yet
+        self._bad_messages = Quieted()  # messages that do not decode, logged per sender
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -82,7 +84,10 @@ class App:
         try:
             packet = decode_app(data)
         except WireError as exc:
-            log.warning("bad pipeline message from %s: %s", self.mesh.describe(src), exc)
+            held = self._bad_messages.due(src, trio.current_time())
+            if held is not None:
+                more = f" ({held} more since, not logged)" if held else ""
+                log.warning("bad pipeline message from %s: %s%s", self.mesh.describe(src), exc, more)
             return
         for msg in packet.messages:
             if isinstance(msg, (Batch, HeadParts)):
