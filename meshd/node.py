@@ -339,6 +339,7 @@ class Node:
                             "id to the list of every node", self.identity.node_id.hex(), ", ".join(refused))
             for name in opts.names():
                 swim.register_name(name, now)
+            swim.anchors = tuple(opts.seeds)  # asked back while nobody answers there
             if opts.seeds:
                 swim.join(opts.seeds, now)
             else:

@@ -105,6 +105,28 @@ def test_an_answered_ask_brings_our_whole_state_and_the_dead_member_refutes_at_o
     assert (s.counters["tx_reconnect"], s.counters["tx_reconnect_followups"]) == (1, 1)
 
 
+def test_a_seed_no_live_member_answers_at_is_asked_back_until_one_does():
+    """The orchestrator, our --seed, moved to another port (its last address), died there,
+    and came back at the seed's address under a new key, knowing nobody: nothing but the
+    seed leads to it, so the seed is asked every interval while no live member holds it,
+    and not once a live member answers there."""
+    swim = core_with_members(2)
+    seed = "10.0.1.0:7946"  # the first member's address
+    swim.anchors = (seed, swim.me.addr)  # our own address is never asked
+    interval = LAN.reconnect_interval
+    assert run_core(swim, 2 * interval) == []  # a live member holds it
+    first = bytes([0x10]) * 32
+    moved = Alive(1, first, "10.0.1.9:7946", Meta(stage=1))  # it moved, then died there
+    swim.receive(Packet(STRANGER, (moved, Dead(1, first, swim.id))), "10.255.255.255:7946", 2 * interval)
+    rounds = run_core(swim, 6 * interval)
+    assert rounds and all(seed in addrs for _, addrs in rounds)
+    assert len(rounds) == 4 and all(swim.me.addr not in addrs for _, addrs in rounds)
+    # A new process answers at the seed and joins: it is not asked again.
+    swim.receive(Packet(STRANGER, (Alive(0, b"\x77" * 32, seed, Meta(role="orchestrator")),)),
+                 "10.255.255.255:7946", 6 * interval)
+    assert all(seed not in addrs for _, addrs in run_core(swim, 9 * interval))
+
+
 def test_dead_members_are_asked_back_every_interval_a_bounded_number_at_a_time_in_turn():
     swim = core_with_members(12)
     dead = [m for m in swim.members.values() if m.id != swim.id]

@@ -190,6 +190,9 @@ class Swim:
         self._out: list[Outgoing] = []
         self._events: list[Event] = []
         self._seeds: tuple[str, ...] = ()
+        # The seeds the operator gave (--seed): asked back while no live member answers there
+        # (see _reconnect_targets); the driver sets them.
+        self.anchors: tuple[str, ...] = ()
         self._rx_via: str | None = None  # the path the packet being handled came in on
         # Addresses that answered a direct ping we sent there (see ``answered_addrs``);
         # a dict as an ordered set, bounded for drivers that never ask.
@@ -1128,19 +1131,19 @@ class Swim:
             return
         share = RECONNECT_ASKERS / max(1, len(self._live))
         start = self._reconnect_pos % len(targets)
-        picks: list[Member] = []
+        picks: list[str] = []
         examined = 0
-        for m in targets[start:] + targets[:start]:
+        for addr in targets[start:] + targets[:start]:
             if len(picks) == MAX_RECONNECTS:
                 break
             examined += 1
             if share >= 1.0 or self.rng.random() < share:
-                picks.append(m)
+                picks.append(addr)
         self._reconnect_pos = start + examined
         packet = self._packet([self._introduction()])
-        for m in picks:
-            self._reconnect_asked.add(m.addr)
-            self._out.append(Outgoing(m.addr, None, packet, True))
+        for addr in picks:
+            self._reconnect_asked.add(addr)
+            self._out.append(Outgoing(addr, None, packet, True))
             self.counters["tx_reconnect"] += 1
 
     def _reconnect_answered(self, addr: str, sender: bytes) -> None:
@@ -1173,24 +1176,29 @@ class Swim:
         own = MemberState(me.id, me.addr, me.incarnation, int(me.state), me.meta, self._alive_self().sig)
         return PushPull(True, True, (own,), tuple(c for c in self.registry.claims if c.owner == self.id))
 
-    def _reconnect_targets(self, now: float) -> list[Member]:
-        """Members dead (not left) for at most ``reconnect_timeout``, one per address, at an
-        address no live member holds (a new process there has joined already)."""
-        if len(self.members) == self.live_count():
-            return []  # nobody dead or left, the usual case: no scan
+    def _reconnect_targets(self, now: float) -> list[str]:
+        """Where to ask: the last address of each member dead (not left) for at most
+        ``reconnect_timeout``, then each of our ``anchors``, every address once and none
+        that a live member holds (a new process there has joined already).  An anchor is
+        asked for as long as no live member answers there: a node restarted under a new key
+        at its old address knows nobody, and none of us would ask it otherwise (its old
+        self's last address may be another)."""
+        anchors = [a for a in self.anchors if a != self.me.addr]
+        if len(self.members) == self.live_count() and not anchors:
+            return []  # nobody dead or left and no anchor, the usual case: no scan
         horizon = now - self.config.reconnect_timeout
         taken: set[str] = set()
-        dead: list[Member] = []
+        dead: list[str] = []
         for m in self.members.values():
             if m.state.live:
                 taken.add(m.addr)
             elif m.state is State.DEAD and m.state_change >= horizon:
-                dead.append(m)
+                dead.append(m.addr)
         targets = []
-        for m in dead:
-            if m.addr not in taken:
-                taken.add(m.addr)
-                targets.append(m)
+        for addr in [*dead, *anchors]:
+            if addr not in taken:
+                taken.add(addr)
+                targets.append(addr)
         return targets
 
     # -------------------------------------------------------------- sending
