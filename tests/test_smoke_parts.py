@@ -534,3 +534,15 @@ def test_a_run_its_user_stopped_reads_terminated_and_its_jobs_interrupted(tmp_pa
     saved = read_run(tmp_path / "smoke-1.json")
     assert (saved.status.value, saved.message) == ("terminated", "interrupted")
     assert {j.status_message for j in saved.jobs} == {"interrupted"}
+
+
+def test_a_runs_ports_are_free_distinct_and_below_the_range_ports_bound_to_0_come_from():
+    """A node's dashboard binds port 0 and every outgoing connection takes an ephemeral port:
+    neither can take a port handed to a node that has not bound it yet."""
+    from meshd.launch.local import EPHEMERAL_RANGE, free_ports
+
+    first = int(Path(EPHEMERAL_RANGE).read_text().split()[0])
+    ports = free_ports(24)
+    assert len(set(ports)) == 24
+    if first >= 21000:
+        assert all(20000 <= p < first for p in ports), ports

@@ -10,7 +10,7 @@ from meshd.launch.disrupt import Disruptor, serving_job
 from meshd.launch.drive import orchestrator_failure
 from meshd.launch.failure import Kind, RunFailed
 from meshd.launch.plan import Disruption, FaultPlan, RunPlan, job_argvs, node_names, plan_faults
-from meshd.launch.report import Generated, Outcome, Progress, failover_line, summary
+from meshd.launch.report import Generated, Outcome, Progress, disruption_line, failover_line, summary
 
 NAMES = node_names(2, 2)
 ADDRS = {"relay": "127.0.0.1:9000", **{n: f"127.0.0.1:{9001 + i}" for i, n in enumerate(NAMES)}}
@@ -156,13 +156,30 @@ def test_kill_at_token_t_hits_the_replica_serving_our_request_then():
     disruptor.after_token(5, "ab12cd34ef56")
     disruptor.after_token(6, "ab12cd34ef56")
     assert driver.calls == [("kill", "stage-1.2"), ("restart", "stage-0.2")]
+    # Each record says how far the request was at the orchestrator as its fault came.
     assert done == [
         {"fault": "kill:stage-1@token-5", "action": "kill", "job": "stage-1.2", "peer": "5c3e9a10",
-         "token": 5},
+         "token": 5, "request_at": 5},
         {"fault": "restart:stage-0.2@token-6", "action": "restart", "job": "stage-0.2", "peer": "11bb2222",
-         "token": 6},
+         "token": 6, "request_at": 5},
     ]
     assert disruptor.restarted == ["stage-0.2"]
+
+
+def test_a_fault_that_comes_after_its_request_ended_says_it_disrupted_nothing_of_it():
+    ended = {"requests": [], "ended": [{"request": "ab12cd34ef56", "route": {"stage-1": "5c3e9a10"},
+                                        "tokens": 32}]}
+    disruptor, driver, done = _disruptor(["restart:stage-1@token-8"], ended)
+    disruptor.after_token(8, "ab12cd34ef56")
+    assert driver.calls == [("restart", "stage-1.2")]  # carried out, as asked
+    assert done[0]["request_at"] == "ended"
+    assert disruption_line(done[0]) == ("restarted stage-1.2 (5c3e9a10) after token 8 (the request had "
+                                         "ended by then: nothing of it was disrupted)")
+    ahead = {"requests": [{**ended["ended"][0], "tokens": 21}], "ended": []}
+    disruptor, _, done = _disruptor(["kill:stage-1@token-8"], ahead)
+    disruptor.after_token(8, "ab12cd34ef56")
+    assert disruption_line(done[0]).endswith("after token 8 (the orchestrator had token 21 of the request "
+                                              "by then)")
 
 
 def test_an_orchestrator_that_cannot_say_who_serves_fails_the_run_naming_the_fault():

@@ -11,6 +11,7 @@ the relay moves) it caused.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from collections.abc import Callable
@@ -20,7 +21,7 @@ from .failure import Failure, RunFailed
 from .jobs import JobDriver
 from .model import parse_stage_job
 from .plan import Disruption, RelayDown
-from .report import Progress
+from .report import ENDED, Progress, landed
 
 
 def serving_job(answer: Any, request: str | None, stage: str, prefixes: dict[str, str]) -> str:
@@ -84,30 +85,56 @@ class Disruptor:
 
     def after_token(self, count: int, request: str | None) -> None:
         """``count`` tokens are out (``request`` is the stream's id): carry out the faults due now."""
-        for fault in self.kills:
-            if fault.token == count:
-                self._carry_out(fault, self.target(fault, request))
+        due = [fault for fault in self.kills if fault.token == count]
+        answer = None
+        if any(parse_stage_job(fault.who) for fault in due):  # where the request is, as it lands
+            with contextlib.suppress(Exception):
+                answer = self.ask_requests()
+        for fault in due:
+            self._carry_out(fault, self.target(fault, request, answer), _how_far(answer, request))
 
-    def target(self, fault: Disruption, request: str | None) -> str:
-        """The job ``fault`` hits now; RunFailed when a replicated stage's serving replica is unknown."""
+    def target(self, fault: Disruption, request: str | None, answer: Any = None) -> str:
+        """The job ``fault`` hits now; RunFailed when a replicated stage's serving replica is unknown.
+        ``answer``: the orchestrator's ``/api/requests`` answer, asked for now if None."""
         if not fault.serving:
             return fault.who
         try:
-            return serving_job(self.ask_requests(), request, fault.stage, self.prefixes)
+            return serving_job(self.ask_requests() if answer is None else answer, request, fault.stage,
+                               self.prefixes)
         except ValueError as exc:
             why = f"cannot tell which replica of {fault.stage} serves the request: {exc}"
             raise RunFailed(Failure.error(f"--fault {fault.spec}: {why}")) from None
 
-    def _carry_out(self, fault: Disruption, job: str) -> None:
+    def _carry_out(self, fault: Disruption, job: str, at: int | str | None = None) -> None:
+        """``at``: how far the request was as the fault came (its token count at the
+        orchestrator, ENDED, or None when not known)."""
         if fault.restart:
             self.driver.restart(job)
         else:
             self.driver.kill(job)
         peer = next((p for p, name in self.prefixes.items() if name == job), None)
         action = "restart" if fault.restart else "kill"
-        self.done.append({"fault": fault.spec, "action": action, "job": job, "peer": peer,
-                          "token": fault.token})
-        self.progress.log(f"{action} {job} ({peer or 'no peer'}) after token {fault.token}")
+        record: dict[str, Any] = {"fault": fault.spec, "action": action, "job": job, "peer": peer,
+                                  "token": fault.token}
+        if at is not None:
+            record["request_at"] = at
+        self.done.append(record)
+        self.progress.log(f"{action} {job} ({peer or 'no peer'}) after token {fault.token}{landed(record)}")
+
+
+def _how_far(answer: Any, request: str | None) -> int | str | None:
+    """How many tokens ``request`` had at the orchestrator, by its ``/api/requests`` answer;
+    ENDED when it is among the ended ones only; None when the answer does not say."""
+    if not isinstance(answer, dict) or request is None:
+        return None
+    for key in ("requests", "ended"):
+        entries = answer.get(key)
+        for entry in entries if isinstance(entries, list) else []:
+            if isinstance(entry, dict) and entry.get("request") == request:
+                tokens = entry.get("tokens")
+                return ENDED if key == "ended" else tokens if isinstance(tokens, int) else None
+    return None
+
 
 
 class RelayDowns:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import random
 import signal
 import socket
 import subprocess
@@ -27,17 +28,41 @@ def _die_with_parent() -> None:  # runs in the child, before exec
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+# Where the run's ports are drawn from: below the kernel's ephemeral range, which every
+# socket bound to port 0 (each node's dashboard) and every outgoing connection take ports
+# from, so none of those can take a port handed out here before its node binds it.
+LOW_PORT = 20000
+EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def _port_pool() -> range | None:
+    """The ports below the ephemeral range to draw from, or None to let the kernel pick."""
+    try:
+        with open(EPHEMERAL_RANGE) as f:
+            first = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return range(LOW_PORT, first) if first - LOW_PORT >= 1000 else None
+
+
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct ports free for both UDP and TCP right now."""
+    """``n`` distinct ports free for both UDP and TCP right now, outside the ephemeral range
+    where it leaves room (see LOW_PORT)."""
+    pool = _port_pool()
+    rng = random.Random()
     ports: list[int] = []
     held: list[socket.socket] = []
     try:
+        tries = 64 * n + 256
         while len(ports) < n:
+            if tries == 0:
+                raise OSError(f"found {len(ports)} of {n} free ports on {host}")
+            tries -= 1
             udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-            udp.bind((host, 0))
-            port = udp.getsockname()[1]
             tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             try:
+                udp.bind((host, 0 if pool is None else rng.choice(pool)))
+                port = udp.getsockname()[1]
                 tcp.bind((host, port))
             except OSError:
                 udp.close()

@@ -207,7 +207,7 @@ def summary_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(("again", f"generated again after {again['after']}: {len(again['tokens'])} tokens; "
                               f"matches meshd generate: {'yes' if again['matches_reference'] else 'NO'}; "
                               f"{again['tokens_per_s']} tokens/s"))
-    rows += [("disruption", _disruption_line(d)) for d in result.get("disruptions", [])]
+    rows += [("disruption", disruption_line(d)) for d in result.get("disruptions", [])]
     rows += [("failover", failover_line(f)) for f in result.get("failovers", [])]
     rows += [("relay move", relay_move_line(m)) for m in result.get("relay_moves", [])]
     if result.get("logs"):
@@ -287,7 +287,22 @@ def _relayed(path: dict[str, Any], relay_job: dict[str, str]) -> str:
     return f"{path['from']}→{path['to']}" + (f" ({job})" if job else "")
 
 
-def _disruption_line(d: dict[str, Any]) -> str:
+ENDED = "ended"  # a kill:'s or restart:'s request had ended when it came (``request_at``)
+
+
+def landed(record: dict[str, Any]) -> str:
+    """Where a kill: or restart: landed in its request, for the log and the report: the token
+    the orchestrator had reached (a fast generation runs ahead of the stream smoke-run reads),
+    or that the request had ended, so the fault disrupted nothing of it."""
+    at = record.get("request_at")
+    if at == ENDED:
+        return " (the request had ended by then: nothing of it was disrupted)"
+    if isinstance(at, int) and at > record.get("token", 0):
+        return f" (the orchestrator had token {at} of the request by then)"
+    return ""
+
+
+def disruption_line(d: dict[str, Any]) -> str:
     """``killed stage-1.2 (77aa0011) after token 5``, ``restarted ...``, or
     ``relay-down: stopped relay (ws://127.0.0.1:4100) after 2s``."""
     if d["action"] == "relay-down":
@@ -296,7 +311,7 @@ def _disruption_line(d: dict[str, Any]) -> str:
     done = "restarted" if d["action"] == "restart" else "killed"
     again = "; its requests were sent again" if d.get("reissued") else ""
     return (f"{done} {d['job']}" + (f" ({d['peer']})" if d.get("peer") else "") + f" after token {d['token']}"
-            + again)
+            + landed(d) + again)
 
 
 def relay_move_line(m: dict[str, Any]) -> str:
