@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 import time
 import uuid
 from typing import Any
@@ -79,12 +80,18 @@ def sampling(body: dict, default_max_tokens: int | None = 16) -> dict:
     top_p = field(body, "top_p", float, 1.0)
     if not 0 < top_p <= 1:
         raise BadRequest("'top_p' must be within (0, 1]", "top_p")
+    temperature = field(body, "temperature", float, 0.0, low=0.0, high=10.0)
+    seed = field(body, "seed", int, None, low=0, high=2**63 - 1)
+    if seed is None:
+        # Sampled without a seed, each request draws its own (as OpenAI's API does); the
+        # native answer says which, so a run can be repeated.  Greedy draws nothing.
+        seed = secrets.randbits(63) if temperature > 0 else 0
     return {
         "max_tokens": max_tokens,
-        "temperature": field(body, "temperature", float, 0.0, low=0.0, high=10.0),
+        "temperature": temperature,
         "top_k": field(body, "top_k", int, 0, low=0, high=1 << 20),
         "top_p": top_p,
-        "seed": field(body, "seed", int, 0, low=0, high=2**63 - 1),
+        "seed": seed,
         "stop": stop_strings(body),
     }
 
@@ -267,7 +274,8 @@ async def api_generate(request: Request) -> Response:
         return result
     return JSONResponse({"tokens": result["tokens"], "text": result["text"],
                          "finish_reason": result["finish_reason"], "timings": result["timings"],
-                         "request": result["request"], "failovers": result["failovers"]})
+                         "request": result["request"], "failovers": result["failovers"],
+                         "seed": params["seed"]})
 
 
 async def api_requests(request: Request) -> Response:
@@ -340,7 +348,8 @@ async def _openai(request: Request, chat: bool) -> Response:
               {"index": 0, "text": result["text"], "logprobs": None, "finish_reason": reason})
     return JSONResponse({**events.head, "object": "chat.completion" if chat else "text_completion",
                          "choices": [choice], "usage": _usage(result),
-                         "meshd": {"request": result["request"], "failovers": result["failovers"]}})
+                         "meshd": {"request": result["request"], "failovers": result["failovers"],
+                                   "seed": params["seed"]}})
 
 
 class _Events:

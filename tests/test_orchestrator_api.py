@@ -70,6 +70,22 @@ async def test_generate_and_completions_match_the_reference(checkpoint):
             nursery.cancel_scope.cancel()
 
 
+async def test_a_sampled_request_without_a_seed_draws_its_own_and_says_which(checkpoint):
+    """As OpenAI's API: sampling without a seed gives another draw each time (a client's
+    "regenerate" gets another answer), and the answer names the seed, which repeats it."""
+    with trio.fail_after(60):
+        async with _ready_client(checkpoint) as (_, client):
+            body = {"prompt": "Hello", "max_tokens": 8, "temperature": 1.0}
+            first, second = [(await client.post("/api/generate", json=body)).json() for _ in range(2)]
+            assert first["seed"] != second["seed"]
+            again = (await client.post("/api/generate", json={**body, "seed": first["seed"]})).json()
+            assert again["tokens"] == first["tokens"] and again["seed"] == first["seed"]
+            r = await client.post("/v1/completions", json={**body, "seed": None})
+            assert r.status_code == 200 and r.json()["meshd"]["seed"] not in (first["seed"], second["seed"])
+            greedy = (await client.post("/api/generate", json={"prompt": "Hello", "max_tokens": 8})).json()
+            assert greedy["seed"] == 0  # greedy draws nothing
+
+
 @pytest.mark.parametrize(
     "body, message",
     [
