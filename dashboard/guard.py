@@ -257,6 +257,10 @@ class DashboardGuard:
         if media_type != "application/json" and not media_type.endswith("+json"):
             raise Refused(415, f"send the body as 'Content-Type: application/json', not "
                                f"{media_type or 'no Content-Type'!r}")
+        encoding = headers.get("content-encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):
+            raise Refused(415, f"a body with 'Content-Encoding: {encoding}' is not accepted: send plain "
+                               "JSON (no Content-Encoding)")
         body: bytes | None = b""
         with anyio.move_on_after(self.body_timeout) as reading:
             body = await self._read_body(headers, receive)

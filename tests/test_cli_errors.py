@@ -206,7 +206,8 @@ def test_prompts_past_the_context_of_the_checkpoint_smoke_run_writes_are_refused
     assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
     assert one_line(r.stderr) == ("meshd: error: smoke-run: the deep checkpoint it writes (no --model): "
                                   "prompt (17 tokens) + max_tokens 1000 exceeds the model's context of "
-                                  "256 positions")
+                                  "256 positions (it takes 1016: the last token is never fed back; "
+                                  "max_tokens 240 fits)")
     assert not (tmp_path / "state").exists() and list(tmp_path.iterdir()) == []
 
 

@@ -5,6 +5,7 @@ within a bounded time, without holding up anybody else."""
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import pytest
@@ -149,6 +150,16 @@ def test_the_body_checks_still_hold_where_the_method_is_served(client):
     assert r.status_code == 415 and "application/json" in openai_error(r)["message"]
     r = client.post("/api/peers/add", json={"addr": "10.0.0.1:7946"})
     assert r.status_code == 202 and client.node.joined == [["10.0.0.1:7946"]]
+
+
+def test_a_compressed_body_is_refused_naming_its_encoding_not_read_as_bad_json(client):
+    packed = gzip.compress(b'{"prompt": "hi"}')
+    r = client.post("/v1/completions", content=packed,
+                    headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    assert r.status_code == 415 and "Content-Encoding: gzip" in openai_error(r)["message"]
+    r = client.post("/api/peers/add", content=b'{"addr": "10.0.0.1:7946"}',
+                    headers={"Content-Type": "application/json", "Content-Encoding": "identity"})
+    assert r.status_code == 202
 
 
 def test_the_token_is_still_asked_before_any_404_or_405():

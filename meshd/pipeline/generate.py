@@ -45,8 +45,11 @@ def check_context(config: LlamaConfig, n_prompt: int, max_tokens: int) -> int:
         raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
     need = n_prompt + max_tokens - 1
     if need > config.max_position_embeddings:
+        most = config.max_position_embeddings - n_prompt + 1
+        fits = f"max_tokens {most} fits" if most >= 1 else "the prompt alone does not fit"
         raise ValueError(f"prompt ({n_prompt} tokens) + max_tokens {max_tokens} exceeds the model's "
-                         f"context of {config.max_position_embeddings} positions")
+                         f"context of {config.max_position_embeddings} positions (it takes {need}: the "
+                         f"last token is never fed back; {fits})")
     return need
 
 
