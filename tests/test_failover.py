@@ -343,6 +343,7 @@ async def test_the_http_api_shows_the_route_while_it_runs_and_the_failover_after
             # Ended, it is listed where it ran last: on the replica it moved to.
             (ended,) = after["ended"]
             assert ended["request"] == body["request"] and ended["route"]["stage-0"] == recent[0]["to"]
+            assert ended["outcome"] == body["finish_reason"]  # how it ended: length here
 
 
 async def test_a_replica_gone_silent_mid_generation_is_suspected_and_its_request_moves(checkpoint):

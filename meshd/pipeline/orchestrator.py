@@ -349,6 +349,7 @@ class Orchestrator(App):
         want_logits = sampling.want_logits
         req = _Request(request_id, ids, sampling, stop=stop)
         self.metrics.prompt_tokens += len(ids)
+        outcome = "failed"  # how it ended, as /api/requests lists it among the ended
         try:
             looked = req.news_at = trio.current_time()
             await self._start(req)
@@ -383,15 +384,19 @@ class Orchestrator(App):
         except PipelineError as exc:
             log.warning("request %s failed after %d of %d tokens: %s", req.req_id, len(req.tokens),
                         max_tokens, exc)
+            outcome = f"failed: {exc}"
             raise
         except trio.Cancelled:
             log.info("request %s ended by its caller after %d of %d tokens", req.req_id, len(req.tokens),
                      max_tokens)
+            outcome = "cancelled"
             raise
+        else:
+            outcome = req.finish_reason or "ended"
         finally:
             self.requests.pop(req.wire_id, None)
             if req.route:
-                self.recently_ended.append(_shown(req))
+                self.recently_ended.append({**_shown(req), "outcome": outcome})
             if req.route and req.finish_reason not in ("eos", "length"):
                 await self._release(req)
         total = time.perf_counter() - t0
