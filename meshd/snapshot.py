@@ -54,6 +54,9 @@ def member_view(m: Member, now: float) -> dict:
     }
 
 
+IN_STALE_ROUNDS = 3  # probe rounds with nothing from a member before its way in reads none
+
+
 def snapshot(swim: Swim, now: float, paths: PathTable | None = None, relay: dict | None = None,
              reported_down: Callable[[bytes], bool] | None = None) -> dict:
     """A JSON-ready picture of the node: self, members (with their paths), names, counters.
@@ -69,7 +72,10 @@ def snapshot(swim: Swim, now: float, paths: PathTable | None = None, relay: dict
         # Whether our --allow-nodes (if any) lets it hold stage names: a stage left out serves nothing.
         view["allowed"] = swim.allow_nodes is None or m.id in swim.allow_nodes
         if paths is not None:
-            path_view = paths.view(m.id, now)
+            # Inbound, a live member is heard at least once a probe round (its ack to our
+            # probe, if nothing else): three rounds of silence and its way in shows none.
+            path_view = paths.view(m.id, now, IN_STALE_ROUNDS * swim.config.probe_interval
+                                   * max(1, swim.live_count()) if m.state.live else 0.0)
             del path_view["peer"]
             view.update(path_view)
             if path_view["path_out"] == RELAY:

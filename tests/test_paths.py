@@ -60,3 +60,19 @@ async def test_one_way_drop_goes_via_relay_and_nobody_dies():
             assert not [line for line in lines
                         if line.startswith(f"meshd member suspect prefix={a.identity.prefix}")]
             nursery.cancel_scope.cancel()
+
+
+def test_a_way_in_nothing_came_by_for_a_while_reads_none_not_the_last_one_used():
+    """``meshd peers``' IN column: the relay that carried a peer's last packet, while packets
+    come; once none has come for the window (its relay gone, the peer dead), none."""
+    from meshd.net.path_table import PathTable
+
+    table, peer = PathTable(), b"\x07" * 32
+    assert table.view(peer, 0.0, stale_after=3.0)["path_in"] == "none"  # nothing yet
+    table.received(peer, "relay", 10.0)
+    assert table.view(peer, 12.0, stale_after=3.0)["path_in"] == "relay"
+    seen = table.view(peer, 14.0, stale_after=3.0)
+    assert (seen["path_in"], seen["path_in_seen_s"]) == ("none", 4.0)
+    table.received(peer, "direct", 15.0)
+    assert table.view(peer, 15.5, stale_after=3.0)["path_in"] == "direct"
+    assert table.view(peer, 15.5, stale_after=0.0)["path_in"] == "none"  # a member not live

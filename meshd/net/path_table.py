@@ -165,15 +165,19 @@ class PathTable:
         if out.path == NONE:
             out.path, out.since = DIRECT, now
 
-    def view(self, node: bytes, now: float) -> dict:
+    def view(self, node: bytes, now: float, stale_after: float | None = None) -> dict:
+        """What we know of our paths with ``node``.  ``path_in`` is the way its last packet
+        came, or ``none`` when nothing has come from it for ``stale_after`` seconds."""
         peer = self._peer(node)
         out, inn = peer.out, peer.inn
+        stale = stale_after is not None and (inn.last_seen is None or now - inn.last_seen > stale_after)
         return {
             "peer": prefix(node),
             "path_out": out.shown,
             "punched": out.punched if out.shown == DIRECT else None,
             "path_out_since_s": round(now - out.since, 3) if out.since else None,
-            "path_in": inn.path,
+            "path_in": NONE if stale else inn.path,
+            "path_in_seen_s": None if inn.last_seen is None else round(now - inn.last_seen, 3),
             "out_attempts": out.attempts,
             "direct_failures": out.direct_failures,
             "relay_ok": out.relay_ok,
