@@ -927,6 +927,9 @@ class Node:
             if ev.kind is EventKind.PATH:
                 self._path_changed(ev.node, ev.detail["direct"], ev.detail["rtt"], ev.at)
                 continue
+            if ev.kind is EventKind.MISSED:
+                self.paths.missed(ev.node)
+                continue
             if ev.kind is EventKind.PUNCHED:
                 self._punched(ev.node, ev.detail["addr"], ev.detail["seen"])
                 continue

@@ -859,6 +859,30 @@ def test_a_direction_moved_to_the_relay_is_probed_again_next_period_and_comes_ba
     assert set(probed[:4]) == others, "the members after B in the round keep their turn"
 
 
+def test_every_probe_whose_direct_ping_goes_unanswered_again_is_counted_not_only_the_move():
+    """A one-way link stays one: each probe of it after the move to the relay says so once
+    more (MISSED), so the count of direct failures grows with every probe, not once per move,
+    and an operator reading it sees a persistent fault, not a single glitch."""
+    from meshd.net.path_table import PathTable
+
+    bench = Bench(2)
+    with_relay(bench)
+    a, b = bench.swims
+    table = PathTable()
+    t, (ping,) = bench.tick_until(a, Ping, to=b)
+    t = answer_only_over_the_relay(bench, a, b, ping, t)
+    for _ in range(3):
+        t, (ping,) = bench.tick_until(a, Ping, to=b, limit=t + 5)
+        t = answer_only_over_the_relay(bench, a, b, ping, t)
+    kinds = [(e.kind, e.node) for e in a.events() if e.kind in (EventKind.PATH, EventKind.MISSED)]
+    assert kinds == [(EventKind.PATH, b.id)] + [(EventKind.MISSED, b.id)] * 3
+    table.probe_verdict(b.id, False, t, "direct ping unanswered")
+    for _ in range(3):
+        table.missed(b.id)
+    view = table.view(b.id, t)
+    assert (view["path_out"], view["direct_failures"]) == ("relay", 4)
+
+
 def restart(bench: Bench, b: Swim, now: float) -> Alive:
     """``b`` runs as a new process (a new epoch) under its id: the Alive that says so."""
     b.set_meta(replace(b.me.meta, epoch=b.me.meta.epoch + 1), now)

@@ -132,6 +132,10 @@ class PathTable:
         out.path, out.since, out.unprobed = new, now, False
         return True
 
+    def missed(self, node: bytes) -> None:
+        """Another probe's direct ping to ``node`` went unanswered, the path as it was."""
+        self._peer(node).out.direct_failures += 1
+
     def set_punched(self, node: bytes, addr: str | None) -> None:
         """Our direct packets to ``node`` go to ``addr``, opened by hole punching (None: its own)."""
         self._peer(node).out.punched = addr

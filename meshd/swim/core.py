@@ -525,6 +525,8 @@ class Swim:
                 # direction on the relay for a whole round of the probe list: the next
                 # period's probe goes to this member again, and a direct answer moves it back.
                 recheck = not direct
+            elif from_target and not direct and same_process:
+                self._emit(EventKind.MISSED, probe.target, now)  # counted: a one-way link stays one
             if from_target and not direct:
                 # Its NAT may let us in once both ends punch (each round paced by punch.py).
                 self._punch_sends(self.punch.direct_failed(self.members[probe.target], self.me, now))
@@ -678,8 +680,11 @@ class Swim:
         probes the member again, so one lost ping does not hold the verdict for a round."""
         node = probe.target
         m = self.members.get(node)
-        if m is None or m.meta.epoch != probe.epoch or node in self._unanswered:
+        if m is None or m.meta.epoch != probe.epoch:
             return False  # a ping to a process since replaced says nothing of the new one's path
+        if node in self._unanswered:
+            self._emit(EventKind.MISSED, node, now)  # said already: counted
+            return False
         self._unanswered.add(node)
         self._emit(EventKind.PATH, node, now, direct=None, rtt=probe.acked_at - probe.sent_at)
         return True

@@ -69,6 +69,7 @@ class EventKind(enum.Enum):
     KEYRING = "keyring"  # a member changed the mesh keyring: detail {"change": KeyringChange}
     PUNCHED = "punched"  # a punch through a member's NAT was answered: detail {"addr", "seen"}
     TWIN = "twin"  # another live process signs as us (see twin.py): detail {"twin", "keep"}
+    MISSED = "missed"  # a probe's direct ping went unanswered again, the path unchanged (PATH said it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,4 +81,5 @@ class Event:
 
     @property
     def membership(self) -> bool:
-        return self.kind not in (EventKind.NAME, EventKind.PATH, EventKind.PUNCHED, EventKind.TWIN)
+        return self.kind not in (EventKind.NAME, EventKind.PATH, EventKind.PUNCHED, EventKind.TWIN,
+                                 EventKind.MISSED)
