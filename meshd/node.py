@@ -252,7 +252,7 @@ class Node:
         self.relays: RelayPool | None = None
         if options.relays:
             self.relays = RelayPool(options.relays, identity, mesh_key=self.mesh_key,
-                                    on_move=self._relay_moved)
+                                    on_move=self._relay_moved, blocked=options.faults.relay_blocked)
         self._listeners: list[trio.SocketListener] | None = None
         self.data = DataChannel(
             identity.node_id,

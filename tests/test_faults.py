@@ -2,6 +2,7 @@
 
 import random
 import re
+from functools import partial
 
 import pytest
 import trio
@@ -26,6 +27,32 @@ def test_isolate_cuts_everything_relay_included():
     f = Faults.parse(["isolate"])
     assert f.direct_out_lost("10.0.0.1:1") and f.direct_in_lost(("10.0.0.1", 1))
     assert f.stream_blocked("10.0.0.1:1") and f.relay_blocked()
+
+
+async def test_an_isolated_node_never_connects_to_its_relay_and_says_why():
+    """``isolate`` cuts the relay too: the relay never sees the node, and the node reads its
+    relay as not connected (which doctor names), as behind a real filter."""
+    from meshd.relay.client import ClientConfig, RelayClient
+    from meshd.relay.server import Relay, serve_relay
+
+    relay = Relay()
+    faults = Faults.parse(["isolate"])
+    quick = ClientConfig(connect_timeout=0.2, backoff_initial=0.1, backoff_max=0.2)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            host, port = await nursery.start(partial(serve_relay, "127.0.0.1", 0, relay=relay))
+            client = RelayClient(f"ws://{host}:{port}", Identity.generate(), config=quick,
+                                 blocked=faults.relay_blocked)
+            await nursery.start(client.run)
+            await trio.sleep(1.0)  # several attempts
+            assert not client.connected and client.counters["attempts"] >= 2
+            assert "a fault isolates this node" in (client.last_error or "")
+            assert not relay._clients  # the relay never saw it
+            faults.isolate = False  # the filter lifted: the next attempt connects
+            with trio.fail_after(5):
+                while not client.connected:
+                    await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
 
 
 def test_loss_drops_about_that_fraction():

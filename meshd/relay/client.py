@@ -106,8 +106,12 @@ class RelayClient:
 
     def __init__(self, url: str, identity: Identity, *, config: ClientConfig | None = None,
                  mesh_key: Keyring | None = None,
-                 on_frame: Callable[[Incoming], Awaitable[None]] | None = None) -> None:
+                 on_frame: Callable[[Incoming], Awaitable[None]] | None = None,
+                 blocked: Callable[[], bool] | None = None) -> None:
+        """``blocked``: whether a fault cuts this node off (``--fault isolate``): then every
+        dial fails, as behind a filter, and the relay is seen not connected."""
         self.url = url
+        self.blocked = blocked or (lambda: False)
         self.on_frame = on_frame
         self.identity = identity
         self.mesh_key = mesh_key
@@ -215,6 +219,10 @@ class RelayClient:
         port = self._port
         host = f"[{self._host}]:{port}" if ":" in self._host else f"{self._host}:{port}"
         ws = None
+        if self.blocked():
+            await trio.sleep(cfg.connect_timeout)  # the SYN goes nowhere, as behind a filter
+            raise RelayError(f"cannot connect to relay {self.url}: no answer within "
+                             f"{cfg.connect_timeout:g}s (a fault isolates this node)")
         try:
             with trio.move_on_after(cfg.connect_timeout):
                 stream: trio.abc.Stream = await trio.open_tcp_stream(self._host, port)

@@ -45,10 +45,12 @@ class RelayPool:
     """Our connections to every relay we hold; ``send`` picks one that reaches the peer."""
 
     def __init__(self, urls: Sequence[str], identity: Identity, *, mesh_key=None,
-                 on_move: Callable[[Move], None] | None = None) -> None:
+                 on_move: Callable[[Move], None] | None = None,
+                 blocked: Callable[[], bool] | None = None) -> None:
         if not urls:
             raise ValueError("a relay pool needs at least one relay URL")
-        self.clients = [RelayClient(url, identity, mesh_key=mesh_key) for url in dict.fromkeys(urls)]
+        self.clients = [RelayClient(url, identity, mesh_key=mesh_key, blocked=blocked)
+                        for url in dict.fromkeys(urls)]
         self._by_url = {c.url: c for c in self.clients}
         self.on_move = on_move
         self._via: dict[bytes, str] = {}  # peer -> the relay that carried our last frame to it
