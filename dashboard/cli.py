@@ -12,6 +12,7 @@ import sys
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 from meshd.argtypes import positive_float
 
@@ -65,7 +66,10 @@ def fetch_snapshot(url: str, timeout: float = DEFAULT_TIMEOUT_S) -> dict:
         raise FetchError(f"{target} wants the node's token (printed when it starts): "
                          f"URL?token=TOKEN or {TOKEN_ENV}=TOKEN")
     if r.status == 404:
-        raise FetchError(f"{target} answered 404 {r.reason}: not a meshd dashboard")
+        path = urlsplit(base).path
+        hint = (f" (if it is one, give the dashboard's own URL, without {path}: the URL printed as "
+                "'meshd dashboard url=')") if path else ""
+        raise FetchError(f"{target} answered 404 {r.reason}: not a meshd dashboard{hint}")
     if r.status != 200:
         raise FetchError(f"{target} answered {r.status} {r.reason}" + (f": {r.text()}" if r.body else ""))
     try:

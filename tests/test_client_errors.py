@@ -233,6 +233,14 @@ def test_a_404_is_one_line_naming_the_url_and_status(capsys, stub, command):
     assert line == f"meshd {command}: {stub.url}/api/snapshot answered 404 Not Found: not a meshd dashboard"
 
 
+def test_a_404_under_a_path_says_to_give_the_dashboards_own_url(capsys, stub):
+    code, line, _ = run(capsys, "doctor", stub.url + "/api/peers")
+    assert code == 2
+    assert line == (f"meshd doctor: {stub.url}/api/peers/api/snapshot answered 404 Not Found: not a meshd "
+                    "dashboard (if it is one, give the dashboard's own URL, without /api/peers: the URL "
+                    "printed as 'meshd dashboard url=')")
+
+
 def test_keys_against_a_404_is_one_line_naming_the_url_and_status(capsys, stub, key_file):
     code, line, _ = run(capsys, "keys", "install", key_file[0], "--url", stub.url)
     assert code == 2

@@ -654,8 +654,8 @@ def _closed_too_big(ws: WebSocket) -> bool:
 
 def _close_text(ws: WebSocket) -> str:
     reason = ws.closed
-    if reason is None:
-        return "open"
+    if reason is None:  # no close handshake: the stream broke, or this relay is stopping
+        return "no close frame: its connection ended or this relay is stopping"
     return f"{reason.code} {reason.reason}".strip()
 
 
