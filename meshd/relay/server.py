@@ -45,6 +45,7 @@ import trio
 
 from .. import keyring as mesh_keyring
 from ..identity import prefix, verify
+from ..logs import Quieted
 from ..wire import RELAY_DATA, WireError, packet_sender
 from . import protocol, stun, wsconn
 from .protocol import (
@@ -177,8 +178,8 @@ class Relay:
         # Connections not yet authenticated -> (their host, the scope whose cancel closes them).
         self._pending: dict[trio.abc.Stream, tuple[str, trio.CancelScope]] = {}
         self._evicted: set[trio.abc.Stream] = set()
-        # (reason, host) -> (when a refusal was last logged, refusals not logged since)
-        self._refusals_logged: dict[tuple[str, str], tuple[float, int]] = {}
+        # Refusals logged once a minute per (reason, host)
+        self._refusals_logged = Quieted(REFUSAL_LOG_INTERVAL, MAX_REFUSAL_LOG_KEYS)
         # While a reader forwards one read's frames: the destinations it holds (see _reader).
         self._held: list[WebSocket] | None = None
         self.frames_forwarded = 0
@@ -426,14 +427,9 @@ class Relay:
         refusals as fast as it connects, and must not fill the log with them)."""
         self.refused[why] = self.refused.get(why, 0) + 1
         key = (why, remote.rpartition(":")[0])
-        now = trio.current_time()
-        last, quiet = self._refusals_logged.pop(key, (-REFUSAL_LOG_INTERVAL, 0))
-        if now - last < REFUSAL_LOG_INTERVAL:
-            self._refusals_logged[key] = (last, quiet + 1)
+        quiet = self._refusals_logged.due(key, trio.current_time())
+        if quiet is None:
             return
-        self._refusals_logged[key] = (now, 0)
-        while len(self._refusals_logged) > MAX_REFUSAL_LOG_KEYS:
-            del self._refusals_logged[next(iter(self._refusals_logged))]
         more = f" ({quiet} more refused as {why} from {key[1]} since, not logged)" if quiet else ""
         log.warning("relay: refused %s: %s%s", remote, text, more)
 
