@@ -439,23 +439,23 @@ class Orchestrator(App):
         plan: list[bytes | None] = [keep[k] if keep and keep[k] not in req.excluded and k != replace else None
                                     for k in range(self.stages)]
         snap: dict[str, Any] = {}
-        usable: dict[int, list[bytes]] = {}  # each stage's candidates, as first asked
+        usable: dict[int, list[bytes]] = {}  # each stage's candidates for it, best first, as first asked
 
-        def later(j: int) -> list[bytes]:
+        def usable_ids(j: int) -> list[bytes]:
             if j not in usable:
                 usable[j] = [m.id for m in self.candidates(j) if m.id not in req.excluded]
             return usable[j]
 
         for k in range(self.stages):
             if plan[k] is None:
-                picks = [m for m in self.candidates(k) if m.id not in req.excluded]
+                picks = list(usable_ids(k))
                 if not picks:
                     name = f"pp-stage-{k}"
                     raise NotReady([name], reasons={name: self._why_unserved(name)})
                 if len(picks) > 1:
                     snap = snap or self.mesh.snapshot()
-                    picks.sort(key=lambda m: self._no_path_count(snap, plan, k, m.id, later))
-                plan[k] = picks[0].id
+                    picks.sort(key=lambda node: self._no_path_count(snap, plan, k, node, usable_ids))
+                plan[k] = picks[0]
         route = [node for node in plan if node is not None]
         req.route = tuple(route)
         req.epochs = tuple(self._epoch(n) for n in route)
