@@ -136,7 +136,6 @@ def _how_far(answer: Any, request: str | None) -> int | str | None:
     return None
 
 
-
 class RelayDowns:
     """Carries out the run's ``relay-down`` faults: each relay is SIGKILLed ``after_s`` seconds
     from :meth:`start` (when the generation starts), and recorded in ``done`` as it goes down.

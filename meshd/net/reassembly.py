@@ -103,7 +103,7 @@ class Reassembler:
         member: Callable[[bytes], bool] | None = None,
     ) -> None:
         """``member``: whether a sender is a live member, whose sessions go last when the
-        sessions are at ``max_sessions`` (``bounded.evict_one``)."""
+        sessions are at ``max_sessions`` (``bounded.victim``)."""
         self.member = member or (lambda sender: True)
         self.peer_budget = peer_budget
         self.total_budget = total_budget
@@ -228,7 +228,7 @@ class Reassembler:
             # its next message would wait, acknowledged, for ids it already delivered.
             self._forget_session(victim(self._senders, lambda k: self.member(k[0])))
         state = self._senders[key] = _FromSender(active_at=now)
-        self._sessions.setdefault(sender, OrderedDict())[session] = None
+        self._sessions.setdefault(sender, mine)[session] = None  # ``mine`` if a forget dropped it
         return state
 
     def _over_budget(self, sender: bytes, total: int) -> str | None:
