@@ -6,14 +6,15 @@ key can handshake under as many fresh node ids as it likes; if the oldest entry 
 room, such a flood would push out the members' entries, and with them the state their
 traffic needs (a session's next message id, the key its chunks open with).  So the
 oldest entry of a node that is not a live member goes first, and a member's only when
-the table holds nothing else.
+the table holds nothing else.  ``keep_newest`` bounds the plainer sets of keys a node
+remembers (who was logged once, which requests ended), newest kept.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Hashable
+from typing import Any, TypeVar
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -30,3 +31,10 @@ def evict_one(table: OrderedDict[K, V], member: Callable[[K], bool]) -> K:
     key = victim(table, member)
     del table[key]
     return key
+
+
+def keep_newest(recent: dict[Any, None], key: Hashable, most: int) -> None:
+    """Add ``key`` to ``recent``, a set in insertion order, keeping its newest ``most``."""
+    recent[key] = None
+    while len(recent) > most:
+        recent.pop(next(iter(recent)))

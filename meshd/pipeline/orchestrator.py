@@ -38,6 +38,7 @@ import numpy as np
 import trio
 
 from ..mesh import MemberInfo, Mesh
+from ..net.bounded import keep_newest
 from ..readiness import other_split, serves_other
 from ..readiness import path as path_between
 from ..wire import Message
@@ -219,9 +220,7 @@ class Orchestrator(App):
         """Whether ``node`` serving ``what`` is refused for the first time (then logged)."""
         if (node, what) in self._refused:
             return False
-        self._refused[(node, what)] = None
-        while len(self._refused) > MAX_STRANGERS:
-            self._refused.pop(next(iter(self._refused)))
+        keep_newest(self._refused, (node, what), MAX_STRANGERS)
         return True
 
     def _no_path_to(self, m: MemberInfo) -> str:
@@ -673,9 +672,7 @@ class Orchestrator(App):
             return True
         self.metrics.not_from_route += 1
         if src not in self._strangers:
-            self._strangers[src] = None
-            while len(self._strangers) > MAX_STRANGERS:
-                self._strangers.pop(next(iter(self._strangers)))
+            keep_newest(self._strangers, src, MAX_STRANGERS)
             log.warning("ignoring %s for request %s from %s, which does not serve it (its route: %s)",
                         type(msg).__name__, req.req_id, self.mesh.describe(src), self._describe_route(req))
         return False

@@ -20,15 +20,16 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 import numpy as np
 import trio
 
 from ..mesh import Mesh
+from ..net.bounded import keep_newest
 from ..wire import MAX_BATCH_ROWS, Message
 from .admission import DEFAULT_KV_BUDGET_MB
 from .api import PipelineError
@@ -284,7 +285,7 @@ class StageService(App):
             return True
         self.metrics.not_from_route += 1
         if src not in self._strangers:
-            _keep(self._strangers, src, MAX_CACHED_REQUESTS)
+            keep_newest(self._strangers, src, MAX_CACHED_REQUESTS)
             log.warning("%s: ignoring %s for request %s from %s, which does not serve it (its route: %s)",
                         self.name, type(msg).__name__, job.req_id, self.mesh.describe(src),
                         ", ".join(f"stage-{k} {node.hex()[:8]}" for k, node in enumerate(job.route)))
@@ -724,7 +725,7 @@ class StageService(App):
     def _end(self, req_id: str) -> _Job | None:
         """Forget a request that ended, and keep its id a while: a step of it still on its
         way (sent before the end was known) is then dropped quietly, not taken for lost state."""
-        _keep(self._ended, req_id, ENDED_KEPT)
+        keep_newest(self._ended, req_id, ENDED_KEPT)
         return self._forget(req_id)
 
     async def _drop_orphan(self, req_id: str) -> None:
@@ -868,7 +869,7 @@ class StageService(App):
         if isinstance(exc, LostState):
             if req_id in self._lost:
                 return  # said once: every later step of it fails the same way
-            _keep(self._lost, req_id, MAX_CACHED_REQUESTS)
+            keep_newest(self._lost, req_id, MAX_CACHED_REQUESTS)
             peer = self.mesh.node_id  # we lost it: the orchestrator replays it, here or on a replica
         kind = (TOO_LARGE if isinstance(exc, TooLargeHere) else NO_ROOM if isinstance(exc, NoRoomHere)
                 else UNDELIVERED if isinstance(exc, Undelivered) and peer else "")
@@ -958,13 +959,6 @@ class StageService(App):
             await self._tell(job.origin, StageError(req_id, self.name, HANDING_OVER, self.mesh.node_id,
                                                       HANDED_OVER))
         await trio.sleep(0.2)  # the hand-over notes reach their orchestrators
-
-
-def _keep(recent: dict[Any, None], key: Hashable, most: int) -> None:
-    """Add ``key`` to ``recent``, a set in insertion order, keeping its newest ``most``."""
-    recent[key] = None
-    while len(recent) > most:
-        recent.pop(next(iter(recent)))
 
 
 @dataclass
