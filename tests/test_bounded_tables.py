@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from meshd.bounded import evict_one
 from meshd.logs import Quieted
 from meshd.net import data_keys
-from meshd.net.bounded import evict_one
 from meshd.net.data_keys import ProcessKeys
 from meshd.net.reassembly import Reassembler
 from meshd.wire import DataChunk

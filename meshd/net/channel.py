@@ -39,8 +39,8 @@ from typing import Any
 
 import trio
 
+from ..bounded import evict_one
 from ..keyring import Keyring
-from .bounded import evict_one
 from .data_keys import BadPeerKey, PairKeys, ProcessKeys
 from .dialer import Dialer, PathFailed, Refused
 from .faults import Faults

@@ -28,8 +28,8 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from ..bounded import evict_one
 from ..wire import DH_KEY_BYTES, DataChunk
-from .bounded import evict_one
 
 NONCE_BYTES = 12
 TAG_BYTES = 16

@@ -28,8 +28,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..bounded import victim
 from ..wire import MAX_DATA_MESSAGE_BYTES, DataChunk
-from .bounded import victim
 
 
 class ChunkError(ValueError):

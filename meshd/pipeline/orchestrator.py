@@ -37,8 +37,8 @@ from typing import Any
 import numpy as np
 import trio
 
+from ..bounded import keep_newest
 from ..mesh import MemberInfo, Mesh
-from ..net.bounded import keep_newest
 from ..readiness import other_split, serves_other
 from ..readiness import path as path_between
 from ..wire import Message

@@ -28,8 +28,8 @@ from typing import cast
 import numpy as np
 import trio
 
+from ..bounded import keep_newest
 from ..mesh import Mesh
-from ..net.bounded import keep_newest
 from ..wire import MAX_BATCH_ROWS, Message
 from .admission import DEFAULT_KV_BUDGET_MB
 from .api import PipelineError
