@@ -16,7 +16,7 @@ from meshd.identity import Identity
 from meshd.net.channel import CHUNK_BYTES, DataChannel, DeliveryError
 from meshd.net.data_keys import ProcessKeys
 from meshd.net.faults import Faults
-from meshd.net.framing import frame, next_frame, read_packet
+from meshd.net.framing import frame, next_frame, read_packet, read_some
 from meshd.net.handshake import proof_data
 from meshd.node import NodeOptions
 from meshd.relay.server import RelayBindError, serve_relay
@@ -742,4 +742,55 @@ async def test_strangers_streams_are_bounded_and_go_before_the_members(monkeypat
             assert sorted(got[3:]) == sorted((s.node_id, b"after") for s in (mesh.b, mesh.c, mesh.d))
             for stream in held:
                 await stream.aclose()
+            nursery.cancel_scope.cancel()
+
+
+async def test_read_some_takes_what_the_socket_holds_without_waiting():
+    left, right = trio.socket.socketpair()
+    reader, writer = trio.SocketStream(left), trio.SocketStream(right)
+    assert read_some(reader) is None  # nothing yet: the caller waits the usual way
+    await writer.send_all(b"abc")
+    assert read_some(reader) == b"abc"
+    await writer.aclose()
+    assert read_some(reader) == b""  # the peer closed
+    await reader.aclose()
+    with pytest.raises(trio.BrokenResourceError):
+        read_some(reader)
+
+
+async def test_a_frame_already_in_the_socket_is_handled_before_a_trip_through_the_scheduler():
+    """At stage 0 the last stage's share of the head waits in the socket while stage 0
+    computes its own; the reader takes it at once when its handler returns, not after
+    whatever else is runnable (on every token's critical path)."""
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            lines: list[str] = []
+            opts = dict(profile="local", stages=1)
+            a = await start_node(nursery, NodeOptions(role="orchestrator", **opts), lines)
+            b = await start_node(nursery, NodeOptions(stage=0, seeds=[a.addr], **opts), lines)
+            await wait_converged([a, b])
+            order: list[object] = []
+            second_sent, done = trio.Event(), trio.Event()
+
+            async def round_ran() -> None:
+                order.append("round")
+
+            async def handler(src: bytes, data: bytes) -> None:
+                order.append(data)
+                if data == b"1":
+                    await second_sent.wait()
+                    await trio.sleep(0.2)  # message 2 is in our socket now
+                    nursery.start_soon(round_ran)  # runs at the next trip through the scheduler
+                if data == b"2":
+                    done.set()
+
+            nursery.start_soon(partial(b.data.dispatch, handler, inline=True))
+            await a.data.send(b.identity.node_id, b"0", timeout=10)  # the stream is up
+            await a.data.post(b.identity.node_id, b"1", timeout=10)
+            await trio.sleep(0.1)
+            await a.data.post(b.identity.node_id, b"2", timeout=10)
+            second_sent.set()
+            await done.wait()
+            await trio.sleep(0.05)
+            assert order == [b"0", b"1", b"2", "round"], order
             nursery.cancel_scope.cancel()

@@ -3,7 +3,7 @@
 A frame is a 4-byte big-endian length and an encoded packet of at most
 MAX_FRAME_BYTES.  Writing tries the socket first, without a trip through the
 scheduler, since on a pipeline's critical path every such trip is a wait
-behind whatever else is runnable.
+behind whatever else is runnable; so does reading what a socket already holds.
 """
 
 from __future__ import annotations
@@ -68,6 +68,21 @@ async def read_packet(stream: trio.abc.ReceiveStream, buf: bytearray, max_bytes:
         if not more:
             raise FramingError("the stream closed")
         buf += more
+
+
+def read_some(stream: trio.SocketStream) -> bytes | None:
+    """What the socket holds now (up to RECV_BYTES), without a trip through the scheduler:
+    None when it holds nothing yet (and always for a socket under faults, read the usual
+    way), ``b""`` once the peer closed.  Raises trio.BrokenResourceError when the stream
+    is broken or closed."""
+    if isinstance(stream.socket, NetemSocket):
+        return None
+    try:
+        return os.read(stream.socket.fileno(), RECV_BYTES)
+    except BlockingIOError:
+        return None
+    except OSError as exc:  # reset, or closed under us (fd -1)
+        raise trio.BrokenResourceError(f"read failed: {exc.strerror or exc}") from None
 
 
 def write_some(stream: trio.SocketStream, data: bytes) -> int:

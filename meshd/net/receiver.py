@@ -30,7 +30,7 @@ from ..wire import (
     decode,
     encode,
 )
-from .framing import RECV_BYTES, next_frame, prefixed, write_frame
+from .framing import RECV_BYTES, next_frame, prefixed, read_some, write_frame
 from .reassembly import ChunkError
 
 if TYPE_CHECKING:
@@ -82,7 +82,15 @@ class Receiver:
         Every frame that one read brings is handled, its messages delivered,
         and then one packet acknowledges all of them.  ``buf`` holds what the
         handshake read past its last frame.
+
+        What the socket already holds is taken at once when the read before
+        went through the scheduler: at stage 0 the last stage's share of the
+        head waits there while stage 0 computes its own, and a trip through
+        the scheduler before reading it is on every token's critical path.
+        Every other read goes through the scheduler, so a stream that always
+        has more cannot keep the rest of the node from running.
         """
+        eager = False
         while True:
             acks: list[DataAck] = []
             ready: list[tuple[bytes, bytes]] = []
@@ -97,7 +105,10 @@ class Receiver:
             if bad:
                 return
             try:
-                data = await stream.receive_some(RECV_BYTES)
+                data = read_some(stream) if eager else None
+                eager = data is None
+                if data is None:
+                    data = await stream.receive_some(RECV_BYTES)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 return
             if not data:
