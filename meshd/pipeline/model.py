@@ -228,12 +228,13 @@ def _mask(masks: dict[tuple[int, int | None], np.ndarray | None], start_pos: int
 
 
 # Where a pipeline cuts the LM head's rows between stage 0 and the last stage, as a
-# fraction of the vocabulary for stage 0.  More than half: the last stage sends stage 0
-# its input before starting on its own rows, and its shortlist then still has a hop to go.
-# Measured on loopback (small preset, 3 stages, one process per node), the median time by
-# which the last stage's shortlist was ready before stage 0 finished its own rows: 0.46 ms
-# at 0.6, 0.34 ms at 0.55, 0.10 ms at 0.5 (and a tenth of the steps then waited 0.56 ms).
-HEAD_CUT_FRACTION = 0.55
+# fraction of the vocabulary for stage 0.  Stage 0 starts on its rows a hop after the last
+# stage starts on its own, and the last stage's shortlist then has a hop to go: the two
+# hops about cancel.  Measured on loopback (small preset, 3 stages, one process per node,
+# a single stream's latency against the monolithic run's, two meshes in turn): 0.5 against
+# 0.55, 1.326 against 1.355 (8 rounds of 8 pairs) and 1.533 against 1.561 (10 rounds, a
+# slower hour).  Below 0.5 stage 0 would wait for the last stage's shortlist.
+HEAD_CUT_FRACTION = 0.5
 # The cut falls on a multiple of this many rows: BLAS computes rows in blocks, and the
 # rows of a partial block another way (seen with OpenBLAS at 19199 and 19201 of 32000).
 HEAD_CUT_ALIGN = 64
