@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from meshd import wire
+from meshd.pipeline.messages import APP_TYPES
 
 SENDER = bytes(range(32))
 NODE_A = b"\xaa" * 32
@@ -655,3 +656,75 @@ def test_packet_sender_of_garbage_is_a_wire_error(data):
 @given(packets)
 def test_packet_sender_reads_the_claimed_sender(packet):
     assert wire.packet_sender(wire.encode(packet)) == packet.sender
+
+
+# --- each record's generated decoder (wire._decoder) against its field checkers ---
+
+_EDGE_VALUES = [0, 1, -1, 2**63 - 1, 2**63, U64_MAX, U64_MAX + 1, True, False, None, 0.0, -0.0, 1.5,
+                float("inf"), float("-inf"), float("nan"), "", "é", "x" * wire.MAX_STR,
+                "x" * (wire.MAX_STR + 1), b"", b"\0" * 31, b"\0" * 32, b"\0" * 33, b"\0" * 64,
+                b"\0" * wire.MAX_CHUNK_BYTES, b"\0" * (wire.MAX_CHUNK_BYTES + 1), bytearray(32),
+                [], [1], ["a"]]
+
+
+@pytest.mark.parametrize("check", list(wire._INLINE), ids=lambda c: c.__name__)
+def test_each_inline_check_holds_exactly_when_its_checker_raises(check):
+    big = [b"\0" * wire.MAX_DATA_MESSAGE_BYTES, b"\0" * (wire.MAX_DATA_MESSAGE_BYTES + 1)]
+    for value in _EDGE_VALUES + big:
+        inline = eval(wire._INLINE[check].format(v="value"), dict(wire._INLINE_NAMES), {"value": value})
+        try:
+            check(value)
+        except wire.WireError:
+            raises = True
+        else:
+            raises = False
+        assert inline == raises, (check.__name__, repr(value)[:40])
+
+
+def _field_by_field(cls, body):
+    """What ``cls.from_body`` answers, by each field's checker in turn (nested records too)."""
+    fields = cls._fields_
+    if type(body) is not list or len(body) != len(fields):
+        raise wire.WireError("wrong length")
+    return cls(*(_checked(check, value) for check, value in zip(fields, body, strict=True)))
+
+
+def _checked(check, value):
+    record = getattr(check, "__self__", None)  # a nested record: its from_body, bound
+    if isinstance(record, type) and issubclass(record, wire.Record):
+        return _field_by_field(record, value)
+    each = getattr(check, "each", None)
+    if each is not None:
+        if type(value) is not list or len(value) > check.limit:
+            raise wire.WireError("not a list within the limit")
+        return tuple(_checked(each, v) for v in value)
+    return check(value)
+
+
+def _same_answer(cls, body):
+    try:
+        want = _field_by_field(cls, body)
+    except wire.WireError:
+        want = wire.WireError
+    try:
+        got = cls.from_body(body)
+    except wire.WireError:
+        got = wire.WireError
+    same = got is not wire.WireError and want is not wire.WireError and (
+        msgpack.packb(wire.encode_message(got)) == msgpack.packb(wire.encode_message(want)))
+    assert got == want or same
+
+
+@SHAPES
+@given(valid_body_with_one_subtree_replaced())
+def test_a_generated_decoder_answers_as_its_field_checkers_do(message):
+    tag = message[0] if type(message) is list and len(message) == 2 else None
+    if type(tag) is int and tag in wire.MESSAGE_TYPES:
+        _same_answer(wire.MESSAGE_TYPES[tag], message[1])
+
+
+@FUZZ_SMALL
+@given(st.sampled_from([*wire.MESSAGE_TYPES.values(), *APP_TYPES.values()]), st.data())
+def test_a_generated_decoder_answers_as_its_field_checkers_do_for_edge_values(cls, data):
+    values = st.sampled_from(_EDGE_VALUES) | st.lists(st.sampled_from(_EDGE_VALUES), max_size=3)
+    _same_answer(cls, data.draw(st.lists(values, min_size=len(cls._fields_), max_size=len(cls._fields_))))
