@@ -95,3 +95,35 @@ def utf8_text(text: str) -> str:
         byte = len(text[:exc.start].encode("utf-8", "surrogateescape"))  # the bytes before the first bad one
         raise argparse.ArgumentTypeError(f"not valid UTF-8 (byte {byte})") from None
     return text
+
+
+MAX_CPU = 4095  # the highest CPU number a list may name (Linux's default CPU_SETSIZE is 1024)
+
+
+def cpu_list(text: str) -> frozenset[int]:
+    """CPU numbers as taskset and /proc write them: ``0``, ``0,2``, ``0-3``, ``0-1,4``."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, dash, last = part.strip().partition("-")
+        try:
+            low = int(first)
+            high = int(last) if dash else low
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a CPU list (numbers and ranges, as in 0-1,4)") from None
+        if not 0 <= low <= high <= MAX_CPU:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: {part.strip()!r} is not CPUs from 0 to {MAX_CPU}, the lower first")
+        cpus.update(range(low, high + 1))
+    return frozenset(cpus)
+
+
+def cpu_text(cpus: set[int] | frozenset[int] | list[int]) -> str:
+    """``cpu_list``'s form of a set of CPU numbers: runs as ranges, ``0-1,4``."""
+    runs: list[list[int]] = []
+    for cpu in sorted(cpus):
+        if runs and runs[-1][1] == cpu - 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)

@@ -7,7 +7,7 @@ import os
 import sys
 
 from . import __version__
-from .argtypes import float_between, int_up_to, path, positive_int, writable_dir
+from .argtypes import cpu_list, cpu_text, float_between, int_up_to, path, positive_int, writable_dir
 from .identity import Identity, IdentityError, hold_key_file, load_node_ids, load_or_create
 from .net.faults import Faults, FaultSpecError
 from .net.udp import AddressError, BindError, first_of, parse_addr
@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--compute-threads", type=positive_int, metavar="N",
                      help="threads for this node's matrix maths (default: one per core; nodes that "
                           "share a host should split the cores, as smoke-run does)")
+    run.add_argument("--cpus", type=cpu_list, metavar="LIST",
+                     help="run on these CPUs only (0-1,4, as taskset takes them); stages that share a "
+                          "host should each have their own, as smoke-run gives them")
     run.add_argument("--max-batch", type=int_up_to(MAX_BATCH_ROWS), default=16, metavar="N",
                      help="a stage runs the decode steps of up to N requests as one forward pass, so "
                           f"they share each weight read; 1 runs each alone, at most {MAX_BATCH_ROWS} "
@@ -191,6 +194,14 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             check_headers(model_dir, config)
         except (ConfigError, CheckpointError, OSError, ValueError) as exc:
             print(f"meshd: error: --model {model_dir}: {exc}", file=sys.stderr)
+            return 2
+    if args.cpus is not None:
+        from .pipeline.threads import pin
+
+        try:
+            pin(args.cpus)
+        except ValueError as exc:
+            print(f"meshd: error: --cpus {cpu_text(args.cpus)}: {exc}", file=sys.stderr)
             return 2
     if args.compute_threads is not None:
         from .pipeline.threads import set_compute_threads

@@ -156,3 +156,38 @@ def test_an_orchestrator_refuses_a_checkpoint_no_stage_of_its_run_could_serve(tm
     assert r.returncode == 2 and line.startswith(f"meshd: error: --model {tiny}: "), r.stderr
     says = "model.safetensors" if damage == "junk-weights" else "cannot split 4 layers"
     assert says in line, line
+
+
+@pytest.mark.parametrize(("text", "cpus"), [("0", {0}), ("0,2", {0, 2}), ("0-3", {0, 1, 2, 3}),
+                                            (" 1-2 , 5", {1, 2, 5}), ("4095", {4095})])
+def test_a_cpu_list_reads_as_taskset_writes_it_and_back(text, cpus):
+    from meshd.argtypes import cpu_list, cpu_text
+
+    assert cpu_list(text) == cpus
+    assert cpu_list(cpu_text(cpus)) == cpus
+
+
+@pytest.mark.parametrize("text", ["", "a", "1-", "-1", "2-1", "4096", "0,,1", "1.5"])
+def test_a_cpu_list_that_is_none_is_refused_in_one_line(text):
+    import argparse
+
+    from meshd.argtypes import cpu_list
+
+    with pytest.raises(argparse.ArgumentTypeError):
+        cpu_list(text)
+
+
+def test_stages_get_runs_of_cpus_in_order_and_the_head_sharing_ends_never_share():
+    from meshd.pipeline.threads import stage_cpus
+
+    for n_cpus in range(1, 9):
+        cpus = list(range(10, 10 + n_cpus))
+        for stages in range(1, 9):
+            runs = [stage_cpus(k, stages, cpus) for k in range(stages)]
+            flat = [c for run in runs for c in run]
+            assert all(runs) and flat == sorted(flat)  # in stage order, each at least one CPU
+            assert set().union(*map(set, runs)) == set(cpus)  # every CPU serves a stage
+            if n_cpus > 1 and stages > 1:
+                assert not set(runs[0]) & set(runs[-1]), (n_cpus, stages, runs)
+            if n_cpus >= stages:
+                assert sum(map(len, runs)) == n_cpus  # no two stages share a CPU

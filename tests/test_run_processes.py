@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from meshd.argtypes import cpu_text
 from meshd.launch.process import BOOT_RE, MeshProcess, parse_stage_map
+from meshd.pipeline import threads
 from meshd.snapshot import read_snapshots
 from meshd.swim import LOCAL
 from meshd.testing.processes import start_mesh, wait_converged
@@ -35,6 +37,25 @@ def _snapshot_states(path: Path, subject_prefix: str) -> list[str]:
             if m["prefix"] == subject_prefix:
                 states.append(m["state"])
     return states
+
+
+def _cpus_of(pid: int) -> set[str]:
+    """The CPU list of every thread of process ``pid``, as /proc writes it."""
+    lists = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for line in (task / "status").read_text().splitlines():
+            if line.startswith("Cpus_allowed_list:"):
+                lists.add(line.split(":", 1)[1].strip())
+    return lists
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="no /proc to read a thread's CPUs from")
+def test_stages_sharing_a_host_each_run_on_cpus_of_their_own(mesh):
+    cpus = threads.host_cpus()
+    for k, proc in enumerate(mesh[1:]):
+        want = cpu_text(threads.stage_cpus(k, 2) if len(cpus) > 1 else cpus)
+        assert _cpus_of(proc.proc.pid) == {want}, proc.name  # every thread of it
+    assert _cpus_of(mesh[0].proc.pid) == {cpu_text(cpus)}  # the orchestrator is not pinned
 
 
 def test_boot_line_and_stage_map_follow_the_contract(mesh):
@@ -205,6 +226,10 @@ def test_port_in_use_is_a_clear_error():
         (["--bind", "nonsense"], "is not HOST:PORT"),
         (["--seed", "127.0.0.1:0"], "out of range"),
         (["--role", "orchestrator", "--stage", "1"], "only for --role stage"),
+        (["--cpus", "1-0"], "argument --cpus: '1-0': '1-0' is not CPUs from 0 to 4095, the lower first"),
+        (["--cpus", "two"], "argument --cpus: 'two' is not a CPU list"),
+        (["--role", "orchestrator", "--stages", "1", "--cpus", "4095"],
+         "--cpus 4095: CPU 4095 is not one this process may run on"),
     ],
 )
 def test_bad_run_flags_are_refused_with_a_message(args, message):

@@ -105,6 +105,29 @@ def test_the_stages_split_the_hosts_cores_and_the_orchestrator_keeps_the_default
         assert given(argvs, "orchestrator") is None
 
 
+@pytest.mark.skipif(not hasattr(__import__("os"), "sched_setaffinity"), reason="no CPU pinning here")
+@pytest.mark.parametrize(("cpus", "want"), [
+    ([0, 1], ["0", "0", "1", "0", "0", "1"]),  # stage 0's replica with stage 0, on its CPU
+    ([4, 5, 6, 7], ["4", "5", "6-7", "4", "5", "6-7"]),
+    ([0], [None] * 6),  # one CPU: nothing to choose
+])
+def test_each_stage_and_its_replicas_run_on_cpus_of_their_own(monkeypatch, cpus, want):
+    from meshd.pipeline import threads
+
+    names = node_names(3, replicas=2)
+    plan = RunPlan(3, "/m", ADDRS["relay"], dict.fromkeys(names, "127.0.0.1:9"), dict.fromkeys(names, "x"),
+                   FaultPlan(), "/tmp/snaps", "/tmp/keys")
+    monkeypatch.setattr(threads, "host_cpus", lambda: cpus)
+    argvs = job_argvs(plan)
+
+    def given(name):
+        argv = argvs[name]
+        return argv[argv.index("--cpus") + 1] if "--cpus" in argv else None
+
+    assert [given(n) for n in names if n != "orchestrator"] == want
+    assert given("orchestrator") is None
+
+
 def test_with_two_relays_every_node_holds_both_the_first_first_and_each_relay_has_the_mesh_key():
     names = node_names(2)
     addrs = {n: ADDRS[n] for n in names}

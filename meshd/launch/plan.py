@@ -200,8 +200,10 @@ def job_argvs(plan: RunPlan) -> dict[str, list[str]]:
         # Every other node is a seed: a node whose direct path to one is filtered joins through another.
         seeds = [f"--seed={other}" for n, other in plan.addrs.items() if n != name]
         faults = [f"--fault={f}" for f in plan.faults.node_faults.get(name, [])]
-        # Every stage shares this host's cores with the others (see meshd.pipeline.threads).
-        threads = shared_host_args(len(plan.addrs) - 1) if name != "orchestrator" else []
+        # Every stage shares this host's cores with the others, on CPUs of its own (a stage's
+        # replicas on its CPUs); see meshd.pipeline.threads.
+        job = parse_stage_job(name)
+        threads = [] if job is None else shared_host_args(len(plan.addrs) - 1, job[0], plan.stages)
         argvs[name] = ["run", *_role(name), "--bind", addr, "--dashboard", plan.dashboards[name],
                        "--key-file", key_file(plan, name), *seeds, *faults, *threads, *common]
     return argvs

@@ -30,12 +30,11 @@ def start_mesh(
     ``stage_extra(k, addrs)`` gives more flags for stage ``k``; ``addrs`` holds the
     gossip addresses of the nodes started before it, the orchestrator first.
 
-    Each stage gets its share of this host's cores, as smoke-run gives its stages
-    (``meshd.pipeline.threads.shared_host_args``); a ``--compute-threads`` in ``extra`` or
-    ``stage_extra`` overrides it.
+    Each stage gets its share of this host's cores and CPUs of its own, as smoke-run gives
+    its stages (``meshd.pipeline.threads.shared_host_args``); a ``--compute-threads`` or
+    ``--cpus`` in ``extra`` or ``stage_extra`` overrides it.
     """
     common = ["--profile", profile, *(extra or [])]
-    threads = shared_host_args(stages)
     if snapshot_dir:
         common += ["--snapshot-dir", snapshot_dir, "--snapshot-interval", str(snapshot_interval)]
     procs: list[MeshProcess] = []
@@ -47,7 +46,8 @@ def start_mesh(
         for k in range(stages):
             stage = MeshProcess(f"stage-{k}", ["run", "--role", "stage", "--stage", str(k),
                                                "--stages", str(stages), "--bind", "127.0.0.1:0",
-                                               "--seed", addrs[0], *threads, *common,
+                                               "--seed", addrs[0], *shared_host_args(stages, k, stages),
+                                               *common,
                                                *(stage_extra(k, list(addrs)) if stage_extra else [])])
             procs.append(stage)
             addrs.append(stage.wait_boot().addr)
