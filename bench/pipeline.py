@@ -20,7 +20,9 @@ time, and where a token's time goes.
 
 ``--blas-threads`` (default 1) sets OPENBLAS_NUM_THREADS for this process and
 the node processes alike: one core per stage, as on separate hosts, and one
-core for the monolithic run.
+core for the monolithic run.  The process pipelines' stages run on CPUs of
+their own, as smoke-run places stages that share a host (``--cpus``, see
+``meshd.pipeline.threads.stage_cpus``); the monolithic run is not pinned.
 
 ``--mesh-key`` instead measures what the mesh key costs: two process
 pipelines side by side, one whose nodes share a mesh key (every gossip

@@ -233,7 +233,10 @@ def _mask(masks: dict[tuple[int, int | None], np.ndarray | None], start_pos: int
 # hops about cancel.  Measured on loopback (small preset, 3 stages, one process per node,
 # a single stream's latency against the monolithic run's, two meshes in turn): 0.5 against
 # 0.55, 1.326 against 1.355 (8 rounds of 8 pairs) and 1.533 against 1.561 (10 rounds, a
-# slower hour).  Below 0.5 stage 0 would wait for the last stage's shortlist.
+# slower hour).  With the stages pinned to CPUs (threads.stage_cpus) stage 0 then waited a
+# median 0.17 ms for the last stage's shortlist in one slow hour, and 0.5, 0.53 and 0.55
+# measured alike there (1.496, 1.523, 1.492; 5 rounds): where the two halves meet moves
+# with the host's hour.
 HEAD_CUT_FRACTION = 0.5
 # The cut falls on a multiple of this many rows: BLAS computes rows in blocks, and the
 # rows of a partial block another way (seen with OpenBLAS at 19199 and 19201 of 32000).
