@@ -21,6 +21,8 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
+from ..argtypes import cpu_text
+
 
 def host_cores() -> int:
     """The cores this process may run on."""
@@ -54,8 +56,6 @@ def pin(cpus: Iterable[int]) -> None:
     """Run this process, every thread it has and every one it starts, on ``cpus`` only.
     Raises ValueError naming what is wrong: CPUs this process may not run on, or a
     system that cannot pin."""
-    from ..argtypes import cpu_text
-
     wanted = set(cpus)
     allowed = set(host_cpus())
     if not wanted or not wanted <= allowed:
@@ -85,8 +85,6 @@ def shared_host_args(jobs: int, stage: int | None = None, stages: int | None = N
     args = ["--compute-threads", str(share(jobs))]
     cpus = host_cpus()
     if stage is not None and stages is not None and len(cpus) > 1 and hasattr(os, "sched_setaffinity"):
-        from ..argtypes import cpu_text
-
         args += ["--cpus", cpu_text(stage_cpus(stage, stages, cpus))]
     return args
 
