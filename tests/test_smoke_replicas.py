@@ -166,6 +166,23 @@ def test_kill_at_token_t_hits_the_replica_serving_our_request_then():
     assert disruptor.restarted == ["stage-0.2"]
 
 
+def test_a_fault_naming_its_job_strikes_before_asking_how_far_the_request_was():
+    """A round trip to the orchestrator before the kill would let a fast generation run on,
+    or end, before its stage goes: the named job is hit first, the count asked for after."""
+    driver, done, seen = FakeDriver(), [], []
+
+    def ask():
+        seen.append(list(driver.calls))  # what had been carried out when the question went
+        return REQUESTS
+
+    kills = plan_faults(["restart:stage-0.2@token-3", "kill:stage-1@token-3"], ADDRS).kills
+    Disruptor(kills, driver, ask, PREFIXES, Progress(False), done).after_token(3, "ab12cd34ef56")  # type: ignore[arg-type]
+    # The named replica went before any question; the bare stage asked which replica serves.
+    assert seen[0] == [("restart", "stage-0.2")]
+    assert driver.calls == [("restart", "stage-0.2"), ("kill", "stage-1.2")]
+    assert [d["request_at"] for d in done] == [5, 5]
+
+
 def test_a_fault_that_comes_after_its_request_ended_says_it_disrupted_nothing_of_it():
     ended = {"requests": [], "ended": [{"request": "ab12cd34ef56", "route": {"stage-1": "5c3e9a10"},
                                         "tokens": 32}]}

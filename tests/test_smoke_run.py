@@ -198,8 +198,11 @@ def test_a_restarted_serving_replica_comes_back_with_its_key_and_the_run_passes(
 @pytest.mark.parametrize("stage", ["stage-0", "stage-2"])
 def test_a_stage_without_replicas_restarted_mid_generation_takes_its_request_back(run_dir, stage):
     """The entry and the last stage restarted under their key while a request runs through
-    them: the request waits for the new process and replays on it, with the same tokens."""
-    rc, out = smoke("--stages", "3", "--stub", "--fault", f"restart:{stage}@token-4", "--max-tokens", "32")
+    them: the request waits for the new process and replays on it, with the same tokens.
+    The last stage gathers a stub's tokens for the orchestrator for up to 20 ms (TOKEN_BATCH_S),
+    a few dozen tokens: the stream is read that far behind, and 96 tokens keep the request
+    running when the stage goes."""
+    rc, out = smoke("--stages", "3", "--stub", "--fault", f"restart:{stage}@token-4", "--max-tokens", "96")
     assert rc == 0, json.dumps(out)
     assert out["matches_reference"] and out["leftovers"] == 0 and meshd_children(run_dir) == []
     [failover] = out["failovers"]

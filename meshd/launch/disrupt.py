@@ -86,12 +86,25 @@ class Disruptor:
     def after_token(self, count: int, request: str | None) -> None:
         """``count`` tokens are out (``request`` is the stream's id): carry out the faults due now."""
         due = [fault for fault in self.kills if fault.token == count]
+        # A fault naming its job is carried out at once, then asks where the request was: the
+        # orchestrator's count stops when a stage goes, while a round trip before the kill lets
+        # a fast generation run on (or end) first.  A replicated stage's fault asks which
+        # replica serves before it can act.
         answer = None
-        if any(parse_stage_job(fault.who) for fault in due):  # where the request is, as it lands
-            with contextlib.suppress(Exception):
-                answer = self.ask_requests()
         for fault in due:
-            self._carry_out(fault, self.target(fault, request, answer), _how_far(answer, request))
+            if fault.serving:
+                answer = self._ask() if answer is None else answer
+                self._carry_out(fault, self.target(fault, request, answer), _how_far(answer, request))
+            else:
+                self._act(fault, fault.who)
+                after = self._ask() if parse_stage_job(fault.who) else None
+                self._record(fault, fault.who, _how_far(after, request))
+
+    def _ask(self) -> Any:
+        """The orchestrator's ``/api/requests`` answer, or None when it cannot give one."""
+        with contextlib.suppress(Exception):
+            return self.ask_requests()
+        return None
 
     def target(self, fault: Disruption, request: str | None, answer: Any = None) -> str:
         """The job ``fault`` hits now; RunFailed when a replicated stage's serving replica is unknown.
@@ -108,10 +121,16 @@ class Disruptor:
     def _carry_out(self, fault: Disruption, job: str, at: int | str | None = None) -> None:
         """``at``: how far the request was as the fault came (its token count at the
         orchestrator, ENDED, or None when not known)."""
+        self._act(fault, job)
+        self._record(fault, job, at)
+
+    def _act(self, fault: Disruption, job: str) -> None:
         if fault.restart:
             self.driver.restart(job)
         else:
             self.driver.kill(job)
+
+    def _record(self, fault: Disruption, job: str, at: int | str | None) -> None:
         peer = next((p for p, name in self.prefixes.items() if name == job), None)
         action = "restart" if fault.restart else "kill"
         record: dict[str, Any] = {"fault": fault.spec, "action": action, "job": job, "peer": peer,
