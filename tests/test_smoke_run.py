@@ -219,10 +219,11 @@ def _ps(run_dir) -> dict:
 def test_the_orchestrator_restarted_mid_generation_serves_the_request_sent_again(run_dir):
     """The orchestrator holds its clients' requests: restarted, it has none of them.  The run
     waits for it to come back with its key, sends the request again, and checks it as ever.
-    The stream is read a few tokens behind the orchestrator: 64 tokens keep its end well past
-    the restart, so the request is still in flight when the process goes."""
+    The stream is read up to a 20 ms token batch (a few dozen stub tokens) behind the last
+    stage: 128 tokens keep its end well past the restart, so the request is still in flight
+    when the process goes."""
     rc, out = smoke("--stages", "2", "--stub", "--fault", "restart:orchestrator@token-3",
-                    "--max-tokens", "64")
+                    "--max-tokens", "128")
     assert rc == 0, json.dumps(out)
     assert out["matches_reference"] and out["leftovers"] == 0 and meshd_children(run_dir) == []
     [restarted] = out["disruptions"]
