@@ -11,6 +11,7 @@ from .argtypes import cpu_list, cpu_text, float_between, int_up_to, path, positi
 from .identity import Identity, IdentityError, hold_key_file, load_node_ids, load_or_create
 from .net.faults import Faults, FaultSpecError
 from .net.udp import AddressError, BindError, first_of, parse_addr
+from .pipeline.polling import DEFAULT_POLL_MS
 from .swim import PROFILES
 from .wire import MAX_BATCH_ROWS, MAX_STAGES
 
@@ -78,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a stage runs the decode steps of up to N requests as one forward pass, so "
                           f"they share each weight read; 1 runs each alone, at most {MAX_BATCH_ROWS} "
                           "(default %(default)s)")
+    run.add_argument("--poll-ms", type=float_between(0, 60_000, "milliseconds"), default=DEFAULT_POLL_MS,
+                     metavar="MS",
+                     help="after each message, a stage polls its sockets for MS rather than sleep, "
+                          "yielding its CPU to anything else runnable: a sleeping (v)CPU takes tens of "
+                          "microseconds or more to wake at every hop; 0 sleeps at once "
+                          "(default %(default)g)")
     run.add_argument("--max-running", type=positive_int, default=64, metavar="N",
                      help="the orchestrator runs up to N requests at once; more wait (default %(default)s)")
     run.add_argument("--max-queued", type=positive_int, default=256, metavar="N",
@@ -247,6 +254,7 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         max_running=args.max_running,
         max_queued=args.max_queued,
         kv_budget_mb=args.kv_budget_mb,
+        poll_ms=args.poll_ms,
         dashboard=None if args.dashboard == "off" else args.dashboard,
         state_file=state_file_for(args.key_file) if args.key_file else None,
         allow_nodes=allow_nodes,

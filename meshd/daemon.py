@@ -51,7 +51,8 @@ def _service(node: Node, options: NodeOptions) -> StageService | Orchestrator | 
         return Orchestrator(node, options.model, options.stages or 1,
                             admission=Admission(options.max_running, options.max_queued, budget))
     assert options.stage is not None and options.stages is not None, "a stage knows its place"
-    return StageService(node, options.model, options.stage, options.stages, options.max_batch, budget)
+    return StageService(node, options.model, options.stage, options.stages, options.max_batch, budget,
+                        options.poll_ms / 1000)
 
 
 async def serve_daemon(node: Node, *,

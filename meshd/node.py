@@ -150,6 +150,7 @@ class NodeOptions:
     max_running: int = 64  # the orchestrator's requests running at once (--max-running)
     max_queued: int = 256  # and waiting for a slot; past it, 503 with Retry-After (--max-queued)
     kv_budget_mb: int = 1024  # KV cache per stage, MiB (--kv-budget-mb)
+    poll_ms: float = 0.0  # a stage polls this long after each message instead of sleeping (--poll-ms)
     dashboard: str | None = None  # HOST:PORT for the HTTP app; None = no dashboard
     checkpoint: str = ""  # fingerprint of the checkpoint this node serves (set by the daemon)
     # Beside the key file: the members we knew and our name clock, for the next restart

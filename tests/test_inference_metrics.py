@@ -29,7 +29,7 @@ ORCHESTRATOR_FAMILIES = {
 }
 STAGE_FAMILIES = {"meshd_stage_compute_seconds": "histogram", "meshd_hop_transit_seconds": "histogram",
                   "meshd_stage_batch_size": "histogram", "meshd_stage_room_wait_seconds": "histogram",
-                  "meshd_messages_not_from_route": "counter"}
+                  "meshd_messages_not_from_route": "counter", "meshd_stage_polled_seconds": "counter"}
 MESH_FAMILIES = {"meshd_swim_events": "counter", "meshd_swim_bytes": "counter",
                  "meshd_data_events": "counter", "meshd_data_bytes": "counter"}
 
@@ -82,8 +82,10 @@ async def _mesh(nursery, checkpoint, lines: list[str]):
     opts = dict(profile="local", stages=3, model=str(checkpoint), dashboard="127.0.0.1:0")
     orch = await start_node(nursery, NodeOptions(role="orchestrator", **opts), lines)
     nodes = [orch]
-    for k in range(3):
-        nodes.append(await start_node(nursery, NodeOptions(stage=k, seeds=[orch.addr], **opts), lines))
+    for k in range(3):  # stage-1 polls after each message (as `meshd run` stages do), the others sleep
+        poll = 20.0 if k == 1 else 0.0
+        options = NodeOptions(stage=k, seeds=[orch.addr], poll_ms=poll, **opts)
+        nodes.append(await start_node(nursery, options, lines))
     await wait_converged(nodes)
     await orch.app.wait_ready(10)
     return nodes
@@ -159,6 +161,8 @@ async def test_a_request_moves_each_inference_counter_by_what_it_did(checkpoint)
         assert moved(b, a, *compute, stage=stage, phase="head") == (steps if k == 2 else 0), stage
         into = "orchestrator->stage-0" if k == 0 else f"stage-{k - 1}->{stage}"
         assert moved(b, a, *transit, hop=into) == (1 if k == 0 else steps), stage
+        polled = moved(b, a, "meshd_stage_polled_seconds", "meshd_stage_polled_seconds_total", stage=stage)
+        assert polled > 0 if k == 1 else polled == 0, stage
         if k == 0:  # the feedback edge: every token but the last goes back to stage 0
             assert moved(b, a, *transit, hop="stage-2->stage-0") == steps - 1
 

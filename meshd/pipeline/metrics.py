@@ -76,6 +76,8 @@ HELP = {
                "over several rows or one, head is the LM head and sampling",
     "stage_requests": "Requests whose KV cache this stage holds now",
     "kv": "Bytes of KV cache this stage holds now (--kv-budget-mb caps it)",
+    "polled": "Seconds this stage's event loop spent polling its sockets, never sleeping, while a "
+              "message was due (--poll-ms)",
     "batch": "Decode steps a stage ran as one forward pass (--max-batch caps it)",
     "room": "How long a request's start waited at this stage for its KV cache to fit the stage's "
             "--kv-budget-mb (a budget below the orchestrator's); only the starts that waited",
@@ -170,6 +172,7 @@ class StageMetrics(PipelineMetrics):
         self.holding: Callable[[], tuple[int, int]] = lambda: (0, 0)
         # The stage's load for its snapshot (``meshd doctor``): see ``StageService.load``.
         self.load: Callable[[], dict[str, int | float]] = lambda: {}
+        self.polled: Callable[[], float] = lambda: 0.0  # seconds polled so far, read at scrape time
 
     def computed(self, phase: str, seconds: float) -> None:
         self.compute[phase].observe(seconds)
@@ -187,7 +190,9 @@ class StageMetrics(PipelineMetrics):
         requests, kv = self.holding()
         held = [Family("meshd_stage_requests", HELP["stage_requests"], "gauge", ("stage",),
                        [((self.stage,), requests)]),
-                Family("meshd_stage_kv_cache_bytes", HELP["kv"], "gauge", ("stage",), [((self.stage,), kv)])]
+                Family("meshd_stage_kv_cache_bytes", HELP["kv"], "gauge", ("stage",), [((self.stage,), kv)]),
+                Family("meshd_stage_polled_seconds_total", HELP["polled"], "counter", ("stage",),
+                       [((self.stage,), self.polled())])]
         return [compute, batch, room, *held, *super().families()]
 
 

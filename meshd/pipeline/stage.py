@@ -20,10 +20,10 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import trio
@@ -56,6 +56,7 @@ from .messages import (
 )
 from .metrics import StageMetrics
 from .model import KVCache, StageModel, head_cut, prefill_chunks, split_layers
+from .polling import Poller
 from .sampling import Sampler, Shortlist, is_greedy, merge, shortlist
 
 log = logging.getLogger("meshd.pipeline")
@@ -192,7 +193,8 @@ def group_size(decoding: int, stages: int, max_batch: int) -> tuple[int, int]:
 
 class StageService(App):
     def __init__(self, mesh: Mesh, model_dir: str | Path, stage: int, stages: int,
-                 max_batch: int = DEFAULT_MAX_BATCH, kv_budget: int = DEFAULT_KV_BUDGET_MB << 20) -> None:
+                 max_batch: int = DEFAULT_MAX_BATCH, kv_budget: int = DEFAULT_KV_BUDGET_MB << 20,
+                 poll_s: float = 0.0) -> None:
         super().__init__(mesh)
         self.stage, self.stages = stage, stages
         if not 1 <= max_batch <= MAX_BATCH_ROWS:  # a batch crosses a hop as one message
@@ -221,6 +223,8 @@ class StageService(App):
         self.metrics = StageMetrics(self.name)
         self.metrics.holding = lambda: (len(self.jobs), self.kv_in_use())
         self.metrics.load = self.load
+        self.poller = Poller(poll_s)  # off unless asked for (``meshd run`` asks: --poll-ms)
+        self.metrics.polled = lambda: self.poller.polled_s
         self.draining = False
         self._lost: dict[str, None] = {}  # requests we said we have no state for (bounded)
         self._ended: dict[str, None] = {}  # requests that ended here (their last token, a Release)
@@ -236,6 +240,7 @@ class StageService(App):
 
     def start_background(self, nursery: trio.Nursery) -> None:
         nursery.start_soon(self._watch)
+        nursery.start_soon(self.poller.run)
         if self.max_batch > 1:
             nursery.start_soon(self._batcher)
 
@@ -294,6 +299,7 @@ class StageService(App):
     async def on_message(self, src: bytes, msg: Message) -> None:
         if not self._from_route(src, msg):
             return
+        self.poller.touch()  # the request's next message here is due soon
         req_id = getattr(msg, "req_id", None)
         if req_id in self._ended:
             if not (isinstance(msg, Activation) and msg.pos == 0):
@@ -323,6 +329,7 @@ class StageService(App):
                 await self.send(job.route[self.stage + 1], msg)
 
     async def on_rows(self, src: bytes, msg: Batch | HeadParts) -> None:
+        self.poller.touch()
         rows: Sequence[Message] = msg.rows()
         if isinstance(msg, Batch) and not msg.head and self._batching():
             rows = self._queue_steps(src, msg, cast(list[Activation], rows))
@@ -401,7 +408,12 @@ class StageService(App):
                 outs.append(model.forward(np.array(hidden[i:i + 1]), cache, pos + i))
             return np.concatenate(outs)
 
-        return await trio.to_thread.run_sync(replay)
+        return await self._in_thread(replay)
+
+    async def _in_thread(self, fn: Callable[..., np.ndarray], *args: Any) -> np.ndarray:
+        """``fn(*args)`` in a worker thread, off the event loop; the loop does not poll meanwhile."""
+        with self.poller.thread_running():
+            return await trio.to_thread.run_sync(fn, *args)
 
     async def _prefill(self, hidden: np.ndarray, job: _Job, pos: int) -> np.ndarray | None:
         """A prompt's rows, one chunk (``model.prefill_chunks``) at a time in a worker thread:
@@ -414,8 +426,7 @@ class StageService(App):
             if self.jobs.get(job.req_id) is not job:
                 return None
             job.touched = trio.current_time()  # running: draining waits for it
-            outs.append(await trio.to_thread.run_sync(self.model.forward, hidden[rows], job.cache,
-                                                      pos + rows.start))
+            outs.append(await self._in_thread(self.model.forward, hidden[rows], job.cache, pos + rows.start))
         if self.jobs.get(job.req_id) is not job:  # released during the last chunk: nothing goes on
             return None
         return outs[0] if len(outs) == 1 else np.concatenate(outs)
@@ -567,7 +578,7 @@ class StageService(App):
         t0 = time.perf_counter()
         try:
             if len(batch) > PREFILL_ROWS:  # off the event loop, so gossip keeps its timing
-                out = await trio.to_thread.run_sync(self.model.forward_batch, hidden, parts)
+                out = await self._in_thread(self.model.forward_batch, hidden, parts)
             else:
                 out = self.model.forward_batch(hidden, parts)
         except Exception as exc:  # one request's bad state must not take the others' steps

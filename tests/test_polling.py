@@ -1,0 +1,66 @@
+"""A stage's poller: it polls for its window after each message, pauses while a compute
+thread runs, and is off (no task left spinning) at a window of 0."""
+
+import time
+
+import pytest
+import trio
+
+from meshd.pipeline.polling import Poller
+
+
+async def test_a_window_of_zero_never_polls():
+    poller = Poller(0)
+    with trio.fail_after(5):
+        await poller.run()  # returns at once: nothing spins
+    poller.touch()
+    assert not poller.polling() and poller.polled_s == 0
+
+
+@pytest.mark.parametrize("window", [-0.001, float("inf"), float("nan")])
+def test_a_window_that_is_not_a_finite_duration_is_refused(window):
+    with pytest.raises(ValueError, match="poll window"):
+        Poller(window)
+
+
+async def test_it_polls_for_its_window_after_each_touch_then_sleeps():
+    poller = Poller(0.05)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(poller.run)
+        await trio.sleep(0.02)
+        assert poller.polled_s == 0, "no message yet: it sleeps"
+        started = trio.current_time()
+        poller.touch()
+        assert poller.polling()
+        # While it polls, the loop still runs every other task.
+        ticks = 0
+        while trio.current_time() - started < 0.1:
+            await trio.sleep(0.005)
+            ticks += 1
+        assert ticks >= 2 and not poller.polling()
+        first = poller.polled_s
+        assert 0 < first <= trio.current_time() - started
+        await trio.sleep(0.05)
+        assert poller.polled_s == first, "the window closed: it sleeps until the next message"
+        poller.touch()
+        await trio.sleep(0.08)
+        assert poller.polled_s > first
+        nursery.cancel_scope.cancel()
+
+
+async def test_no_polling_while_a_compute_thread_runs_then_a_window_after_it():
+    poller = Poller(0.05)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(poller.run)
+        poller.touch()
+        await trio.sleep(0)
+        with poller.thread_running():
+            assert not poller.polling()
+            await trio.sleep(0.01)  # the poller's task sees the thread and stops
+            during = poller.polled_s
+            await trio.to_thread.run_sync(time.sleep, 0.1)
+            assert poller.polled_s == during, "the loop slept while the thread held the CPU"
+        assert poller.polling(), "the thread's result goes on: the next message is due"
+        await trio.sleep(0.08)
+        assert poller.polled_s > during
+        nursery.cancel_scope.cancel()
