@@ -1,12 +1,15 @@
 """A stage's poller: it polls for its window after each message, pauses while a compute
-thread runs, and is off (no task left spinning) at a window of 0."""
+thread runs, and is off (no task left spinning) at a window of 0; a stage polls only while
+it serves a single request."""
 
 import time
+from types import SimpleNamespace
 
 import pytest
 import trio
 
 from meshd.pipeline.polling import Poller
+from meshd.pipeline.stage import StageService
 
 
 async def test_a_window_of_zero_never_polls():
@@ -48,8 +51,8 @@ async def test_it_polls_for_its_window_after_each_touch_then_sleeps():
         nursery.cancel_scope.cancel()
 
 
-async def test_no_polling_while_a_compute_thread_runs_then_a_window_after_it():
-    poller = Poller(0.05)
+async def test_no_polling_while_a_compute_thread_runs():
+    poller = Poller(0.5)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(poller.run)
         poller.touch()
@@ -60,7 +63,23 @@ async def test_no_polling_while_a_compute_thread_runs_then_a_window_after_it():
             during = poller.polled_s
             await trio.to_thread.run_sync(time.sleep, 0.1)
             assert poller.polled_s == during, "the loop slept while the thread held the CPU"
-        assert poller.polling(), "the thread's result goes on: the next message is due"
-        await trio.sleep(0.08)
+        assert poller.polling(), "the window still open goes on"
+        await trio.sleep(0.05)
         assert poller.polled_s > during
+        poller.stop()
+        assert not poller.polling()
         nursery.cancel_scope.cancel()
+
+
+async def test_a_stage_polls_for_a_single_request_and_stops_once_it_serves_more():
+    """With several requests in flight a stage's batches keep it busy, and polling would take
+    turns from a stage sharing its CPU: the window closes at the next message."""
+    stage = SimpleNamespace(jobs={"a": None}, poller=Poller(0.5))
+    StageService._due_soon(stage)  # type: ignore[arg-type]
+    assert stage.poller.polling()
+    stage.jobs["b"] = None
+    StageService._due_soon(stage)  # type: ignore[arg-type]
+    assert not stage.poller.polling()
+    del stage.jobs["a"]
+    StageService._due_soon(stage)  # type: ignore[arg-type]
+    assert stage.poller.polling()

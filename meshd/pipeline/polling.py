@@ -11,7 +11,8 @@ spin-wait does, and nothing once the messages stop: the window closes and the lo
 sleeps again.
 
 While a compute thread runs (a prompt's prefill, a large batch) polling pauses: the loop's
-thread would take the GIL from it at every turn.
+thread would take the GIL from it at every turn.  The stage decides when a message is due
+(``StageService._due_soon``): it polls only while it serves a single request.
 """
 
 from __future__ import annotations
@@ -46,15 +47,19 @@ class Poller:
             self._until = trio.current_time() + self.window_s
             self._wake.set()
 
+    def stop(self) -> None:
+        """Close the window: sleep until the next ``touch``."""
+        self._until = -math.inf
+
     @contextlib.contextmanager
     def thread_running(self) -> Iterator[None]:
-        """Around a compute thread's run: no polling until it ends, then a window from there."""
+        """Around a compute thread's run: no polling until it ends."""
         self._threads += 1
         try:
             yield
         finally:
             self._threads -= 1
-            self.touch()
+            self._wake.set()  # a window still open goes on
 
     @property
     def polled_s(self) -> float:

@@ -101,6 +101,7 @@ TOKEN_BATCH_S = 0.02
 # A request whose next token is slow to come has its gathered tokens sent after this long.
 TOKEN_BATCH_LATE_S = 0.05
 TOKEN_BATCH_MAX = 32
+POLL_MAX_REQUESTS = 1  # a stage polls for its next message while it serves this many or fewer
 # One step in this many, the first always, carries its trace (a dozen hops: each stage's
 # compute, each transit, the waits) from stage to stage and on to the orchestrator; the
 # others carry only the transit they are on (each node's metrics count every transit), and
@@ -299,7 +300,7 @@ class StageService(App):
     async def on_message(self, src: bytes, msg: Message) -> None:
         if not self._from_route(src, msg):
             return
-        self.poller.touch()  # the request's next message here is due soon
+        self._due_soon()
         req_id = getattr(msg, "req_id", None)
         if req_id in self._ended:
             if not (isinstance(msg, Activation) and msg.pos == 0):
@@ -329,7 +330,7 @@ class StageService(App):
                 await self.send(job.route[self.stage + 1], msg)
 
     async def on_rows(self, src: bytes, msg: Batch | HeadParts) -> None:
-        self.poller.touch()
+        self._due_soon()
         rows: Sequence[Message] = msg.rows()
         if isinstance(msg, Batch) and not msg.head and self._batching():
             rows = self._queue_steps(src, msg, cast(list[Activation], rows))
@@ -413,7 +414,19 @@ class StageService(App):
     async def _in_thread(self, fn: Callable[..., np.ndarray], *args: Any) -> np.ndarray:
         """``fn(*args)`` in a worker thread, off the event loop; the loop does not poll meanwhile."""
         with self.poller.thread_running():
-            return await trio.to_thread.run_sync(fn, *args)
+            out = await trio.to_thread.run_sync(fn, *args)
+        self._due_soon()
+        return out
+
+    def _due_soon(self) -> None:
+        """A request's next message here is due soon (one came, or its compute ended): poll
+        for it while this stage serves at most POLL_MAX_REQUESTS, where each hop's wake-up
+        is the request's latency.  With more, batches keep the stage busy, and polling would
+        take turns from a neighbour sharing its CPU."""
+        if len(self.jobs) <= POLL_MAX_REQUESTS:
+            self.poller.touch()
+        else:
+            self.poller.stop()
 
     async def _prefill(self, hidden: np.ndarray, job: _Job, pos: int) -> np.ndarray | None:
         """A prompt's rows, one chunk (``model.prefill_chunks``) at a time in a worker thread:
