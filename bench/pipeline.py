@@ -40,7 +40,9 @@ concurrent streams (mixed prompts; greedy and sampled) prints the aggregate toke
 each next to the monolithic single stream, each one's single-stream latency ratio, and
 the share of each pass spent before its last stream's first token (the prompts' prefills,
 which the aggregate includes).  Last, this host's wake after a 5 ms sleep (``bench/wake.py``),
-which each hop of a single stream pays: on a VM it moves the latency ratio from hour to hour.
+which a hop pays where its stage sleeps: a stage serving one request polls instead
+(``meshd run --poll-ms``), and the other processes on the host (the bench's own, the
+orchestrator) still sleep and wake; on a VM it moves the latency ratio from hour to hour.
 ``bench/ring.py`` measures the floor under that ratio: the same three stages' compute over
 plain blocking sockets, with none of meshd's own work between the processes.
 """
@@ -340,7 +342,7 @@ def batching(model_dir: str, model: StageModel, stages: int, tokens: int, runs: 
     from wake import one_way_us  # bench/wake.py, beside this file
 
     asleep = {reader: one_way_us(reader, 5000, 200) for reader in ("blocking", "trio")}
-    print(f"  this host's wake (bench/wake.py), which each single-stream hop pays: a trio reader asleep 5 ms "
+    print(f"  this host's wake (bench/wake.py), paid where a process sleeps: a trio reader asleep 5 ms "
           f"read a message {asleep['trio']:.0f} µs after its write ({asleep['blocking']:.0f} µs for a "
           "blocking recv)")
 
