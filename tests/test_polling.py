@@ -2,14 +2,18 @@
 thread runs, and is off (no task left spinning) at a window of 0; a stage polls only while
 it serves a single request."""
 
+import os
 import time
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import trio
 
+from meshd.pipeline.messages import Activation, Release, Sampling
 from meshd.pipeline.polling import Poller
 from meshd.pipeline.stage import StageService
+from meshd.testing.inprocess import start_pipeline
 
 
 async def test_a_window_of_zero_never_polls():
@@ -83,3 +87,32 @@ async def test_a_stage_polls_for_a_single_request_and_stops_once_it_serves_more(
     del stage.jobs["a"]
     StageService._due_soon(stage)  # type: ignore[arg-type]
     assert stage.poller.polling()
+
+
+async def test_only_a_running_requests_own_messages_keep_a_stage_polling(checkpoint):
+    """A member off a request's route, or one naming a request not running here, cannot keep
+    a stage's CPU spinning: its messages are refused without opening the window.  The
+    request's own messages do open it (the positive control)."""
+    lines: list[str] = []
+    stranger = os.urandom(32)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nodes = await start_pipeline(nursery, checkpoint, 3, lines, stage_options={1: {"poll_ms": 20.0}})
+            orch, middle = nodes[0].app, nodes[2].app
+            await orch.generate("Once upon a time", 4)
+            assert middle.poller.polled_s > 0, "a request's own messages open the window"
+            await trio.sleep(0.05)
+            assert not middle.poller.polling()
+            polled = middle.poller.polled_s
+            dims = middle.model.config.hidden_size
+            hidden = np.zeros((1, dims), dtype=np.float32).tobytes()
+            route = tuple(n.node.node_id for n in nodes[1:])
+            for src in (stranger, nodes[1].node.node_id):  # a stranger; the stage before, for no request
+                step = Activation("nobody-runs-this", orch.mesh.node_id, 5, 1, 1, dims, hidden, (),
+                                  Sampling(8, 0.0, 0, 0, False), 0.0, (), route)
+                await middle._on_message(src, step)  # as the data channel hands it over
+                await middle._on_message(src, Release("nobody-runs-this"))
+                assert not middle.poller.polling(), src.hex()[:8]
+            await trio.sleep(0.03)
+            assert middle.poller.polled_s == polled
+            nursery.cancel_scope.cancel()

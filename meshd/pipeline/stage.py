@@ -300,8 +300,9 @@ class StageService(App):
     async def on_message(self, src: bytes, msg: Message) -> None:
         if not self._from_route(src, msg):
             return
-        self._due_soon()
         req_id = getattr(msg, "req_id", None)
+        if req_id in self.jobs:  # from its route (above): nobody else keeps this stage polling
+            self._due_soon()
         if req_id in self._ended:
             if not (isinstance(msg, Activation) and msg.pos == 0):
                 # A step that was on its way when the request ended (its client left, a stop
@@ -330,7 +331,6 @@ class StageService(App):
                 await self.send(job.route[self.stage + 1], msg)
 
     async def on_rows(self, src: bytes, msg: Batch | HeadParts) -> None:
-        self._due_soon()
         rows: Sequence[Message] = msg.rows()
         if isinstance(msg, Batch) and not msg.head and self._batching():
             rows = self._queue_steps(src, msg, cast(list[Activation], rows))
@@ -361,6 +361,7 @@ class StageService(App):
             self._ready.append(_Step(msg, job, hidden[i:i + 1], (*batch.prefixes[i], *shared), now))
         if len(rest) < len(rows):
             self._work.set()
+            self._due_soon()
         return rest
 
     # --- the forward pass ---
@@ -387,6 +388,7 @@ class StageService(App):
             job = _Job(msg.req_id, msg.origin, msg.route, self.model.new_cache(need), now, now,
                        origin_epoch=origin_epoch)
             self.jobs[msg.req_id] = job
+            self._due_soon()  # its first decode step follows its prompt
         elif job is None:
             raise LostState(f"has no KV cache for request {msg.req_id} at position "
                             f"{msg.pos} (did this stage restart?)")
