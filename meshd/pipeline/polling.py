@@ -1,13 +1,13 @@
 """A stage polls its sockets, rather than sleeping, while its next message is due.
 
 A process asleep in ``epoll_wait`` on a VM sleeps on a halted vCPU, and waking it for a
-message costs the hypervisor 50-150 µs (``bench/wake.py``: a trio reader asleep 5 ms read a
-message 57-138 µs after its write, one asleep 0.3 ms in 16 µs).  A pipelined token pays
-that at every hop.  For a window after each message, a stage instead turns its event loop
+message costs the hypervisor tens of microseconds or more (``bench/wake.py``: a trio reader
+asleep 5 ms read a message 39-138 µs after its write, one asleep 0.3 ms in 14-33 µs).  A
+pipelined token pays that at every hop.  For a window after each message, a stage instead turns its event loop
 without blocking (trio polls epoll with a zero timeout while a task is runnable) and yields
 its CPU at each turn to anything else runnable there: the next message is read within
-microseconds of its arrival.  This spends a CPU per stage while requests run, as CUDA's
-spin-wait does, and nothing once the messages stop: the window closes and the loop
+microseconds of its arrival.  This spends a CPU per stage while a request runs, as
+CUDA's spin-wait does, and nothing once the messages stop: the window closes and the loop
 sleeps again.
 
 While a compute thread runs (a prompt's prefill, a large batch) polling pauses: the loop's
