@@ -81,10 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default %(default)s)")
     run.add_argument("--poll-ms", type=float_between(0, 60_000, "milliseconds"), default=DEFAULT_POLL_MS,
                      metavar="MS",
-                     help="after each message, a stage polls its sockets for MS rather than sleep, "
-                          "yielding its CPU to anything else runnable: a sleeping (v)CPU takes tens of "
-                          "microseconds or more to wake at every hop; 0 sleeps at once "
-                          "(default %(default)g)")
+                     help="while a stage serves a single request, it polls its sockets for MS after "
+                          "each of its messages rather than sleep, yielding its CPU to anything else "
+                          "runnable: a sleeping (v)CPU takes tens of microseconds or more to wake at "
+                          "every hop; 0 sleeps at once (default %(default)g)")
     run.add_argument("--max-running", type=positive_int, default=64, metavar="N",
                      help="the orchestrator runs up to N requests at once; more wait (default %(default)s)")
     run.add_argument("--max-queued", type=positive_int, default=256, metavar="N",
