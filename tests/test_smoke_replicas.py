@@ -168,19 +168,26 @@ def test_kill_at_token_t_hits_the_replica_serving_our_request_then():
 
 def test_a_fault_naming_its_job_strikes_before_asking_how_far_the_request_was():
     """A round trip to the orchestrator before the kill would let a fast generation run on,
-    or end, before its stage goes: the named job is hit first, the count asked for after."""
-    driver, done, seen = FakeDriver(), [], []
+    or end, before its stage goes: the named job is hit first, the count asked for after.
+    A replicated stage's fault due at the same token needs the serving replica as of that
+    token: one answer, taken before anything is carried out, serves every fault of it."""
+    def run(specs: list[str]) -> tuple[FakeDriver, list[dict], list[list]]:
+        driver, done, seen = FakeDriver(), [], []
 
-    def ask():
-        seen.append(list(driver.calls))  # what had been carried out when the question went
-        return REQUESTS
+        def ask():
+            seen.append(list(driver.calls))  # what had been carried out when the question went
+            return REQUESTS
 
-    kills = plan_faults(["restart:stage-0.2@token-3", "kill:stage-1@token-3"], ADDRS).kills
-    Disruptor(kills, driver, ask, PREFIXES, Progress(False), done).after_token(3, "ab12cd34ef56")  # type: ignore[arg-type]
-    # The named replica went before any question; the bare stage asked which replica serves.
-    assert seen[0] == [("restart", "stage-0.2")]
-    assert driver.calls == [("restart", "stage-0.2"), ("kill", "stage-1.2")]
-    assert [d["request_at"] for d in done] == [5, 5]
+        kills = plan_faults(specs, ADDRS).kills
+        Disruptor(kills, driver, ask, PREFIXES, Progress(False), done).after_token(3, "ab12cd34ef56")  # type: ignore[arg-type]
+        return driver, done, seen
+
+    driver, done, seen = run(["restart:stage-0.2@token-3"])
+    assert seen == [[("restart", "stage-0.2")]] and done[0]["request_at"] == 5
+    driver, done, seen = run(["restart:orchestrator@token-3", "kill:stage-1@token-3"])
+    assert seen == [[]], "asked once, before the orchestrator went"
+    assert driver.calls == [("restart", "orchestrator"), ("kill", "stage-1.2")]
+    assert [d.get("request_at") for d in done] == [5, 5]
 
 
 def test_a_fault_that_comes_after_its_request_ended_says_it_disrupted_nothing_of_it():

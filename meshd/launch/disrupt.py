@@ -86,19 +86,21 @@ class Disruptor:
     def after_token(self, count: int, request: str | None) -> None:
         """``count`` tokens are out (``request`` is the stream's id): carry out the faults due now."""
         due = [fault for fault in self.kills if fault.token == count]
-        # A fault naming its job is carried out at once, then asks where the request was: the
-        # orchestrator's count stops when a stage goes, while a round trip before the kill lets
-        # a fast generation run on (or end) first.  A replicated stage's fault asks which
-        # replica serves before it can act.
-        answer = None
+        # A replicated stage's fault needs to know which replica serves the request at this
+        # token: then one answer, taken before any fault of the token is carried out, serves
+        # them all.  Faults that name their jobs alone are carried out at once and ask where
+        # the request was after: the orchestrator's count stops when a stage goes, while a
+        # round trip before the kill lets a fast generation run on (or end) first.
+        before = self._ask() if any(fault.serving for fault in due) else None
         for fault in due:
             if fault.serving:
-                answer = self._ask() if answer is None else answer
-                self._carry_out(fault, self.target(fault, request, answer), _how_far(answer, request))
-            else:
-                self._act(fault, fault.who)
-                after = self._ask() if parse_stage_job(fault.who) else None
-                self._record(fault, fault.who, _how_far(after, request))
+                self._carry_out(fault, self.target(fault, request, before), _how_far(before, request))
+                continue
+            self._act(fault, fault.who)
+            answer = before
+            if answer is None and parse_stage_job(fault.who):
+                answer = self._ask()
+            self._record(fault, fault.who, _how_far(answer, request))
 
     def _ask(self) -> Any:
         """The orchestrator's ``/api/requests`` answer, or None when it cannot give one."""

@@ -301,8 +301,8 @@ class StageService(App):
         if not self._from_route(src, msg):
             return
         req_id = getattr(msg, "req_id", None)
-        if req_id in self.jobs:  # from its route (above): nobody else keeps this stage polling
-            self._due_soon()
+        if req_id in self.jobs and isinstance(msg, HeadInput | HeadPart):  # stage 0's head exchange
+            self._due_soon()  # from its route (above); steps open the window once they follow
         if req_id in self._ended:
             if not (isinstance(msg, Activation) and msg.pos == 0):
                 # A step that was on its way when the request ended (its client left, a stop
@@ -388,7 +388,6 @@ class StageService(App):
             job = _Job(msg.req_id, msg.origin, msg.route, self.model.new_cache(need), now, now,
                        origin_epoch=origin_epoch)
             self.jobs[msg.req_id] = job
-            self._due_soon()  # its first decode step follows its prompt
         elif job is None:
             raise LostState(f"has no KV cache for request {msg.req_id} at position "
                             f"{msg.pos} (did this stage restart?)")
@@ -421,11 +420,13 @@ class StageService(App):
         return out
 
     def _due_soon(self) -> None:
-        """A request's next message here is due soon (one came, or its compute ended): poll
-        for it while this stage serves at most POLL_MAX_REQUESTS, where each hop's wake-up
-        is the request's latency.  With more, batches keep the stage busy, and polling would
-        take turns from a neighbour sharing its CPU."""
-        if len(self.jobs) <= POLL_MAX_REQUESTS:
+        """A request's next message here is due soon (one of its steps came, or its compute
+        ended): poll for it while this stage serves at most POLL_MAX_REQUESTS, where each
+        hop's wake-up is the request's latency.  With more, batches keep the stage busy, and
+        polling would take turns from a neighbour sharing its CPU.  Only messages a running
+        request's route sent, and that follow its state, call this: no other member can keep
+        a stage spinning."""
+        if 1 <= len(self.jobs) <= POLL_MAX_REQUESTS:
             self.poller.touch()
         else:
             self.poller.stop()
@@ -484,6 +485,7 @@ class StageService(App):
                 raise PipelineError(why)
             self._forget(msg.req_id)
             raise LostState(why)
+        self._due_soon()  # a step that follows its request's state: the next is due soon
         if self._batching() and hidden.shape[0] == 1 and not msg.prefill:
             job.decoding = True
             self._ready.append(_Step(msg, job, hidden, trace, trio.current_time()))
@@ -746,6 +748,8 @@ class StageService(App):
             del self._heads[key]
         job = self.jobs.pop(req_id, None)
         self._wake_for_room()  # and one whose Release this is ends its wait
+        if not self.jobs:
+            self.poller.stop()  # nothing is due
         return job
 
     def _end(self, req_id: str) -> _Job | None:
