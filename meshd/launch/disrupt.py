@@ -93,14 +93,12 @@ class Disruptor:
         # round trip before the kill lets a fast generation run on (or end) first.
         before = self._ask() if any(fault.serving for fault in due) else None
         for fault in due:
-            if fault.serving:
-                self._carry_out(fault, self.target(fault, request, before), _how_far(before, request))
-                continue
-            self._act(fault, fault.who)
+            job = self.target(fault, request, before)
+            self._act(fault, job)
             answer = before
             if answer is None and parse_stage_job(fault.who):
                 answer = self._ask()
-            self._record(fault, fault.who, _how_far(answer, request))
+            self._record(fault, job, _how_far(answer, request))
 
     def _ask(self) -> Any:
         """The orchestrator's ``/api/requests`` answer, or None when it cannot give one."""
@@ -120,12 +118,6 @@ class Disruptor:
             why = f"cannot tell which replica of {fault.stage} serves the request: {exc}"
             raise RunFailed(Failure.error(f"--fault {fault.spec}: {why}")) from None
 
-    def _carry_out(self, fault: Disruption, job: str, at: int | str | None = None) -> None:
-        """``at``: how far the request was as the fault came (its token count at the
-        orchestrator, ENDED, or None when not known)."""
-        self._act(fault, job)
-        self._record(fault, job, at)
-
     def _act(self, fault: Disruption, job: str) -> None:
         if fault.restart:
             self.driver.restart(job)
@@ -133,6 +125,8 @@ class Disruptor:
             self.driver.kill(job)
 
     def _record(self, fault: Disruption, job: str, at: int | str | None) -> None:
+        """``at``: how far the request was as the fault came (its token count at the
+        orchestrator, ENDED, or None when not known)."""
         peer = next((p for p, name in self.prefixes.items() if name == job), None)
         action = "restart" if fault.restart else "kill"
         record: dict[str, Any] = {"fault": fault.spec, "action": action, "job": job, "peer": peer,
